@@ -1,0 +1,285 @@
+"""Model configurations: frozen dataclasses, presets and the Hugging Face `config.json` reader.
+
+`GptOssConfig.preset("gpt-oss-120b")` gives the published architecture (REFERENCE.md 1);
+`GptOssConfig.from_hf(path_or_dict)` reads a checkpoint's `config.json`. Every invalid value
+raises `ValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+EXPERT_FORMATS = ("mxfp4", "dense")
+MXFP4_BLOCK = 32
+
+
+def _positive(name, v):
+    if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+        raise ValueError(f"{name}: must be a positive number, got {v!r}")
+
+
+def _positive_int(name, v):
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"{name}: must be a positive integer, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """RoPE frequencies. `rope_type` "default" (plain) or "yarn" (HF `_compute_yarn_parameters`).
+
+    For YaRN, `factor=None` means max_position_embeddings / original_max_position_embeddings,
+    `attention_factor=None` means 0.1 * ln(factor) + 1 (the concentration, on cos and sin).
+    """
+
+    theta: float = 150000.0
+    rope_type: str = "yarn"
+    factor: float | None = 32.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    original_max_position_embeddings: int = 4096
+    truncate: bool = False
+    attention_factor: float | None = None
+
+    def __post_init__(self):
+        if self.rope_type not in ("default", "yarn"):
+            raise ValueError(f"rope_scaling.rope_type: unsupported {self.rope_type!r} (expected 'default' or 'yarn')")
+        _positive("rope_theta", self.theta)
+        if self.rope_type == "yarn":
+            if self.factor is not None:
+                _positive("rope_scaling.factor", self.factor)
+            _positive("rope_scaling.beta_fast", self.beta_fast)
+            _positive("rope_scaling.beta_slow", self.beta_slow)
+            _positive("rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings)
+
+
+@dataclasses.dataclass(frozen=True)
+class GptOssConfig:
+    """GPT-OSS architecture. Sizes in elements; `layer_types[i]` is 'sliding_attention' or 'full_attention'."""
+
+    vocab_size: int = 201088
+    hidden_size: int = 2880
+    intermediate_size: int = 2880
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 8
+    head_dim: int = 64
+    num_local_experts: int = 128
+    num_experts_per_tok: int = 4
+    sliding_window: int = 128
+    layer_types: tuple[str, ...] = ()
+    rope: RopeConfig = RopeConfig()
+    max_position_embeddings: int = 131072
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    rms_norm_eps: float = 1e-5
+    attention_bias: bool = True
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = (200002, 199999, 200012)
+    pad_token_id: int | None = 199999
+    bos_token_id: int | None = 199998
+    experts_format: str = "mxfp4"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok",
+                     "sliding_window", "max_position_embeddings"):
+            _positive_int(name, getattr(self, name))
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", default_layer_types(self.num_hidden_layers))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types: has {len(self.layer_types)} entries, expected num_hidden_layers="
+                             f"{self.num_hidden_layers}")
+        bad = [t for t in self.layer_types if t not in (SLIDING, FULL)]
+        if bad:
+            raise ValueError(f"layer_types: unknown type {bad[0]!r} (expected {SLIDING!r} or {FULL!r})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads: {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.num_experts_per_tok > self.num_local_experts:
+            raise ValueError(f"num_experts_per_tok: {self.num_experts_per_tok} > num_local_experts="
+                             f"{self.num_local_experts}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
+        if self.experts_format not in EXPERT_FORMATS:
+            raise ValueError(f"experts_format: {self.experts_format!r} not in {EXPERT_FORMATS}")
+        if self.experts_format == "mxfp4":
+            for name in ("hidden_size", "intermediate_size"):
+                if getattr(self, name) % MXFP4_BLOCK:
+                    raise ValueError(f"{name}: {getattr(self, name)} must be a multiple of {MXFP4_BLOCK} "
+                                     "for MXFP4 experts")
+        _positive("swiglu_limit", self.swiglu_limit)
+        _positive("rms_norm_eps", self.rms_norm_eps)
+        if self.tie_word_embeddings:
+            raise ValueError("tie_word_embeddings: GPT-OSS has an untied lm_head; tied embeddings are not supported")
+        for name, ids in (("eos_token_ids", self.eos_token_ids),):
+            for i in ids:
+                if not 0 <= i < self.vocab_size:
+                    raise ValueError(f"{name}: id {i} outside the vocabulary [0, {self.vocab_size})")
+
+    # -- derived -----------------------------------------------------------------------------
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == SLIDING
+
+    def window(self, layer: int) -> int | None:
+        """Sliding window (keys per query, own key included) of `layer`, None on full-attention layers."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def default_aux_layer_ids(self) -> tuple[int, int, int]:
+        """EAGLE-3's default feature layers: (1, L//2 - 1, L - 4) (block outputs)."""
+        n = self.num_hidden_layers
+        return (min(1, n - 1), max(n // 2 - 1, 0), max(n - 4, 0))
+
+    def replace(self, **kw) -> "GptOssConfig":
+        return dataclasses.replace(self, **kw)
+
+    # -- presets and HF ------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str) -> "GptOssConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+        return PRESETS[name]
+
+    @classmethod
+    def from_hf(cls, config_json: str | os.PathLike | dict, experts_format: str | None = None) -> "GptOssConfig":
+        """Reads an HF GPT-OSS `config.json` (a path to the file or its folder, or the parsed dict).
+
+        Accepts both `rope_scaling` and `rope_parameters` spellings. `experts_format` defaults to
+        "mxfp4" when `quantization_config.quant_method == "mxfp4"`, else "dense".
+        """
+        cfg, where = _read_json(config_json)
+        mt = cfg.get("model_type", "gpt_oss")
+        if mt != "gpt_oss":
+            raise ValueError(f"{where}: model_type is {mt!r}, expected 'gpt_oss'")
+        quant = cfg.get("quantization_config")
+        if quant is not None:
+            method = quant.get("quant_method")
+            if method != "mxfp4":
+                raise ValueError(f"{where}: quantization_config.quant_method {method!r} is not supported "
+                                 "(expected 'mxfp4' or no quantization_config)")
+        if experts_format is None:
+            experts_format = "mxfp4" if quant is not None else "dense"
+        eos = cfg.get("eos_token_id", ())
+        eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
+        kw: dict[str, Any] = dict(
+            rope=rope_from_hf(cfg, where), experts_format=experts_format, eos_token_ids=eos,
+            pad_token_id=cfg.get("pad_token_id"), bos_token_id=cfg.get("bos_token_id"),
+            layer_types=tuple(cfg.get("layer_types") or ()),
+        )
+        if "sliding_window" in cfg and cfg["sliding_window"] is None:
+            raise ValueError(f"{where}: sliding_window is null; GPT-OSS needs a window for its sliding layers")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "num_local_experts",
+                     "num_experts_per_tok", "sliding_window", "max_position_embeddings", "swiglu_limit",
+                     "swiglu_alpha", "rms_norm_eps", "attention_bias", "tie_word_embeddings"):
+            if name in cfg and cfg[name] is not None:
+                kw[name] = cfg[name]
+        if "num_experts" in cfg and "num_local_experts" not in cfg:
+            kw["num_local_experts"] = cfg["num_experts"]
+        if cfg.get("head_dim") is not None:
+            kw["head_dim"] = cfg["head_dim"]
+        elif "hidden_size" in cfg and "num_attention_heads" in cfg:
+            kw["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+        try:
+            return cls(**kw)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    def to_hf(self) -> dict:
+        """The HF `config.json` dict (MXFP4 quantization_config when experts are packed)."""
+        r = self.rope
+        rope = {"rope_type": r.rope_type, "rope_theta": r.theta}
+        if r.rope_type == "yarn":
+            rope.update(factor=r.factor, beta_fast=r.beta_fast, beta_slow=r.beta_slow, truncate=r.truncate,
+                        original_max_position_embeddings=r.original_max_position_embeddings)
+            if r.attention_factor is not None:
+                rope["attention_factor"] = r.attention_factor
+        out = dict(
+            architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            num_local_experts=self.num_local_experts, num_experts_per_tok=self.num_experts_per_tok,
+            sliding_window=self.sliding_window, layer_types=list(self.layer_types), rope_theta=r.theta,
+            rope_scaling=rope, max_position_embeddings=self.max_position_embeddings,
+            swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha, rms_norm_eps=self.rms_norm_eps,
+            attention_bias=self.attention_bias, tie_word_embeddings=False,
+            eos_token_id=list(self.eos_token_ids), pad_token_id=self.pad_token_id,
+            bos_token_id=self.bos_token_id, torch_dtype="bfloat16",
+        )
+        if self.experts_format == "mxfp4":
+            out["quantization_config"] = {
+                "quant_method": "mxfp4",
+                "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                           "model.embed_tokens", "lm_head"]}
+        return out
+
+
+def default_layer_types(n: int) -> tuple[str, ...]:
+    """GPT-OSS pattern: even layers sliding, odd layers full."""
+    return tuple(SLIDING if i % 2 == 0 else FULL for i in range(n))
+
+
+def rope_from_hf(cfg: dict, where: str = "config") -> RopeConfig:
+    """RopeConfig from either `rope_scaling` (+ top-level `rope_theta`) or `rope_parameters`."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"{where}: rope_scaling/rope_parameters must be a dict, got {type(params).__name__}")
+    theta = params.get("rope_theta", cfg.get("rope_theta", 150000.0 if cfg.get("model_type") == "gpt_oss" else 10000.0))
+    rtype = params.get("rope_type", params.get("type", "default" if not params else "yarn"))
+    try:
+        if rtype in ("default", None):
+            return RopeConfig(theta=float(theta), rope_type="default")
+        factor = params.get("factor")
+        orig = params.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+        if orig is None:
+            raise ValueError("rope_scaling.original_max_position_embeddings: missing")
+        if factor is None:
+            factor = cfg["max_position_embeddings"] / orig
+        return RopeConfig(
+            theta=float(theta), rope_type=rtype, factor=float(factor),
+            beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+            original_max_position_embeddings=int(orig), truncate=bool(params.get("truncate", True)),
+            attention_factor=params.get("attention_factor"),
+        )
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _read_json(src) -> tuple[dict, str]:
+    if isinstance(src, dict):
+        return src, "config"
+    path = os.fspath(src)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: config.json not found")
+    try:
+        with open(path) as f:
+            return json.load(f), path
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+PRESETS: dict[str, GptOssConfig] = {
+    "gpt-oss-120b": GptOssConfig(),
+    "gpt-oss-20b": GptOssConfig(num_hidden_layers=24, num_local_experts=32),
+    # Tiny configs for tests: the full structure (sliding + full layers, > 4 experts, YaRN active
+    # with factor = max_position / original, sinks, GQA) at a size that runs in milliseconds.
+    "tiny": GptOssConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=4, sliding_window=8,
+        rope=RopeConfig(theta=10000.0, factor=4.0, original_max_position_embeddings=64),
+        max_position_embeddings=256, eos_token_ids=(1,), pad_token_id=0, bos_token_id=2),
+}
+PRESETS["tiny-dense"] = PRESETS["tiny"].replace(experts_format="dense")

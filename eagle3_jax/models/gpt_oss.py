@@ -1,0 +1,363 @@
+"""GPT-OSS in Flax NNX (REFERENCE.md 2).
+
+Pre-norm residual blocks: `x += Attn(RMSNorm(x)); x += MoE(RMSNorm(x))`, a final RMSNorm and an
+untied `lm_head`. Attention has biases, GQA, one learned sink logit per query head, YaRN RoPE and a
+sliding window on the layers `config.layer_types` marks. The MoE routes each token to its top-k
+experts (softmax over the selected logits) through an interleaved, clamped SwiGLU; experts are
+kept packed as MXFP4 (`Mxfp4Experts`) or dense (`DenseExperts`), both in [out, in] layout.
+
+Entry points (all take the module itself and are traceable under `jax.jit`):
+  forward(model, tokens, aux_layer_ids)      full sequence from position 0, no cache
+  init_cache(model, batch, max_len)          empty per-layer KV buffers
+  prefill(model, cache, tokens, lengths)     chunked prompt prefill into the cache
+  step(model, cache, tokens, positions, lengths, mask)  cached multi-token step (decode / verify)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle3_jax.models import kv_cache as kvc
+from eagle3_jax.models import mxfp4, rope
+from eagle3_jax.models.config import GptOssConfig
+from eagle3_jax.pallas.attention import attention
+
+F32 = jnp.float32
+# (token, expert) pairs up to which the MoE gathers each pair's expert weights (decode, verify);
+# above it tokens are grouped by expert so each expert's weights are read once per tile.
+GATHER_MAX_PAIRS = 64
+GROUP_TILE = 64
+
+
+def _normal(rngs, shape, std, dtype):
+    return (jax.random.normal(rngs.params(), shape, F32) * std).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    """`x * rsqrt(mean(x^2) + eps) * scale` computed in float32, cast back to x.dtype. scale: f32 [dim]."""
+
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), F32))
+        self.eps = eps
+
+    def __call__(self, x):
+        t = x.astype(F32)
+        t = t * jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + self.eps) * self.scale[...]
+        return t.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Weights in [in, out] layout: wq [H, Hq*D], wk/wv [H, Hkv*D], wo [Hq*D, H]; sinks f32 [Hq]."""
+
+    def __init__(self, cfg: GptOssConfig, layer: int, dtype, rngs: nnx.Rngs):
+        H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.window = cfg.window(layer)
+        self.num_heads, self.num_kv_heads, self.head_dim = Hq, Hkv, D
+        bias = (lambda n: nnx.Param(_normal(rngs, (n,), 0.02, dtype))) if cfg.attention_bias else (lambda n: None)
+        self.wq = nnx.Param(_normal(rngs, (H, Hq * D), H ** -0.5, dtype))
+        self.wk = nnx.Param(_normal(rngs, (H, Hkv * D), H ** -0.5, dtype))
+        self.wv = nnx.Param(_normal(rngs, (H, Hkv * D), H ** -0.5, dtype))
+        self.wo = nnx.Param(_normal(rngs, (Hq * D, H), (Hq * D) ** -0.5, dtype))
+        self.bq, self.bk, self.bv, self.bo = bias(Hq * D), bias(Hkv * D), bias(Hkv * D), bias(H)
+        self.sinks = nnx.Param(_normal(rngs, (Hq,), 1.0, F32))
+
+    def _proj(self, x, w, b):
+        y = x @ w[...]
+        return y if b is None else y + b[...]
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, positions, mask):
+        """x [B, T, H] -> (out [B, T, H], k [B, T, Hkv, D], v [B, T, Hkv, D]) for the new tokens."""
+        B, T, _ = x.shape
+        q = self._proj(x, self.wq, self.bq).reshape(B, T, self.num_heads, self.head_dim)
+        k = self._proj(x, self.wk, self.bk).reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = self._proj(x, self.wv, self.bv).reshape(B, T, self.num_kv_heads, self.head_dim)
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, self.sinks[...],
+                      window=self.window, scale=self.head_dim ** -0.5)
+        return self._proj(o.reshape(B, T, -1), self.wo, self.bo), k, v
+
+
+class Mxfp4Experts(nnx.Module):
+    """Packed experts exactly as the HF checkpoint stores them ([out, in] rows, blocks along in):
+    gate_up_blocks u8 [E, 2I, H/32, 16], gate_up_scales u8 [E, 2I, H/32], gate_up_bias [E, 2I],
+    down_blocks u8 [E, H, I/32, 16], down_scales u8 [E, H, I/32], down_bias [E, H]."""
+
+    def __init__(self, cfg: GptOssConfig, dtype, rngs: nnx.Rngs):
+        E, H, I = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        self.dtype = dtype
+
+        def packed(rows, fan_in):
+            g = fan_in // mxfp4.BLOCK
+            blocks = jax.random.bits(rngs.params(), (E, rows, g, 16), jnp.uint8)
+            s = mxfp4.random_scale_byte(fan_in)
+            scales = jax.random.randint(rngs.params(), (E, rows, g), s - 1, s + 2).astype(jnp.uint8)
+            return nnx.Param(blocks), nnx.Param(scales)
+
+        self.gate_up_blocks, self.gate_up_scales = packed(2 * I, H)
+        self.gate_up_bias = nnx.Param(_normal(rngs, (E, 2 * I), 0.02, dtype))
+        self.down_blocks, self.down_scales = packed(H, I)
+        self.down_bias = nnx.Param(_normal(rngs, (E, H), 0.02, dtype))
+
+    def weights(self, e):
+        """Expert ids int [...] -> (w1 [..., 2I, H], b1 [..., 2I], w2 [..., H, I], b2 [..., H]), dequantized."""
+        w1 = mxfp4.dequantize(self.gate_up_blocks[...][e], self.gate_up_scales[...][e], self.dtype)
+        w2 = mxfp4.dequantize(self.down_blocks[...][e], self.down_scales[...][e], self.dtype)
+        return w1, self.gate_up_bias[...][e], w2, self.down_bias[...][e]
+
+
+class DenseExperts(nnx.Module):
+    """Unquantized experts in [out, in] layout: gate_up [E, 2I, H] (interleaved rows), down [E, H, I]."""
+
+    def __init__(self, cfg: GptOssConfig, dtype, rngs: nnx.Rngs):
+        E, H, I = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        self.gate_up = nnx.Param(_normal(rngs, (E, 2 * I, H), H ** -0.5, dtype))
+        self.gate_up_bias = nnx.Param(_normal(rngs, (E, 2 * I), 0.02, dtype))
+        self.down = nnx.Param(_normal(rngs, (E, H, I), I ** -0.5, dtype))
+        self.down_bias = nnx.Param(_normal(rngs, (E, H), 0.02, dtype))
+
+    def weights(self, e):
+        return self.gate_up[...][e], self.gate_up_bias[...][e], self.down[...][e], self.down_bias[...][e]
+
+
+class MoE(nnx.Module):
+    """Router (f32 logits, top-k, softmax over the selected) and the experts' clamped SwiGLU."""
+
+    def __init__(self, cfg: GptOssConfig, dtype, rngs: nnx.Rngs):
+        H, E = cfg.hidden_size, cfg.num_local_experts
+        self.top_k, self.limit, self.alpha = cfg.num_experts_per_tok, cfg.swiglu_limit, cfg.swiglu_alpha
+        self.router_w = nnx.Param(_normal(rngs, (H, E), H ** -0.5, dtype))
+        self.router_b = nnx.Param(_normal(rngs, (E,), 0.1, dtype))
+        cls = Mxfp4Experts if cfg.experts_format == "mxfp4" else DenseExperts
+        self.experts = cls(cfg, dtype, rngs)
+
+    def route(self, x):
+        """x [N, H] -> (expert ids int32 [N, k], combine weights f32 [N, k])."""
+        logits = jnp.dot(x, self.router_w[...], preferred_element_type=F32) + self.router_b[...].astype(F32)
+        top, ids = jax.lax.top_k(logits, self.top_k)
+        return ids, jax.nn.softmax(top, axis=-1)
+
+    def _swiglu(self, h):
+        gate = jnp.minimum(h[..., ::2], self.limit)
+        lin = jnp.clip(h[..., 1::2], -self.limit, self.limit)
+        return gate * jax.nn.sigmoid(self.alpha * gate) * (lin + 1)
+
+    def _ffn(self, x, w1, b1, w2, b2, in_spec):
+        """One expert (or one per row) on x; `in_spec` is the einsum spec of (x, w) -> out."""
+        h = jnp.einsum(in_spec, x, w1, preferred_element_type=F32) + b1.astype(F32)
+        act = self._swiglu(h).astype(x.dtype)
+        return jnp.einsum(in_spec, act, w2, preferred_element_type=F32) + b2.astype(F32)
+
+    def __call__(self, x, grouped: bool | None = None):
+        """x [..., H] -> [..., H]. `grouped` picks the token-grouped path (default: by pair count)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        ids, w = self.route(x)
+        if grouped is None:
+            grouped = ids.size > GATHER_MAX_PAIRS
+        out = self._grouped(x, ids, w) if grouped else self._gathered(x, ids, w)
+        return out.astype(x.dtype).reshape(shape)
+
+    def _gathered(self, x, ids, w):
+        """Few tokens: read each (token, expert) pair's weights. Returns f32 [N, H]."""
+        w1, b1, w2, b2 = self.experts.weights(ids)  # [N, k, ...]
+        y = self._ffn(jnp.broadcast_to(x[:, None], ids.shape + x.shape[-1:]), w1, b1, w2, b2, "nkh,nkoh->nko")
+        return jnp.einsum("nko,nk->no", y, w)
+
+    def _grouped(self, x, ids, w):
+        """Many tokens: sort (token, expert) pairs by expert into tiles of GROUP_TILE rows, each tile
+        holding one expert's tokens; a scan reads (dequantizes) each tile's expert once and skips empty
+        tiles. No per-token copy of expert weights. Returns f32 [N, H]."""
+        N, H = x.shape
+        E, P, tm = self.router_w[...].shape[1], ids.size, GROUP_TILE
+        num_tiles = -(-P // tm) + E  # >= sum_e ceil(count_e / tm)
+        flat_e = ids.reshape(-1)
+        order = jnp.argsort(flat_e, stable=True)
+        sorted_e = flat_e[order]
+        counts = jnp.bincount(flat_e, length=E)
+        tiles_e = -(-counts // tm)
+        tile_end = jnp.cumsum(tiles_e)
+        first_tile = tile_end - tiles_e
+        first_pair = jnp.cumsum(counts) - counts
+        dest = first_tile[sorted_e] * tm + jnp.arange(P) - first_pair[sorted_e]
+        rows = jnp.full((num_tiles * tm,), N, jnp.int32).at[dest].set((order // self.top_k).astype(jnp.int32))
+        row_w = jnp.zeros((num_tiles * tm,), F32).at[dest].set(w.reshape(-1)[order])
+        tile = jnp.arange(num_tiles)
+        tile_expert = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right"), E - 1)
+        x_pad = jnp.concatenate([x, jnp.zeros((1, H), x.dtype)])
+
+        def body(out, xs):
+            r, rw, e, live = xs
+
+            def run(out):
+                y = self._ffn(x_pad[r], *self.experts.weights(e), "th,oh->to")
+                return out.at[r].add(y * rw[:, None])
+
+            return jax.lax.cond(live, run, lambda o: o, out), None
+
+        out, _ = jax.lax.scan(body, jnp.zeros((N + 1, H), F32),
+                              (rows.reshape(num_tiles, tm), row_w.reshape(num_tiles, tm), tile_expert,
+                               tile < tile_end[-1]))
+        return out[:N]
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: GptOssConfig, layer: int, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg, dtype, rngs)
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, positions, mask):
+        a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths, positions, mask)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
+
+class GptOss(nnx.Module):
+    """embed [V, H], layers, norm, lm_head [V, H] (rows = vocab, like the HF weight)."""
+
+    def __init__(self, config: GptOssConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        V, H = config.vocab_size, config.hidden_size
+        self.config, self.dtype = config, dtype
+        self.embed = nnx.Param(_normal(rngs, (V, H), 1.0, dtype))
+        self.layers = nnx.List([Block(config, i, dtype, rngs) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.lm_head = nnx.Param(_normal(rngs, (V, H), H ** -0.5, dtype))
+
+
+# -- functional entry points ---------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _rope_table(cfg: GptOssConfig):
+    return rope.inv_freq_and_scale(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+
+
+def feature_hidden_index(config: GptOssConfig, aux_layer_ids, convention: str = "output") -> tuple[int, ...]:
+    """Indices into the hidden-state list h[0] = embeddings, h[i + 1] = output of block i.
+
+    convention "output" (SGLang / TRT-LLM / EAGLE-3 default): id k is the output of block k.
+    convention "input" (vLLM): id k is the input of layer k (k = L: the last block's output).
+    """
+    L = config.num_hidden_layers
+    if convention not in ("output", "input"):
+        raise ValueError(f"aux_convention: {convention!r}, expected 'output' or 'input'")
+    hi = L - 1 if convention == "output" else L
+    out = []
+    for k in aux_layer_ids:
+        if not 0 <= int(k) <= hi:
+            raise ValueError(f"aux_layer_ids: {k} outside [0, {hi}] for {L} layers ({convention} convention)")
+        out.append(int(k) + (1 if convention == "output" else 0))
+    return tuple(out)
+
+
+def logits(model: GptOss, h):
+    """Final-normed hidden [..., H] -> float32 logits [..., V]."""
+    return jnp.einsum("...h,vh->...v", h, model.lm_head[...], preferred_element_type=F32)
+
+
+def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCache | None,
+               feature_ids: tuple[int, ...] = ()):
+    """The trunk shared by every entry point.
+
+    tokens, positions: int32 [B, T]; lengths int32 [B]: committed cache prefix per sequence; the
+    new tokens' K/V are written at slots lengths .. lengths + T - 1. mask: packed [B, T, ceil(T/32)]
+    or None (causal). cache None means no prefix (nothing is read or written).
+    Returns (final-normed hidden [B, T, H], features [B, T, len(ids) * H] or None, new cache).
+    """
+    cfg = model.config
+    B, T = tokens.shape
+    x = model.embed[...][tokens]
+    inv_freq, scale = _rope_table(cfg)
+    cos, sin = rope.cos_sin(positions, inv_freq, scale)
+    hidden = [x]
+    new_k, new_v = [], []
+    for i, block in enumerate(model.layers):
+        with jax.named_scope(f"layer{i}"):
+            if cache is None:
+                empty = jnp.zeros((B, cfg.num_key_value_heads, 0, cfg.head_dim), x.dtype)
+                kc = vc = empty
+            else:
+                kc, vc = cache.k[i], cache.v[i]
+            x, k, v = block(x, cos, sin, kc, vc, lengths, positions, mask)
+            if cache is not None:
+                new_k.append(kvc.write(kc, k, lengths))
+                new_v.append(kvc.write(vc, v, lengths))
+        hidden.append(x)
+    feats = jnp.concatenate([hidden[j] for j in feature_ids], axis=-1) if feature_ids else None
+    cache = None if cache is None else kvc.KVCache(k=tuple(new_k), v=tuple(new_v))
+    return model.norm(x), feats, cache
+
+
+def forward(model: GptOss, tokens, aux_layer_ids=None, *, aux_convention: str = "output"):
+    """Full sequence from position 0 without a cache.
+
+    tokens int32 [B, T] -> (logits f32 [B, T, V], features [B, T, 3H]): the hidden states at
+    `aux_layer_ids` (default `config.default_aux_layer_ids()`), concatenated, read with
+    `aux_convention` ("output": outputs of those blocks; "input": inputs of those layers).
+    """
+    cfg = model.config
+    tokens = jnp.asarray(tokens, jnp.int32)
+    B, T = tokens.shape
+    ids = cfg.default_aux_layer_ids() if aux_layer_ids is None else tuple(aux_layer_ids)
+    fidx = feature_hidden_index(cfg, ids, aux_convention)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    h, feats, _ = run_layers(model, tokens, positions, jnp.zeros((B,), jnp.int32), None, None, fidx)
+    return logits(model, h), feats
+
+
+def init_cache(model: GptOss, batch: int, max_len: int) -> kvc.KVCache:
+    cfg = model.config
+    return kvc.init(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+
+
+def step(model: GptOss, cache: kvc.KVCache, tokens, positions, lengths, mask=None, feature_ids=()):
+    """Cached multi-token step (decode: T = 1; verify: T tree nodes with a packed ancestor mask).
+
+    tokens/positions int32 [B, T]; lengths int32 [B] committed prefix; K/V of the T tokens go to
+    slots lengths .. lengths + T - 1 (lengths are not advanced here).
+    Returns (logits f32 [B, T, V], features or None, cache).
+    """
+    h, feats, cache = run_layers(model, tokens, positions, lengths, mask, cache, feature_ids)
+    return logits(model, h), feats, cache
+
+
+def prefill(model: GptOss, cache: kvc.KVCache, tokens, prompt_lengths, *, chunk: int):
+    """Chunked prefill of right-padded prompts tokens int32 [B, P] (P a multiple of `chunk`).
+
+    Runs ceil(max(prompt_lengths) / chunk) causal chunks (a `fori_loop`, so prompt lengths do not
+    recompile); padding writes only scratch slots. Returns (cache, hidden of each prompt's last
+    token, final-normed [B, H]).
+    """
+    B, P = tokens.shape
+    if P % chunk:
+        raise ValueError(f"prefill: padded prompt length {P} is not a multiple of chunk={chunk}")
+    n_chunks = (jnp.max(prompt_lengths) + chunk - 1) // chunk
+    last = prompt_lengths - 1
+
+    def body(c, carry):
+        cache, h_last = carry
+        start = c * chunk
+        toks = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
+        pos = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+        h, _, cache = run_layers(model, toks, pos, jnp.full((B,), start, jnp.int32), None, cache)
+        here = (last >= start) & (last < start + chunk)
+        pick = jnp.take_along_axis(h, jnp.clip(last - start, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+        return cache, jnp.where(here[:, None], pick, h_last)
+
+    h0 = jnp.zeros((B, model.config.hidden_size), model.dtype)
+    return jax.lax.fori_loop(0, n_chunks, body, (cache, h0))
+
+
+def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16) -> GptOss:
+    """Random weights of any size (experts packed when config.experts_format == 'mxfp4'), created
+    directly on the default device by one jitted constructor (the host never holds them)."""
+    return nnx.jit(lambda: GptOss(config, dtype=dtype, rngs=nnx.Rngs(seed)))()
+
+
+def param_bytes(model: GptOss) -> int:
+    return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model))))

@@ -1,0 +1,33 @@
+"""Per-layer KV cache buffers [B, Hkv, S, D]; slots at or beyond a sequence's length are scratch."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class KVCache:
+    k: tuple  # per layer [B, Hkv, S, D]
+    v: tuple
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+
+def init(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
+    shape = (batch, num_kv_heads, max_len, head_dim)
+    return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+
+
+def write(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """buf [B, H, S, D] <- new [B, N, H, D] at slots start[b] .. start[b] + N - 1 (start must be <= S - N)."""
+    new = jnp.swapaxes(new, 1, 2).astype(buf.dtype)
+    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (0, s, 0)))(buf, new, start)
