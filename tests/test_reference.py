@@ -268,7 +268,7 @@ def test_forward_matches_transformers(hf_case, cfg, ref_out):
     layout, w, model = hf_case
     toks, ref_logits, ref_hs, _ = ref_out
     if layout == "dense":  # the reference on the dense layout is the same computation
-        lg2, hs2 = reference_forward(cfg, w, toks)
+        lg2, _ = reference_forward(cfg, w, toks)
         assert _rel(lg2, ref_logits) < 1e-12
     logits, hs, last_raw = _hf_run(model, toks)
     assert logits.shape == (B, T, cfg["vocab_size"])

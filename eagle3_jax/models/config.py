@@ -279,7 +279,7 @@ PRESETS: dict[str, GptOssConfig] = {
     "tiny": GptOssConfig(
         vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=4, sliding_window=8,
-        rope=RopeConfig(theta=10000.0, factor=4.0, original_max_position_embeddings=64),
-        max_position_embeddings=256, eos_token_ids=(1,), pad_token_id=0, bos_token_id=2),
+        rope=RopeConfig(factor=4.0, original_max_position_embeddings=256),  # YaRN ramp inside (0, D/2)
+        max_position_embeddings=1024, eos_token_ids=(1,), pad_token_id=0, bos_token_id=2),
 }
 PRESETS["tiny-dense"] = PRESETS["tiny"].replace(experts_format="dense")

@@ -1,0 +1,183 @@
+"""Hugging Face GPT-OSS checkpoints <-> `GptOss` (REFERENCE.md 3), and orbax save / restore.
+
+`load_gpt_oss(path)` reads one file or shards (`model.safetensors.index.json`), MXFP4 experts
+(`*_blocks` / `*_scales`, kept packed) or the dequantized layout (`gate_up_proj` / `down_proj`,
+[E, in, out]), norms in fp32 or bf16. Tensors stream one at a time from memory maps to the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import safetensors.numpy
+from flax import nnx
+
+from eagle3_jax.convert import safetensors_io as stio
+from eagle3_jax.models.config import GptOssConfig, RopeConfig
+from eagle3_jax.models.gpt_oss import GptOss
+
+
+class Entry(NamedTuple):
+    key: str                      # HF tensor name
+    path: tuple                   # path of the nnx.Param in GptOss
+    shape: tuple                  # HF shape
+    to_param: Callable            # HF array -> our layout
+    to_hf: Callable               # our layout -> HF array
+    kinds: str = "f"              # allowed dtype kinds
+
+
+def _same(a):
+    return a
+
+
+def _t(a):
+    return np.swapaxes(a, -1, -2)
+
+
+def layout(path_or_keys) -> str:
+    """'mxfp4' or 'dense' from the tensors present (layer 0's experts)."""
+    keys = path_or_keys
+    if "model.layers.0.mlp.experts.gate_up_proj_blocks" in keys:
+        return "mxfp4"
+    if "model.layers.0.mlp.experts.gate_up_proj" in keys:
+        return "dense"
+    raise ValueError("missing tensor model.layers.0.mlp.experts.gate_up_proj_blocks (MXFP4) or "
+                     "model.layers.0.mlp.experts.gate_up_proj (dense): unknown expert layout")
+
+
+def entries(cfg: GptOssConfig) -> list[Entry]:
+    """Every checkpoint tensor with its parameter path and HF shape; the one table both directions use."""
+    H, V, E, I = cfg.hidden_size, cfg.vocab_size, cfg.num_local_experts, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    out = [Entry("model.embed_tokens.weight", ("embed",), (V, H), _same, _same),
+           Entry("model.norm.weight", ("norm", "scale"), (H,), _same, _same),
+           Entry("lm_head.weight", ("lm_head",), (V, H), _same, _same)]
+    for i in range(cfg.num_hidden_layers):
+        p, L = f"model.layers.{i}.", ("layers", i)
+        out += [Entry(p + "input_layernorm.weight", L + ("input_layernorm", "scale"), (H,), _same, _same),
+                Entry(p + "post_attention_layernorm.weight", L + ("post_attention_layernorm", "scale"), (H,),
+                      _same, _same),
+                Entry(p + "self_attn.sinks", L + ("self_attn", "sinks"), (cfg.num_attention_heads,), _same, _same),
+                Entry(p + "mlp.router.weight", L + ("mlp", "router_w"), (E, H), _t, _t),
+                Entry(p + "mlp.router.bias", L + ("mlp", "router_b"), (E,), _same, _same)]
+        for name, w, n_out, n_in in (("q", "wq", q, H), ("k", "wk", kv, H), ("v", "wv", kv, H), ("o", "wo", H, q)):
+            out.append(Entry(p + f"self_attn.{name}_proj.weight", L + ("self_attn", w), (n_out, n_in), _t, _t))
+            if cfg.attention_bias:
+                out.append(Entry(p + f"self_attn.{name}_proj.bias", L + ("self_attn", "b" + w[1]), (n_out,),
+                                 _same, _same))
+        x = p + "mlp.experts."
+        X = L + ("mlp", "experts")
+        out += [Entry(x + "gate_up_proj_bias", X + ("gate_up_bias",), (E, 2 * I), _same, _same),
+                Entry(x + "down_proj_bias", X + ("down_bias",), (E, H), _same, _same)]
+        if cfg.experts_format == "mxfp4":
+            out += [Entry(x + "gate_up_proj_blocks", X + ("gate_up_blocks",), (E, 2 * I, H // 32, 16), _same, _same, "u"),
+                    Entry(x + "gate_up_proj_scales", X + ("gate_up_scales",), (E, 2 * I, H // 32), _same, _same, "u"),
+                    Entry(x + "down_proj_blocks", X + ("down_blocks",), (E, H, I // 32, 16), _same, _same, "u"),
+                    Entry(x + "down_proj_scales", X + ("down_scales",), (E, H, I // 32), _same, _same, "u")]
+        else:  # HF dense layout is x @ W ([E, in, out]); ours is [E, out, in]
+            out += [Entry(x + "gate_up_proj", X + ("gate_up",), (E, H, 2 * I), _t, _t),
+                    Entry(x + "down_proj", X + ("down",), (E, I, H), _t, _t)]
+    return out
+
+
+def _param(state, path):
+    node = state
+    for p in path:
+        node = node[p]
+    return node
+
+
+def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConfig | None = None) -> GptOss:
+    """HF GPT-OSS checkpoint folder -> GptOss on the default device.
+
+    dtype: storage/compute dtype of the unquantized weights and activations (bf16, or f32 for
+    tests); norms and sinks are kept in f32, packed experts as uint8. The expert layout follows the
+    tensors present. Raises ValueError naming the file, key, expected and found shape.
+    """
+    path = os.fspath(path)
+    tensors = stio.open_checkpoint(path)
+    if config is None:
+        config = GptOssConfig.from_hf(path)
+    config = config.replace(experts_format=layout(tensors))
+    abstract = nnx.eval_shape(lambda: GptOss(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    for e in entries(config):
+        var = _param(state, e.path)
+        arr = stio.get(tensors, e.key, e.shape, path, e.kinds)
+        arr = np.ascontiguousarray(e.to_param(arr)).astype(var.get_value().dtype, copy=False)
+        var.set_value(jax.device_put(arr))
+    return nnx.merge(graphdef, state)
+
+
+def save_gpt_oss(model: GptOss, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
+    """Writes `model` in the HF layout (config.json, safetensors, sharded with an index when larger
+    than max_shard_bytes); bf16 floats, f32 norms, packed experts as stored."""
+    cfg = model.config
+    os.makedirs(path, exist_ok=True)
+    state = nnx.state(model)
+    shards, cur, size = [], {}, 0
+    for e in entries(cfg):
+        a = np.asarray(jax.device_get(_param(state, e.path).get_value()))
+        if a.dtype.kind == "f" and "layernorm" not in e.key and e.key != "model.norm.weight":
+            a = a.astype(ml_dtypes.bfloat16)
+        a = np.ascontiguousarray(e.to_hf(a))
+        if cur and size + a.nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[e.key] = a
+        size += a.nbytes
+    shards.append(cur)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    for name, shard in zip(names, shards):
+        safetensors.numpy.save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(a.nbytes for s in shards for a in s.values())},
+                 "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+        with open(os.path.join(path, stio.INDEX), "w") as f:
+            json.dump(index, f, indent=1)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf(), f, indent=1)
+
+
+# -- orbax ---------------------------------------------------------------------------------------
+
+def save_checkpoint(model: GptOss, directory: str | os.PathLike) -> None:
+    """Orbax checkpoint of a converted model: `directory/state` plus `directory/eagle3_jax.json`."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(os.fspath(directory))
+    os.makedirs(directory, exist_ok=True)
+    meta = {"kind": "gpt_oss", "config": dataclasses.asdict(model.config), "dtype": jnp.dtype(model.dtype).name}
+    with open(os.path.join(directory, "eagle3_jax.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(os.path.join(directory, "state"), nnx.to_pure_dict(nnx.state(model)), force=True)
+
+
+def restore_checkpoint(directory: str | os.PathLike) -> GptOss:
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(os.fspath(directory))
+    meta_file = os.path.join(directory, "eagle3_jax.json")
+    if not os.path.exists(meta_file):
+        raise ValueError(f"{meta_file}: not found (not an eagle3_jax checkpoint)")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    c = dict(meta["config"])
+    c["rope"] = RopeConfig(**c["rope"])
+    config = GptOssConfig(**c)
+    abstract = nnx.eval_shape(lambda: GptOss(config, dtype=jnp.dtype(meta["dtype"]), rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(os.path.join(directory, "state"), target)
+    nnx.replace_by_pure_dict(state, restored)
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,120 @@
+"""Validated, memory-mapped reading of safetensors checkpoints (one file or sharded with an index).
+
+Tensors are memory-mapped one at a time, so host memory never holds a checkpoint twice. Every
+problem (missing file, truncated file, bad header, unknown dtype, missing key) raises ValueError
+naming the file and key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {
+    "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "U8": np.uint8,
+    "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "BOOL": np.bool_,
+}
+INDEX = "model.safetensors.index.json"
+
+
+class TensorInfo:
+    __slots__ = ("file", "key", "dtype", "shape", "offset", "nbytes")
+
+    def __init__(self, file, key, dtype, shape, offset, nbytes):
+        self.file, self.key, self.dtype, self.shape, self.offset, self.nbytes = file, key, dtype, shape, offset, nbytes
+
+    def load(self) -> np.ndarray:
+        """The tensor as a read-only memory map (no copy)."""
+        if self.nbytes == 0:
+            return np.zeros(self.shape, DTYPES[self.dtype])
+        raw = np.memmap(self.file, dtype=np.uint8, mode="r", offset=self.offset, shape=(self.nbytes,))
+        return raw.view(DTYPES[self.dtype]).reshape(self.shape)
+
+
+def read_header(file: str) -> dict[str, TensorInfo]:
+    """Parses and validates one .safetensors file's header: key -> TensorInfo."""
+    if not os.path.isfile(file):
+        raise ValueError(f"{file}: file not found")
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{file}: truncated: {size} bytes, no safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            raise ValueError(f"{file}: truncated: header says {n} bytes, file has {size}")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{file}: malformed safetensors header ({e})") from None
+    base = 8 + n
+    out = {}
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = meta["dtype"], tuple(int(s) for s in meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{file}: {key}: malformed header entry {meta!r}") from None
+        if dtype not in DTYPES:
+            raise ValueError(f"{file}: {key}: unsupported dtype {dtype}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+        if end - start != nbytes:
+            raise ValueError(f"{file}: {key}: header gives {end - start} bytes for shape {list(shape)} {dtype}, "
+                             f"expected {nbytes}")
+        if base + end > size:
+            raise ValueError(f"{file}: truncated: {key} needs bytes up to {base + end}, file has {size}")
+        out[key] = TensorInfo(file, key, dtype, shape, base + start, nbytes)
+    return out
+
+
+def open_checkpoint(path: str) -> dict[str, TensorInfo]:
+    """All tensors of a checkpoint folder: via `model.safetensors.index.json` when present, else every
+    *.safetensors file in it (or `path` itself when it is a file)."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return read_header(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"{path}: checkpoint folder not found")
+    index = os.path.join(path, INDEX)
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: malformed index ({e!r})") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        weight_map = None
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise ValueError(f"{path}: no *.safetensors files and no {INDEX}")
+    tensors: dict[str, TensorInfo] = {}
+    for name in files:
+        for key, info in read_header(os.path.join(path, name)).items():
+            if key in tensors:
+                raise ValueError(f"{info.file}: {key}: also stored in {tensors[key].file}")
+            tensors[key] = info
+    if weight_map is not None:
+        for key, name in weight_map.items():
+            if key not in tensors:
+                raise ValueError(f"{os.path.join(path, name)}: {key}: listed in {INDEX} but not in the file")
+    return tensors
+
+
+def get(tensors: dict[str, TensorInfo], key: str, shape: tuple, where: str, kinds: str = "f") -> np.ndarray:
+    """The memory-mapped tensor `key`, checked against the expected shape and dtype kind
+    ('f' floating, 'u' uint8, 'i' integer, 'b' bool; several letters allow several)."""
+    if key not in tensors:
+        raise ValueError(f"{where}: missing tensor {key} (expected shape {list(shape)})")
+    info = tensors[key]
+    if tuple(info.shape) != tuple(shape):
+        raise ValueError(f"{info.file}: {key}: expected shape {list(shape)}, found {list(info.shape)}")
+    kind = {"BF16": "f", "F16": "f", "F32": "f", "F64": "f", "U8": "u", "BOOL": "b"}.get(info.dtype, "i")
+    if kind not in kinds:
+        raise ValueError(f"{info.file}: {key}: unexpected dtype {info.dtype}")
+    return info.load()

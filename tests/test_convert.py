@@ -1,0 +1,153 @@
+"""HF GPT-OSS converter: layouts, round trips and every error it promises."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hf_fixtures import dense_from_mxfp4, random_hf_weights, tiny_hf_config, write_hf_checkpoint
+
+from eagle3_jax.convert import load_gpt_oss, restore_checkpoint, save_checkpoint, save_gpt_oss
+from eagle3_jax.models import GptOssConfig, gpt_oss
+
+
+@pytest.fixture
+def hf(tmp_path):
+    cfg = tiny_hf_config()
+    return cfg, random_hf_weights(cfg, seed=np.random.randint(1 << 20)), tmp_path / "ckpt"
+
+
+def assert_same_params(a, b):
+    la, lb = jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_packed_experts_stay_packed(hf):
+    cfg, w, path = hf
+    write_hf_checkpoint(path, cfg, w)
+    m = load_gpt_oss(path)
+    ex = m.layers[0].mlp.experts
+    assert ex.gate_up_blocks[...].dtype == jnp.uint8 and ex.gate_up_blocks[...].shape == (8, 128, 2, 16)
+    np.testing.assert_array_equal(ex.down_scales[...], w["model.layers.0.mlp.experts.down_proj_scales"])
+    assert m.embed[...].dtype == jnp.bfloat16 and m.norm.scale[...].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("experts", ["mxfp4", "dense"])
+def test_hf_save_load_round_trip(hf, experts, tmp_path):
+    cfg, w, path = hf
+    if experts == "dense":
+        w = dense_from_mxfp4(w)
+    write_hf_checkpoint(path, cfg, w)
+    m = load_gpt_oss(path, dtype=jnp.bfloat16)
+    out = tmp_path / "resaved"
+    save_gpt_oss(m, out, max_shard_bytes=200_000)  # forces shards + index
+    assert os.path.exists(out / "model.safetensors.index.json")
+    assert_same_params(m, load_gpt_oss(out, dtype=jnp.bfloat16))
+    assert GptOssConfig.from_hf(out) == m.config
+
+
+def test_orbax_round_trip(hf, tmp_path):
+    cfg, w, path = hf
+    write_hf_checkpoint(path, cfg, w)
+    m = load_gpt_oss(path, dtype=jnp.float32)
+    save_checkpoint(m, tmp_path / "orbax")
+    r = restore_checkpoint(tmp_path / "orbax")
+    assert r.config == m.config and r.dtype == m.dtype
+    assert_same_params(m, r)
+
+
+def test_missing_key(hf):
+    cfg, w, path = hf
+    del w["model.layers.2.self_attn.k_proj.bias"]
+    write_hf_checkpoint(path, cfg, w)
+    with pytest.raises(ValueError, match=r"missing tensor model\.layers\.2\.self_attn\.k_proj\.bias.*\[32\]"):
+        load_gpt_oss(path)
+
+
+def test_wrong_shape_names_file_key_and_shapes(hf):
+    cfg, w, path = hf
+    w["model.layers.1.self_attn.q_proj.weight"] = w["model.layers.1.self_attn.q_proj.weight"][:32]
+    write_hf_checkpoint(path, cfg, w, num_shards=2)
+    with pytest.raises(ValueError, match=r"model-0000\d-of-00002\.safetensors: model\.layers\.1\.self_attn\.q_proj"
+                                         r"\.weight: expected shape \[64, 64\], found \[32, 64\]"):
+        load_gpt_oss(path)
+
+
+def test_packed_blocks_with_float_dtype(hf):
+    cfg, w, path = hf
+    k = "model.layers.0.mlp.experts.down_proj_scales"
+    w[k] = w[k].astype(np.float32)
+    write_hf_checkpoint(path, cfg, w)
+    with pytest.raises(ValueError, match=rf"{k}: unexpected dtype F32"):
+        load_gpt_oss(path)
+
+
+def test_unknown_quantization(hf):
+    cfg, w, path = hf
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    write_hf_checkpoint(path, cfg, w, match_quantization=False)
+    with pytest.raises(ValueError, match=r"config\.json: quantization_config\.quant_method 'gptq'"):
+        load_gpt_oss(path)
+
+
+def test_unknown_expert_layout(hf):
+    cfg, w, path = hf
+    w = {k: v for k, v in w.items() if "experts.gate_up_proj_" not in k or k.endswith("bias")}
+    write_hf_checkpoint(path, cfg, w)
+    with pytest.raises(ValueError, match="unknown expert layout"):
+        load_gpt_oss(path)
+
+
+def test_truncated_file(hf):
+    cfg, w, path = hf
+    write_hf_checkpoint(path, cfg, w)
+    f = path / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ValueError, match=r"model\.safetensors: truncated: .* needs bytes up to \d+, file has \d+"):
+        load_gpt_oss(path)
+    f.write_bytes(data[:5])
+    with pytest.raises(ValueError, match="truncated"):
+        load_gpt_oss(path)
+
+
+def test_index_names_missing_shard(hf):
+    cfg, w, path = hf
+    write_hf_checkpoint(path, cfg, w, num_shards=3)
+    os.remove(path / "model-00002-of-00003.safetensors")
+    with pytest.raises(ValueError, match=r"model-00002-of-00003\.safetensors: file not found"):
+        load_gpt_oss(path)
+
+
+def test_missing_config_and_folder(hf, tmp_path):
+    cfg, w, path = hf
+    write_hf_checkpoint(path, cfg, w)
+    os.remove(path / "config.json")
+    with pytest.raises(ValueError, match="config.json not found"):
+        load_gpt_oss(path)
+    with pytest.raises(ValueError, match="checkpoint folder not found"):
+        load_gpt_oss(tmp_path / "nowhere")
+
+
+def test_config_mismatch_with_tensors(hf):
+    cfg, w, path = hf
+    write_hf_checkpoint(path, cfg, w)
+    c = json.loads((path / "config.json").read_text())
+    c["hidden_size"] = 96
+    (path / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight: expected shape \[128, 96\], found \[128, 64\]"):
+        load_gpt_oss(path)
+
+
+def test_random_gpt_oss_packed():
+    cfg = GptOssConfig.preset("tiny")
+    m = gpt_oss.random_gpt_oss(cfg, seed=3)
+    assert m.layers[0].mlp.experts.gate_up_blocks[...].dtype == jnp.uint8
+    logits, _ = gpt_oss.forward(m, jnp.arange(10)[None])
+    assert np.isfinite(np.asarray(logits)).all() and float(jnp.std(logits)) > 0.1
