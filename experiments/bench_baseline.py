@@ -1,0 +1,87 @@
+"""Baseline generate() on a preset with random packed weights: memory, prefill time, time per token.
+
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python experiments/bench_baseline.py --preset gpt-oss-120b \
+      --prompt_len 2048 --new_tokens 32 --out experiments/results/baseline_gpt-oss-120b_h200.json
+
+Prefill time is a `generate` call with max_new_tokens=1 (prefill + first token); time per token is
+(T(1 + new_tokens) - T(1)) / new_tokens from a second call of the same compiled executable.
+Each timing is the best of --repeats runs after a compile.
+"""
+
+import datetime
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax.models import GptOssConfig, gpt_oss
+from eagle3_jax.spec import generate
+
+flags.DEFINE_string("preset", "gpt-oss-120b", "GptOssConfig preset")
+flags.DEFINE_integer("batch", 1, "sequences")
+flags.DEFINE_integer("prompt_len", 2048, "prompt tokens per sequence")
+flags.DEFINE_integer("new_tokens", 32, "generated tokens timed")
+flags.DEFINE_integer("prefill_chunk", 2048, "prefill chunk (tokens)")
+flags.DEFINE_integer("repeats", 2, "timed runs per measurement (best kept)")
+flags.DEFINE_string("out", None, "JSON output path")
+FLAGS = flags.FLAGS
+
+
+def _memory():
+    s = jax.devices()[0].memory_stats() or {}
+    return {k: s[k] for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in s}
+
+
+def _best(fn, repeats):
+    """(best seconds of `repeats` timed calls, output of the first, compiling call)."""
+    first = fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), first
+
+
+def main(argv):
+    del argv
+    cfg = GptOssConfig.preset(FLAGS.preset)
+    t0 = time.perf_counter()
+    model = gpt_oss.random_gpt_oss(cfg, seed=0)
+    jax.block_until_ready(jax.tree.leaves(model))
+    build_s = time.perf_counter() - t0
+    mem_model = _memory()
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, (FLAGS.batch, FLAGS.prompt_len)).tolist()
+    kw = dict(eos_ids=(), prefill_chunk=FLAGS.prefill_chunk)
+    print(f"model built in {build_s:.1f} s; compiling ...", flush=True)
+    t_prefill, first = _best(lambda: generate(model, prompts, 1, **kw), FLAGS.repeats)
+    t_total, out = _best(lambda: generate(model, prompts, 1 + FLAGS.new_tokens, **kw), FLAGS.repeats)
+    assert all(len(t) == 1 + FLAGS.new_tokens for t in out.tokens)
+    per_token = (t_total - t_prefill) / FLAGS.new_tokens
+    result = dict(
+        command=" ".join(["python"] + sys.argv), date=datetime.date.today().isoformat(),
+        device=jax.devices()[0].device_kind, jax_version=jax.__version__, preset=FLAGS.preset,
+        batch=FLAGS.batch, prompt_len=FLAGS.prompt_len, new_tokens=FLAGS.new_tokens,
+        prefill_chunk=FLAGS.prefill_chunk, param_bytes=gpt_oss.param_bytes(model), build_seconds=build_s,
+        compile_seconds=first.metrics["compile_seconds"], memory_after_build=mem_model, memory_after_run=_memory(),
+        prefill_seconds=t_prefill, prefill_tokens_per_second=FLAGS.batch * FLAGS.prompt_len / t_prefill,
+        seconds_per_generated_token=per_token, generated_tokens_per_second=FLAGS.batch / per_token,
+        notes="jnp reference attention and jnp MoE (gathered experts for decode, expert-grouped tiles "
+              "for prefill); Pallas kernels not yet in use",
+    )
+    print(json.dumps(result, indent=1))
+    if FLAGS.out:
+        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+        with open(FLAGS.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)

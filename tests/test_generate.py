@@ -1,0 +1,91 @@
+"""generate(): greedy against the reference, eos, sampling distribution, bad input, no recompiles."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from eagle3_jax.models import GptOssConfig, gpt_oss
+from eagle3_jax.spec import decode as decode_mod
+from eagle3_jax.spec import generate
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return gpt_oss.GptOss(GptOssConfig.preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(7))
+
+
+def naive_greedy(model, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        logits, _ = gpt_oss.forward(model, jnp.asarray([seq]))
+        seq.append(int(jnp.argmax(logits[0, -1])))
+    return seq[len(prompt):]
+
+
+def test_eos_stops_one_slot_others_continue(tiny):
+    rng = np.random.default_rng()
+    prompts = [rng.integers(3, 256, n).tolist() for n in (4, 9)]
+    free = generate(tiny, prompts, 8, eos_ids=())
+    eos = free.tokens[0][3]
+    cut = free.tokens[0].index(eos)
+    out = generate(tiny, prompts, 8, eos_ids=(eos,))
+    assert out.tokens[0] == free.tokens[0][:cut + 1]  # eos included, nothing after
+    other = free.tokens[1]
+    want = other[:other.index(eos) + 1] if eos in other else other
+    assert out.tokens[1] == want
+    assert free.metrics["compile_seconds"] >= 0 and out.metrics["generated_tokens"] == len(out.tokens[0]) + len(want)
+
+
+def test_budget_one_and_reuse_of_executable(tiny):
+    out = generate(tiny, [[5, 6, 7]], 1, eos_ids=())
+    assert len(out.tokens[0]) == 1 and out.tokens[0] == naive_greedy(tiny, [5, 6, 7], 1)
+    again = generate(tiny, [[9, 9, 9, 9]], 1, eos_ids=())  # same buckets: no new compile
+    assert again.metrics["compile_seconds"] == 0.0
+
+
+def test_sampling_follows_exact_two_token_distribution():
+    """Temperature 1: the joint law of the first two tokens, enumerated on an 8-token vocabulary."""
+    cfg = GptOssConfig.preset("tiny").replace(vocab_size=8, eos_token_ids=(1,))
+    model = gpt_oss.GptOss(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
+    prompt = [2, 5, 3]
+    p1 = np.asarray(jnp.exp(jax_log_softmax(gpt_oss.forward(model, jnp.asarray([prompt]))[0][0, -1])))
+    seqs = jnp.asarray([prompt + [t] for t in range(8)])
+    p2 = np.asarray(jnp.exp(jax_log_softmax(gpt_oss.forward(model, seqs)[0][:, -1])))
+    exact = p1[:, None] * p2  # [t1, t2]
+    n = 4096
+    out = generate(model, [prompt] * n, 2, temperature=1.0, eos_ids=(), seed=np.random.randint(1 << 30),
+                   prefill_chunk=4)
+    counts = np.zeros((8, 8))
+    for t1, t2 in out.tokens:
+        counts[t1, t2] += 1
+    tv = 0.5 * np.abs(counts / n - exact).sum()
+    noise = 0.5 * np.sum(np.sqrt(2 * exact * (1 - exact) / (np.pi * n)))  # E[TV] of an exact sampler
+    assert tv < noise + 0.02, (tv, noise)
+    greedy = generate(model, [prompt] * 4, 2, eos_ids=())  # and temperature 0 is the argmax
+    assert greedy.tokens[0] == naive_greedy(model, prompt, 2)
+
+
+def jax_log_softmax(x):
+    return x - jnp.log(jnp.sum(jnp.exp(x - x.max(-1, keepdims=True)), -1, keepdims=True)) - x.max(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("prompts,kw,match", [
+    ([[]], {}, r"prompts\[0\]: empty prompt"),
+    ([], {}, "non-empty list"),
+    ([[1, 2], [3, 256]], {}, r"prompts\[1\]: token id 256 outside the vocabulary \[0, 256\)"),
+    ([[1] * 20], {"max_cache_len": 24}, "20 tokens \\+ max_new_tokens=5 = 25 does not fit max_cache_len=24"),
+    ([[1] * 1020], {}, "does not fit max_position_embeddings=1024"),
+    ([[1, 2]], {"max_new_tokens": 0}, "max_new_tokens"),
+    ([[1, 2]], {"temperature": -1.0}, "temperature"),
+    ([[1, 2]], {"eos_ids": (300,)}, "eos_ids"),
+])
+def test_bad_input_raises(tiny, prompts, kw, match):
+    kw = {"max_new_tokens": 5, **kw}
+    with pytest.raises(ValueError, match=match):
+        generate(tiny, prompts, **kw)
+
+
+def test_length_plan_buckets():
+    cfg = GptOssConfig.preset("tiny")
+    assert decode_mod.plan_lengths(cfg, [[1] * 300], 10, 256, None) == (512, 512, 256)
