@@ -355,8 +355,18 @@ def prefill(model: GptOss, cache: kvc.KVCache, tokens, prompt_lengths, *, chunk:
 
 def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16) -> GptOss:
     """Random weights of any size (experts packed when config.experts_format == 'mxfp4'), created
-    directly on the default device by one jitted constructor (the host never holds them)."""
-    return nnx.jit(lambda: GptOss(config, dtype=dtype, rngs=nnx.Rngs(seed)))()
+    directly on the default device (the host never holds them). Blocks are built one at a time by a
+    jitted constructor compiled once per layer type, so gpt-oss-120b builds in seconds."""
+    key = jax.random.key(seed)
+    model = nnx.eval_shape(lambda: GptOss(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    one = config.replace(num_hidden_layers=1, layer_types=config.layer_types[:1])
+    top = nnx.jit(lambda k: GptOss(one, dtype=dtype, rngs=nnx.Rngs(k)))(key)
+    model.embed, model.lm_head, model.norm = top.embed, top.lm_head, top.norm
+    del top
+    make_block = nnx.jit(lambda layer, k: Block(config, layer, dtype, nnx.Rngs(k)), static_argnums=0)
+    for i, kind in enumerate(config.layer_types):
+        model.layers[i] = make_block(config.layer_types.index(kind), jax.random.fold_in(key, i + 1))
+    return model
 
 
 def param_bytes(model: GptOss) -> int:
