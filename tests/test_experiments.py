@@ -1,0 +1,31 @@
+"""CPU smoke tests of the experiment scripts: flags parse, output and JSON schema written."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(script, *args):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *args], capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_decode_main_job_on_embedded_default():
+    out = run("decode.py", "--prompt", "5,6,7", "--max_new_tokens", "4", "--dtype", "float32")
+    assert "output: [" in out and "4 tokens in" in out
+
+
+def test_bench_baseline_writes_json(tmp_path):
+    path = tmp_path / "r.json"
+    run("bench_baseline.py", "--preset", "tiny", "--prompt_len", "20", "--new_tokens", "3", "--prefill_chunk", "8",
+        "--repeats", "1", "--out", str(path))
+    r = json.loads(path.read_text())
+    for k in ("command", "device", "jax_version", "date", "prefill_seconds", "seconds_per_generated_token",
+              "param_bytes", "memory_after_run"):
+        assert k in r
+    assert r["seconds_per_generated_token"] > 0 and r["preset"] == "tiny"
