@@ -1,5 +1,5 @@
 """Flax NNX models and their configs."""
-from eagle3_jax.models import gpt_oss
-from eagle3_jax.models.config import GptOssConfig, RopeConfig
+from eagle3_jax.models import eagle3, gpt_oss
+from eagle3_jax.models.config import Eagle3Config, GptOssConfig, RopeConfig
 
-__all__ = ["gpt_oss", "GptOssConfig", "RopeConfig"]
+__all__ = ["eagle3", "gpt_oss", "Eagle3Config", "GptOssConfig", "RopeConfig"]

@@ -30,7 +30,8 @@ def _positive_int(name, v):
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """RoPE frequencies. `rope_type` "default" (plain) or "yarn" (HF `_compute_yarn_parameters`).
+    """RoPE frequencies: `rope_type` "default" (plain), "yarn" (HF `_compute_yarn_parameters`) or
+    "llama3" (HF `_compute_llama3_parameters`, used by some EAGLE-3 drafts).
 
     For YaRN, `factor=None` means max_position_embeddings / original_max_position_embeddings,
     `attention_factor=None` means 0.1 * ln(factor) + 1 (the concentration, on cos and sin).
@@ -44,10 +45,13 @@ class RopeConfig:
     original_max_position_embeddings: int = 4096
     truncate: bool = False
     attention_factor: float | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
 
     def __post_init__(self):
-        if self.rope_type not in ("default", "yarn"):
-            raise ValueError(f"rope_scaling.rope_type: unsupported {self.rope_type!r} (expected 'default' or 'yarn')")
+        if self.rope_type not in ("default", "yarn", "llama3"):
+            raise ValueError(f"rope_scaling.rope_type: unsupported {self.rope_type!r} "
+                             "(expected 'default', 'yarn' or 'llama3')")
         _positive("rope_theta", self.theta)
         if self.rope_type == "yarn":
             if self.factor is not None:
@@ -198,12 +202,6 @@ class GptOssConfig:
     def to_hf(self) -> dict:
         """The HF `config.json` dict (MXFP4 quantization_config when experts are packed)."""
         r = self.rope
-        rope = {"rope_type": r.rope_type, "rope_theta": r.theta}
-        if r.rope_type == "yarn":
-            rope.update(factor=r.factor, beta_fast=r.beta_fast, beta_slow=r.beta_slow, truncate=r.truncate,
-                        original_max_position_embeddings=r.original_max_position_embeddings)
-            if r.attention_factor is not None:
-                rope["attention_factor"] = r.attention_factor
         out = dict(
             architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=self.vocab_size,
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -211,7 +209,7 @@ class GptOssConfig:
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
             num_local_experts=self.num_local_experts, num_experts_per_tok=self.num_experts_per_tok,
             sliding_window=self.sliding_window, layer_types=list(self.layer_types), rope_theta=r.theta,
-            rope_scaling=rope, max_position_embeddings=self.max_position_embeddings,
+            rope_scaling=rope_to_hf(r), max_position_embeddings=self.max_position_embeddings,
             swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha, rms_norm_eps=self.rms_norm_eps,
             attention_bias=self.attention_bias, tie_word_embeddings=False,
             eos_token_id=list(self.eos_token_ids), pad_token_id=self.pad_token_id,
@@ -230,6 +228,21 @@ def default_layer_types(n: int) -> tuple[str, ...]:
     return tuple(SLIDING if i % 2 == 0 else FULL for i in range(n))
 
 
+def rope_to_hf(r: RopeConfig) -> dict | None:
+    """The HF `rope_scaling` dict of `r` (None for plain RoPE; theta goes in `rope_theta`)."""
+    if r.rope_type == "default":
+        return None
+    if r.rope_type == "llama3":
+        return dict(rope_type="llama3", factor=r.factor, low_freq_factor=r.low_freq_factor,
+                    high_freq_factor=r.high_freq_factor,
+                    original_max_position_embeddings=r.original_max_position_embeddings)
+    out = dict(rope_type="yarn", factor=r.factor, beta_fast=r.beta_fast, beta_slow=r.beta_slow, truncate=r.truncate,
+               original_max_position_embeddings=r.original_max_position_embeddings)
+    if r.attention_factor is not None:
+        out["attention_factor"] = r.attention_factor
+    return out
+
+
 def rope_from_hf(cfg: dict, where: str = "config") -> RopeConfig:
     """RopeConfig from either `rope_scaling` (+ top-level `rope_theta`) or `rope_parameters`."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -241,6 +254,12 @@ def rope_from_hf(cfg: dict, where: str = "config") -> RopeConfig:
         if rtype in ("default", None):
             return RopeConfig(theta=float(theta), rope_type="default")
         factor = params.get("factor")
+        if rtype == "llama3":
+            return RopeConfig(theta=float(theta), rope_type="llama3", factor=float(factor or 1.0),
+                              low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                              high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+                              original_max_position_embeddings=int(params.get("original_max_position_embeddings",
+                                                                              8192)))
         orig = params.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
         if orig is None:
             raise ValueError("rope_scaling.original_max_position_embeddings: missing")
@@ -269,6 +288,80 @@ def _read_json(src) -> tuple[dict, str]:
             return json.load(f), path
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+AUX_CONVENTIONS = ("output", "input")
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Config:
+    """EAGLE-3 draft (REFERENCE.md 5): fc over 3 target features, one Llama decoder layer, a head.
+
+    `feature_layers` holds the target hidden-state indices the draft reads, normalized:
+    h[0] = embeddings, h[k + 1] = output of block k. `aux_layer_ids` / `aux_convention` keep the
+    checkpoint's own spelling ("output": id k = output of block k, SGLang / TRT-LLM / SpecForge;
+    "input": id k = input of layer k, vLLM / nvidia v3). `draft_vocab_size == vocab_size` with
+    `own_lm_head=False` means the target's lm_head is the head. `sliding_window` (None = full)
+    bounds the draft's attention for contexts longer than it was trained on.
+    """
+
+    hidden_size: int = 2880
+    intermediate_size: int = 17280
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 8
+    head_dim: int = 64
+    vocab_size: int = 201088
+    draft_vocab_size: int = 32000
+    target_hidden_size: int = 2880
+    aux_layer_ids: tuple[int, ...] = (1, 17, 33)
+    aux_convention: str = "output"
+    target_num_layers: int = 36
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = RopeConfig(theta=10000.0, rope_type="default")
+    max_position_embeddings: int = 131072
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = True
+    norm_before_residual: bool = False
+    own_embed: bool = True
+    own_lm_head: bool = True
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "vocab_size", "draft_vocab_size", "target_hidden_size", "target_num_layers",
+                     "max_position_embeddings"):
+            _positive_int(name, getattr(self, name))
+        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads: {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size: {self.draft_vocab_size} > vocab_size={self.vocab_size}")
+        if not self.own_lm_head and self.draft_vocab_size != self.vocab_size:
+            raise ValueError("draft_vocab_size: a draft without its own lm_head uses the target's, so "
+                             f"draft_vocab_size must equal vocab_size={self.vocab_size}")
+        if self.aux_convention not in AUX_CONVENTIONS:
+            raise ValueError(f"aux_convention: {self.aux_convention!r} not in {AUX_CONVENTIONS}")
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(f"aux_layer_ids: EAGLE-3 reads 3 target layers, got {list(self.aux_layer_ids)}")
+        hi = self.target_num_layers - (1 if self.aux_convention == "output" else 0)
+        for k in self.aux_layer_ids:
+            if not 0 <= k <= hi:
+                raise ValueError(f"aux_layer_ids: {k} outside [0, {hi}] for a {self.target_num_layers}-layer target "
+                                 f"({self.aux_convention} convention)")
+        if self.sliding_window is not None:
+            _positive_int("sliding_window", self.sliding_window)
+        _positive("rms_norm_eps", self.rms_norm_eps)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Target hidden-state indices (h[0] = embeddings, h[k + 1] = output of block k)."""
+        shift = 1 if self.aux_convention == "output" else 0
+        return tuple(k + shift for k in self.aux_layer_ids)
+
+    def replace(self, **kw) -> "Eagle3Config":
+        return dataclasses.replace(self, **kw)
 
 
 PRESETS: dict[str, GptOssConfig] = {

@@ -17,6 +17,15 @@ def inv_freq_and_scale(rope: RopeConfig, head_dim: int, max_position_embeddings:
     extrap = 1.0 / pos_freqs
     if rope.rope_type == "default":
         return extrap.astype(np.float32), 1.0
+    if rope.rope_type == "llama3":
+        wavelen = 2 * math.pi / extrap
+        low_wl = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wl = rope.original_max_position_embeddings / rope.high_freq_factor
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        mid = (1 - smooth) * extrap / rope.factor + smooth * extrap
+        inv = np.where(wavelen > low_wl, extrap / rope.factor, np.where(wavelen < high_wl, extrap, mid))
+        return inv.astype(np.float32), 1.0
     factor = rope.factor if rope.factor is not None else max_position_embeddings / rope.original_max_position_embeddings
     scale = rope.attention_factor
     if scale is None:

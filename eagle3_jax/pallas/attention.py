@@ -7,8 +7,13 @@ positions, GQA (query head h reads kv head h // (Hq // Hkv)), float32 softmax.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 MASK_WORD = 32
 
@@ -68,7 +73,251 @@ def attention_reference(q, k, v, k_cache, v_cache, lengths, positions, mask, sin
     return out.reshape(B, Nq, Hq, D).astype(q.dtype)
 
 
+# ----------------------------------------------------------------------------------------------
+# Pallas (Triton lowering) kernel
+# ----------------------------------------------------------------------------------------------
+#
+# Layout. One program handles one (row block, key split, batch * kv head). Its rows are the
+# query group of that kv head folded with the query tokens: row r <-> (token r // G, head h*G + r % G),
+# so K/V of the head are read once for all G * Nq rows (GQA folded into the rows). q is gathered and
+# the output scattered straight from/to [B, Nq, Hq, D]; the cache [B, Hkv, S, D] is read in place.
+# Keys: the committed prefix [lo, len) (lo > 0 only on sliding layers: the first slot inside the
+# window of the block's earliest query, so sliding layers read <= W - 1 prefix keys whatever the
+# prefix length), cut into `num_splits` contiguous ranges (split-K), then the Nq new tokens (in the
+# last split only) under the packed mask / causal order. Online softmax in base 2, float32; the sink
+# is the initial state of split 0 (m = sink, l = 1). With one split the program normalizes and writes
+# the output; otherwise each split writes (acc, m, l) and a small merge kernel combines them with a
+# log-sum-exp merge.
+
+_LOG2E = 1.4426950408889634
+_M_INIT = -1e30  # finite "minus infinity" for the running max (masked logits use -inf)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnConfig:
+    """Static launch parameters of the attention kernel (see `attention_config`)."""
+    block_rows: int      # RB: kernel rows (query tokens x group heads) per program, power of 2 >= 16
+    block_k: int         # prefix keys per loop step
+    block_new: int       # new-token keys per loop step
+    num_splits: int      # split-K ranges over the prefix
+    num_warps: int
+    num_stages: int
+
+
+def attention_config(batch, nq, hq, hkv, head_dim, cache_len, window, *, num_sms: int = 132,
+                     **overrides) -> AttnConfig:
+    """Heuristic launch parameters; any field can be overridden by keyword."""
+    G = hq // hkv
+    R = nq * G
+    RB = min(128, _pow2(max(16, R)))
+    n_rb = -(-R // RB)
+    block_k = 64 if RB >= 64 else 128
+    block_new = min(64, _pow2(max(16, nq)))
+    if window is not None:
+        max_keys = min(cache_len, window)
+    else:
+        max_keys = cache_len
+    programs = batch * hkv * n_rb
+    want = max(1, -(-2 * num_sms // programs))
+    num_splits = max(1, min(want, max_keys // (4 * block_k)))
+    cfg = dict(block_rows=RB, block_k=block_k, block_new=block_new, num_splits=num_splits,
+               num_warps=4 if RB <= 64 else 8, num_stages=3)
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    return AttnConfig(**cfg)
+
+
+def _attn_kernel(len_ref, pos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, mask_ref, sinks_ref, *outs,
+                 Nq, G, Hkv, D, Dp, RB, BK, BKn, NS, window, scale, causal):
+    f32 = jnp.float32
+    rb, s, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, h = bh // Hkv, bh % Hkv
+    length = len_ref[b]
+    c = scale * _LOG2E
+
+    r = rb * RB + jnp.arange(RB, dtype=jnp.int32)
+    row_ok = r < Nq * G
+    i_r = jnp.minimum(r // G, Nq - 1)
+    hq_r = h * G + r % G
+    d = jnp.arange(Dp, dtype=jnp.int32)
+    d_ok = d < D
+    full_d = Dp == D
+
+    def dmask(rows_ok):
+        m = rows_ok[:, None] if full_d else rows_ok[:, None] & d_ok[None, :]
+        return jnp.broadcast_to(m, (rows_ok.shape[0], Dp))
+
+    q = plgpu.load(q_ref.at[b, i_r[:, None], hq_r[:, None], d[None, :]], mask=dmask(row_ok), other=0)
+    pos_r = plgpu.load(pos_ref.at[b, i_r])
+    sink = plgpu.load(sinks_ref.at[hq_r]).astype(f32) * _LOG2E
+
+    first = s == 0
+    m0 = jnp.where(first, sink, jnp.full((RB,), _M_INIT, f32))
+    l0 = jnp.where(first, jnp.ones((RB,), f32), jnp.zeros((RB,), f32))
+    acc0 = jnp.zeros((RB, Dp), f32)
+
+    def update(carry, kt, vt, vis):
+        m, l, acc = carry
+        sc = jax.lax.dot_general(q, kt, (((1,), (1,)), ((), ())), preferred_element_type=f32) * c
+        sc = jnp.where(vis, sc, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(sc - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        pv = jax.lax.dot_general(p.astype(vt.dtype), vt, (((1,), (0,)), ((), ())), preferred_element_type=f32)
+        return m_new, l, acc * alpha[:, None] + pv
+
+    # --- committed prefix, split s of NS
+    if window is None:
+        lo = jnp.int32(0)
+    else:
+        minpos = jnp.min(jnp.where(row_ok, pos_r, jnp.iinfo(jnp.int32).max))
+        lo = jnp.clip(minpos - window + 1, 0, length)
+    n = length - lo
+    chunk = ((n + NS - 1) // NS + BK - 1) // BK * BK
+    start = lo + s * chunk
+    end = jnp.minimum(start + chunk, length)
+    nblk = (jnp.maximum(end - start, 0) + BK - 1) // BK
+
+    def prefix_step(t, carry):
+        ks = start + t * BK
+        kk = ks + jnp.arange(BK, dtype=jnp.int32)
+        k_ok = kk < end
+        kt = plgpu.load(kc_ref.at[b, h, pl.ds(ks, BK), pl.ds(0, Dp)], mask=dmask(k_ok), other=0)
+        vt = plgpu.load(vc_ref.at[b, h, pl.ds(ks, BK), pl.ds(0, Dp)], mask=dmask(k_ok), other=0)
+        vis = k_ok[None, :]
+        if window is not None:
+            vis = vis & (kk[None, :] > pos_r[:, None] - window)
+        return update(carry, kt, vt, vis)
+
+    carry = jax.lax.fori_loop(0, nblk, prefix_step, (m0, l0, acc0))
+
+    # --- the Nq new tokens (last split only)
+    if causal:
+        jmax = jnp.minimum(jnp.max(jnp.where(row_ok, i_r, 0)) + 1, Nq)
+    else:
+        jmax = jnp.int32(Nq)
+    nnew = jnp.where(s == NS - 1, (jmax + BKn - 1) // BKn, 0)
+
+    def new_step(t, carry):
+        js = t * BKn
+        jj = js + jnp.arange(BKn, dtype=jnp.int32)
+        j_ok = jj < Nq
+        if causal:
+            vis = (jj[None, :] <= i_r[:, None]) & j_ok[None, :]
+        else:
+            words = plgpu.load(mask_ref.at[b, i_r[:, None], (jnp.minimum(jj, Nq - 1) // 32)[None, :]])
+            sh = (jj % 32).astype(jnp.uint32)[None, :]
+            vis = ((jax.lax.shift_right_logical(words, sh) & 1) != 0) & j_ok[None, :]
+        if window is not None:
+            pos_j = plgpu.load(pos_ref.at[b, jnp.minimum(jj, Nq - 1)])
+            vis = vis & (pos_j[None, :] > pos_r[:, None] - window)
+
+        def compute(carry):
+            kt = plgpu.load(k_ref.at[b, pl.ds(js, BKn), h, pl.ds(0, Dp)], mask=dmask(j_ok), other=0)
+            vt = plgpu.load(v_ref.at[b, pl.ds(js, BKn), h, pl.ds(0, Dp)], mask=dmask(j_ok), other=0)
+            return update(carry, kt, vt, vis)
+
+        if causal and window is not None:  # long causal chunks on sliding layers: skip blocks outside the window
+            any_vis = jnp.max(jnp.where(vis, 1, 0)) > 0
+            return jax.lax.cond(any_vis, compute, lambda c_: c_, carry)
+        return compute(carry)
+
+    m, l, acc = jax.lax.fori_loop(0, nnew, new_step, carry)
+
+    if NS == 1:
+        (out_ref,) = outs
+        o = acc / l[:, None]
+        plgpu.store(out_ref.at[b, i_r[:, None], hq_r[:, None], d[None, :]], o.astype(out_ref.dtype),
+                    mask=dmask(row_ok))
+    else:
+        o_ref, m_ref, l_ref = outs
+        plgpu.store(o_ref.at[bh, rb, s, pl.ds(0, RB), pl.ds(0, Dp)], acc)
+        plgpu.store(m_ref.at[bh, rb, s, pl.ds(0, RB)], m)
+        plgpu.store(l_ref.at[bh, rb, s, pl.ds(0, RB)], l)
+
+
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, Nq, G, Hkv, D, Dp, RB, NS):
+    f32 = jnp.float32
+    rb, bh = pl.program_id(0), pl.program_id(1)
+    b, h = bh // Hkv, bh % Hkv
+    r = rb * RB + jnp.arange(RB, dtype=jnp.int32)
+    row_ok = r < Nq * G
+    i_r = jnp.minimum(r // G, Nq - 1)
+    hq_r = h * G + r % G
+    d = jnp.arange(Dp, dtype=jnp.int32)
+
+    def step(s, carry):
+        m, l, acc = carry
+        ms = plgpu.load(m_ref.at[bh, rb, s, pl.ds(0, RB)])
+        ls = plgpu.load(l_ref.at[bh, rb, s, pl.ds(0, RB)])
+        os_ = plgpu.load(o_ref.at[bh, rb, s, pl.ds(0, RB), pl.ds(0, Dp)])
+        m_new = jnp.maximum(m, ms)
+        a, w = jnp.exp2(m - m_new), jnp.exp2(ms - m_new)
+        return m_new, l * a + ls * w, acc * a[:, None] + os_ * w[:, None]
+
+    init = (jnp.full((RB,), _M_INIT, f32), jnp.zeros((RB,), f32), jnp.zeros((RB, Dp), f32))
+    m, l, acc = jax.lax.fori_loop(0, NS, step, init)
+    o = acc / l[:, None]
+    mask = jnp.broadcast_to(row_ok[:, None] if Dp == D else row_ok[:, None] & (d < D)[None, :], (RB, Dp))
+    plgpu.store(out_ref.at[b, i_r[:, None], hq_r[:, None], d[None, :]], o.astype(out_ref.dtype), mask=mask)
+
+
+def attention_pallas(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale,
+                     config: AttnConfig | None = None, interpret: bool = False, **overrides):
+    """The Pallas kernel behind `attention` (same contract as `attention_reference`).
+
+    `config` (or keyword overrides of its fields) fixes the launch; default: `attention_config`.
+    """
+    B, Nq, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    if config is None:
+        sms = 132
+        if not interpret:
+            sms = getattr(jax.devices()[0], "core_count", None) or 132
+        config = attention_config(B, Nq, Hq, Hkv, D, S, window, num_sms=sms, **overrides)
+    RB, NS = config.block_rows, config.num_splits
+    Dp = _pow2(max(16, D))
+    R = Nq * G
+    n_rb = -(-R // RB)
+    causal = mask is None
+    if causal:
+        mask_arg = jnp.zeros((1, 1, 1), jnp.uint32)
+    else:
+        mask_arg = mask.astype(jnp.uint32)
+    lengths = lengths.astype(jnp.int32)
+    positions = positions.astype(jnp.int32)
+    kern = functools.partial(_attn_kernel, Nq=Nq, G=G, Hkv=Hkv, D=D, Dp=Dp, RB=RB, BK=config.block_k,
+                             BKn=config.block_new, NS=NS, window=window, scale=float(scale), causal=causal)
+    params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    out_final = jax.ShapeDtypeStruct((B, Nq, Hq, D), q.dtype)
+    if NS == 1:
+        out_shape = out_final
+    else:
+        f32 = jnp.float32
+        out_shape = (jax.ShapeDtypeStruct((B * Hkv, n_rb, NS, RB, Dp), f32),
+                     jax.ShapeDtypeStruct((B * Hkv, n_rb, NS, RB), f32),
+                     jax.ShapeDtypeStruct((B * Hkv, n_rb, NS, RB), f32))
+    res = pl.pallas_call(kern, out_shape=out_shape, grid=(n_rb, NS, B * Hkv), compiler_params=params,
+                         interpret=interpret, name="tree_attention")(
+        lengths, positions, q, k, v, k_cache, v_cache, mask_arg, sinks)
+    if NS == 1:
+        return res
+    merge = functools.partial(_merge_kernel, Nq=Nq, G=G, Hkv=Hkv, D=D, Dp=Dp, RB=RB, NS=NS)
+    return pl.pallas_call(merge, out_shape=out_final, grid=(n_rb, B * Hkv), interpret=interpret,
+                          compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+                          name="tree_attention_merge")(*res)
+
+
 def attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale):
-    """The model's single attention entry point (same contract as `attention_reference`)."""
+    """The model's single attention entry point (same contract as `attention_reference`): the Pallas
+    kernel on GPU, the jnp reference elsewhere."""
+    if jax.default_backend() == "gpu" and q.shape[-1] <= 256:
+        return attention_pallas(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
+                                window=window, scale=scale)
     return attention_reference(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
                                window=window, scale=scale)

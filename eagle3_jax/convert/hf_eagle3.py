@@ -1,0 +1,222 @@
+"""EAGLE-3 draft checkpoints (`LlamaForCausalLMEagle3`, REFERENCE.md 5) <-> `Eagle3`.
+
+Reads the layouts published drafts use: SpecForge / lmsys (draft vocab with `d2t` / `t2d`),
+nvidia (no `lm_head`: the target's head serves; v3 with `norm_before_fc` and aux ids read as
+hidden-state boundaries), with or without `embed_tokens` (absent: the target's embedding is
+shared, not copied), keys under `midlayer.` or `layers.0.` (optionally below `model.`).
+`save_eagle3` writes the SpecForge layout back, which SGLang and vLLM load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import safetensors.numpy
+from flax import nnx
+
+from eagle3_jax.convert import safetensors_io as stio
+from eagle3_jax.models.config import Eagle3Config, GptOssConfig, rope_from_hf, rope_to_hf
+from eagle3_jax.models.eagle3 import Eagle3
+
+LAYER_PREFIXES = ("midlayer.", "layers.0.")
+
+
+def config_from_hf(cfg: dict, target_config: GptOssConfig, where: str = "config.json", *,
+                   aux_layer_ids=None, aux_convention: str | None = None, has_lm_head: bool = True,
+                   has_embed: bool = True, sliding_window: int | None = None) -> Eagle3Config:
+    """Eagle3Config from a draft's config.json dict, checked against the target's config.
+
+    The aux-layer convention is `aux_convention` when given, else the config's
+    `eagle_config.aux_layer_convention` when present, else "input" when an id equals the target's
+    layer count (only a hidden-state boundary can be L), else "output" (SpecForge / SGLang)."""
+    base = dict(cfg.get("transformer_layer_config") or {})  # speculators nest the layer config
+    base.update({k: v for k, v in cfg.items() if k != "transformer_layer_config"})
+    cfg = base
+    eagle = cfg.get("eagle_config") or {}
+    arch = cfg.get("architectures") or []
+    if arch and not any("eagle" in a.lower() or "speculator" in a.lower() for a in arch):
+        raise ValueError(f"{where}: architectures {arch} is not an EAGLE-3 draft (expected LlamaForCausalLMEagle3)")
+    if cfg.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"{where}: num_hidden_layers is {cfg['num_hidden_layers']}; EAGLE-3 drafts have 1")
+    L, V = target_config.num_hidden_layers, target_config.vocab_size
+    vocab = cfg.get("vocab_size", V)
+    if vocab != V:
+        raise ValueError(f"{where}: vocab_size {vocab} does not match the target's vocab_size {V}")
+    H = cfg.get("hidden_size")
+    if H is None:
+        raise ValueError(f"{where}: missing hidden_size")
+    Ht = cfg.get("target_hidden_size") or H
+    if Ht != target_config.hidden_size:
+        raise ValueError(f"{where}: target_hidden_size {Ht} does not match the target's hidden_size "
+                         f"{target_config.hidden_size}")
+    dv = cfg.get("draft_vocab_size")
+    own_head = has_lm_head and dv is not None
+    if dv is not None and not has_lm_head:
+        raise ValueError(f"{where}: draft_vocab_size is {dv} but the checkpoint has no lm_head.weight (use "
+                         "frspec.restrict_head to build a head from the target's rows)")
+    ids = aux_layer_ids or eagle.get("eagle_aux_hidden_state_layer_ids") or cfg.get(
+        "eagle_aux_hidden_state_layer_ids") or target_config.default_aux_layer_ids()
+    conv = aux_convention or eagle.get("aux_layer_convention") or ("input" if L in ids else "output")
+    flag = lambda name, default: bool(cfg.get(name, eagle.get(name, default)))  # noqa: E731
+    heads = cfg.get("num_attention_heads")
+    try:
+        return Eagle3Config(
+            hidden_size=H, intermediate_size=cfg.get("intermediate_size"), num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or H // heads, vocab_size=V, draft_vocab_size=dv if own_head else V,
+            target_hidden_size=Ht, aux_layer_ids=tuple(ids), aux_convention=conv, target_num_layers=L,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope=rope_from_hf({"rope_theta": 10000.0, **cfg}, where),
+            max_position_embeddings=cfg.get("max_position_embeddings", target_config.max_position_embeddings),
+            norm_before_fc=flag("norm_before_fc", False), fc_norm=flag("fc_norm", False),
+            norm_output=flag("norm_output", True), norm_before_residual=flag("norm_before_residual", False),
+            own_embed=has_embed, own_lm_head=own_head, sliding_window=sliding_window)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _entries(c: Eagle3Config, p: str):
+    """(HF key, attribute path, HF shape, transpose?) for every float tensor of the draft."""
+    H, Ht, I = c.hidden_size, c.target_hidden_size, c.intermediate_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    out = [("fc.weight", ("fc",), (H, 3 * Ht), True), ("norm.weight", ("norm", "scale"), (H,), False),
+           (p + "input_layernorm.weight", ("input_layernorm", "scale"), (H,), False),
+           (p + "hidden_norm.weight", ("hidden_norm", "scale"), (H,), False),
+           (p + "post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), (H,), False),
+           (p + "self_attn.q_proj.weight", ("wq",), (q, 2 * H), True),
+           (p + "self_attn.k_proj.weight", ("wk",), (kv, 2 * H), True),
+           (p + "self_attn.v_proj.weight", ("wv",), (kv, 2 * H), True),
+           (p + "self_attn.o_proj.weight", ("wo",), (H, q), True),
+           (p + "mlp.gate_proj.weight", ("gate",), (I, H), True), (p + "mlp.up_proj.weight", ("up",), (I, H), True),
+           (p + "mlp.down_proj.weight", ("down",), (H, I), True)]
+    if c.norm_before_fc:
+        out.append(("input_norm.weight", ("input_norm", "scale"), (3 * Ht,), False))
+    if c.fc_norm:
+        out += [(f"fc_norm.{i}.weight", ("fc_norm", i, "scale"), (Ht,), False) for i in range(3)]
+    if c.own_embed:
+        out.append(("embed_tokens.weight", ("embed",), (c.vocab_size, H), False))
+    if c.own_lm_head:
+        out.append(("lm_head.weight", ("lm_head",), (c.draft_vocab_size, H), False))
+    return out
+
+
+def _get_attr(module, path):
+    for p in path:
+        module = module[p] if isinstance(p, int) else getattr(module, p)
+    return module
+
+
+def check_d2t(d2t: np.ndarray, vocab_size: int, where: str) -> None:
+    """d2t offsets must map draft ids to distinct target ids inside the target vocabulary."""
+    tgt = np.arange(d2t.shape[0]) + d2t.astype(np.int64)
+    bad = np.flatnonzero((tgt < 0) | (tgt >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{where}: d2t maps draft id {i} to target id {int(tgt[i])}, outside the target "
+                         f"vocabulary [0, {vocab_size})")
+    if np.unique(tgt).size != tgt.size:
+        raise ValueError(f"{where}: d2t maps several draft ids to the same target id")
+
+
+def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = None, *, target=None,
+                dtype=jnp.bfloat16, aux_layer_ids=None, aux_convention: str | None = None,
+                sliding_window: int | None = None) -> Eagle3:
+    """HF EAGLE-3 draft folder -> Eagle3 on the default device.
+
+    target_config: the target's GptOssConfig (or pass `target=`, the GptOss module, which is
+    required when the checkpoint has no `embed_tokens` or no `lm_head`: those are shared with the
+    target, not copied). aux_layer_ids / aux_convention override the checkpoint's; sliding_window
+    bounds the draft's attention (None: full). Raises ValueError naming the problem.
+    """
+    path = os.fspath(path)
+    if target is not None:
+        target_config = target.config
+    if target_config is None:
+        raise ValueError("load_eagle3: pass target_config= (or target=)")
+    tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in stio.open_checkpoint(path).items()}
+    cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else None
+    if cfg_file is None or not os.path.exists(cfg_file):
+        raise ValueError(f"{path}: config.json not found")
+    with open(cfg_file) as f:
+        raw = json.load(f)
+    if "fc.weight" not in tensors:
+        raise ValueError(f"{path}: missing tensor fc.weight (the EAGLE-3 feature projection)")
+    prefix = next((p for p in LAYER_PREFIXES if p + "self_attn.q_proj.weight" in tensors), None)
+    if prefix is None:
+        raise ValueError(f"{path}: missing tensor midlayer.self_attn.q_proj.weight (or layers.0.*)")
+    cfg = config_from_hf(raw, target_config, cfg_file, aux_layer_ids=aux_layer_ids, aux_convention=aux_convention,
+                         has_lm_head="lm_head.weight" in tensors, has_embed="embed_tokens.weight" in tensors,
+                         sliding_window=sliding_window)
+    if (not cfg.own_embed or not cfg.own_lm_head) and target is None:
+        what = "embed_tokens" if not cfg.own_embed else "lm_head"
+        raise ValueError(f"{path}: the draft has no {what}.weight; pass target= to share the target's")
+    fc = tensors["fc.weight"]
+    if tuple(fc.shape) != (cfg.hidden_size, 3 * cfg.target_hidden_size):
+        raise ValueError(f"{fc.file}: fc.weight: expected shape {[cfg.hidden_size, 3 * cfg.target_hidden_size]} "
+                         f"(3 x the target's hidden size {target_config.hidden_size}), found {list(fc.shape)}")
+    own = cfg.replace(own_embed=True, own_lm_head=True)  # abstract shell; shared Params are attached below
+    abstract = nnx.eval_shape(lambda: Eagle3(own, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract.config = cfg
+    if not cfg.own_embed:
+        abstract.embed = target.embed
+    if not cfg.own_lm_head:
+        abstract.lm_head = target.lm_head
+    for key, attr, shape, transpose in _entries(cfg, prefix):
+        var = _get_attr(abstract, attr)
+        a = stio.get(tensors, key, shape, path)
+        a = np.ascontiguousarray(a.T if transpose else a).astype(var.get_value().dtype, copy=False)
+        var.set_value(jax.device_put(a))
+    if cfg.own_lm_head:
+        d2t = stio.get(tensors, "d2t", (cfg.draft_vocab_size,), path, "i") if "d2t" in tensors else \
+            np.zeros(cfg.draft_vocab_size, np.int64)
+        check_d2t(d2t, cfg.vocab_size, tensors["d2t"].file + ": d2t" if "d2t" in tensors else path)
+        if "t2d" in tensors:
+            t2d = stio.get(tensors, "t2d", (cfg.vocab_size,), path, "bu")
+            if not np.array_equal(np.flatnonzero(t2d), np.arange(cfg.draft_vocab_size) + d2t):
+                raise ValueError(f"{tensors['t2d'].file}: t2d does not mark exactly the target ids d2t maps to")
+    else:
+        d2t = np.zeros(cfg.draft_vocab_size, np.int64)
+    abstract.d2t.set_value(jnp.asarray(d2t, jnp.int32))
+    return abstract
+
+
+def save_eagle3(draft: Eagle3, path: str | os.PathLike) -> None:
+    """Writes the SpecForge `LlamaForCausalLMEagle3` layout (config.json + model.safetensors with
+    `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t` int64, `t2d` bool; `embed_tokens` only when the
+    draft owns one). Aux ids are written in the output convention when expressible (input id k is
+    output id k - 1), else as input ids with `eagle_config.aux_layer_convention: "input"`."""
+    c = draft.config
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for key, attr, _, transpose in _entries(c, "midlayer."):
+        a = np.asarray(jax.device_get(_get_attr(draft, attr).get_value()))
+        a = a.T if transpose else a
+        tensors[key] = np.ascontiguousarray(a.astype(np.float32 if a.ndim == 1 else ml_dtypes.bfloat16))
+    d2t = np.asarray(draft.d2t[...]).astype(np.int64)
+    t2d = np.zeros(c.vocab_size, bool)
+    t2d[np.arange(c.draft_vocab_size) + d2t] = True
+    if c.own_lm_head:
+        tensors["d2t"], tensors["t2d"] = d2t, t2d
+    safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    ids, conv = list(c.aux_layer_ids), c.aux_convention
+    if conv == "input" and min(ids) >= 1:
+        ids, conv = [k - 1 for k in ids], "output"
+    eagle = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
+    if conv == "input":
+        eagle["aux_layer_convention"] = "input"
+    cfg = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+               hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+               num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+               head_dim=c.head_dim, vocab_size=c.vocab_size,
+               draft_vocab_size=c.draft_vocab_size if c.own_lm_head else None,
+               target_hidden_size=c.target_hidden_size, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope.theta,
+               rope_scaling=rope_to_hf(c.rope), max_position_embeddings=c.max_position_embeddings,
+               hidden_act="silu", tie_word_embeddings=False, norm_before_fc=c.norm_before_fc, fc_norm=c.fc_norm,
+               norm_output=c.norm_output, norm_before_residual=c.norm_before_residual, eagle_config=eagle,
+               torch_dtype="bfloat16")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)

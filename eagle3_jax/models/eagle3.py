@@ -1,0 +1,157 @@
+"""The EAGLE-3 draft in Flax NNX (REFERENCE.md 5).
+
+Per position t the draft reads the token embedding e = embed(x_{t+1}) and the target features
+f_t (3 target hidden states concatenated): g = fc(f_t) (after `input_norm` over the concat with
+`norm_before_fc`, or one norm per chunk with `fc_norm`); one Llama decoder layer over
+concat(input_layernorm(e), hidden_norm(g)) with residual g (hidden_norm(g) with
+`norm_before_residual`); logits = lm_head(norm(h)) (no norm without `norm_output`) over the draft
+vocabulary, mapped to target ids by `d2t` offsets. The un-normed h is the next draft step's g.
+
+Entry points (traceable under jit):
+  forward(draft, next_tokens, features)        one parallel causal pass -> draft logits [B, T, Vd]
+  project / layer / logits                     the pieces decode composes (cached, tree masks)
+  init_cache, to_target_ids, top_k
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle3_jax.models import kv_cache as kvc
+from eagle3_jax.models import rope
+from eagle3_jax.models.config import Eagle3Config
+from eagle3_jax.models.gpt_oss import F32, RMSNorm, _normal
+from eagle3_jax.pallas.attention import attention
+
+NO_SINK = -1e30  # the draft has no attention sinks: a sink logit that never gets weight
+
+
+class Buffer(nnx.Variable):
+    """Non-trainable state (the d2t offsets)."""
+
+
+class Eagle3(nnx.Module):
+    """Weights in [in, out] layout; lm_head [Vd, H] and embed [V, H] as rows. `embed` / `lm_head`
+    may be the target's own Params (shared, not copied) when the draft has none of its own."""
+
+    def __init__(self, config: Eagle3Config, *, dtype=jnp.bfloat16, rngs: nnx.Rngs, embed=None, lm_head=None):
+        c = config
+        H, Ht, D, Hq, Hkv = c.hidden_size, c.target_hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        self.config, self.dtype = c, dtype
+        if c.own_embed:
+            self.embed = nnx.Param(_normal(rngs, (c.vocab_size, H), 1.0, dtype))
+        elif embed is None:
+            raise ValueError("Eagle3: config.own_embed is False: pass the target's embedding (embed=target.embed)")
+        else:
+            self.embed = embed
+        if c.own_lm_head:
+            self.lm_head = nnx.Param(_normal(rngs, (c.draft_vocab_size, H), H ** -0.5, dtype))
+        elif lm_head is None:
+            raise ValueError("Eagle3: config.own_lm_head is False: pass the target's head (lm_head=target.lm_head)")
+        else:
+            self.lm_head = lm_head
+        self.input_norm = RMSNorm(3 * Ht, c.rms_norm_eps) if c.norm_before_fc else None
+        self.fc_norm = nnx.List([RMSNorm(Ht, c.rms_norm_eps) for _ in range(3)]) if c.fc_norm else None
+        self.fc = nnx.Param(_normal(rngs, (3 * Ht, H), (3 * Ht) ** -0.5, dtype))
+        self.input_layernorm = RMSNorm(H, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, c.rms_norm_eps)
+        self.wq = nnx.Param(_normal(rngs, (2 * H, Hq * D), (2 * H) ** -0.5, dtype))
+        self.wk = nnx.Param(_normal(rngs, (2 * H, Hkv * D), (2 * H) ** -0.5, dtype))
+        self.wv = nnx.Param(_normal(rngs, (2 * H, Hkv * D), (2 * H) ** -0.5, dtype))
+        self.wo = nnx.Param(_normal(rngs, (Hq * D, H), (Hq * D) ** -0.5, dtype))
+        self.gate = nnx.Param(_normal(rngs, (H, c.intermediate_size), H ** -0.5, dtype))
+        self.up = nnx.Param(_normal(rngs, (H, c.intermediate_size), H ** -0.5, dtype))
+        self.down = nnx.Param(_normal(rngs, (c.intermediate_size, H), c.intermediate_size ** -0.5, dtype))
+        self.norm = RMSNorm(H, c.rms_norm_eps)
+        self.d2t = Buffer(jnp.zeros((c.draft_vocab_size,), jnp.int32))
+
+
+def project(draft: Eagle3, features):
+    """Target features [..., 3 * Ht] -> g [..., H]."""
+    x = features.astype(draft.dtype)
+    if draft.input_norm is not None:
+        x = draft.input_norm(x)
+    if draft.fc_norm is not None:
+        x = jnp.concatenate([n(p) for n, p in zip(draft.fc_norm, jnp.split(x, 3, axis=-1))], axis=-1)
+    return x @ draft.fc[...]
+
+
+def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache | None):
+    """The decoder layer. tokens int32 [B, T] (x_{t+1}), g [B, T, H] (fc(f_t) or the previous step's
+    h), positions [B, T], lengths [B] committed draft-cache prefix (new K/V written at slots
+    lengths .. lengths + T - 1), mask packed [B, T, ceil(T/32)] or None (causal).
+    Returns (h [B, T, H] un-normed, cache)."""
+    c = draft.config
+    B, T = tokens.shape
+    Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    g = g.astype(draft.dtype)
+    gn = draft.hidden_norm(g)
+    residual = gn if c.norm_before_residual else g
+    x = jnp.concatenate([draft.input_layernorm(draft.embed[...][tokens]), gn], axis=-1)
+    q = (x @ draft.wq[...]).reshape(B, T, Hq, D)
+    k = (x @ draft.wk[...]).reshape(B, T, Hkv, D)
+    v = (x @ draft.wv[...]).reshape(B, T, Hkv, D)
+    inv_freq, scale = rope.inv_freq_and_scale(c.rope, D, c.max_position_embeddings)
+    cos, sin = rope.cos_sin(positions, inv_freq, scale)
+    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    if cache is None:
+        kc = vc = jnp.zeros((B, Hkv, 0, D), k.dtype)
+    else:
+        kc, vc = cache.k[0], cache.v[0]
+    o = attention(q, k, v, kc, vc, lengths, positions, mask, jnp.full((Hq,), NO_SINK, F32),
+                  window=c.sliding_window, scale=D ** -0.5)
+    h = residual + o.reshape(B, T, Hq * D) @ draft.wo[...]
+    y = draft.post_attention_layernorm(h)
+    h = h + (jax.nn.silu(y @ draft.gate[...]) * (y @ draft.up[...])) @ draft.down[...]
+    if cache is not None:
+        cache = kvc.KVCache(k=(kvc.write(kc, k, lengths),), v=(kvc.write(vc, v, lengths),))
+    return h, cache
+
+
+def logits(draft: Eagle3, h):
+    """h [..., H] -> float32 draft-vocab logits [..., Vd]."""
+    x = draft.norm(h) if draft.config.norm_output else h
+    return jnp.einsum("...h,vh->...v", x, draft.lm_head[...], preferred_element_type=F32)
+
+
+def to_target_ids(draft: Eagle3, draft_ids):
+    """Draft-vocab indices -> target token ids (i + d2t[i])."""
+    return draft_ids + draft.d2t[...][draft_ids]
+
+
+def top_k(draft: Eagle3, draft_logits, k: int):
+    """Top-k in draft space, then mapped: (log-probs f32 [..., k], target ids int32 [..., k])."""
+    logp = jax.nn.log_softmax(draft_logits, axis=-1)
+    vals, idx = jax.lax.top_k(logp, k)
+    return vals, to_target_ids(draft, idx).astype(jnp.int32)
+
+
+def forward(draft: Eagle3, next_tokens, features):
+    """One parallel causal pass from position 0: next_tokens int32 [B, T] (x_{t+1}), features
+    [B, T, 3 * Ht] (f_t) -> draft logits float32 [B, T, Vd]."""
+    next_tokens = jnp.asarray(next_tokens, jnp.int32)
+    B, T = next_tokens.shape
+    if features.shape[-1] != 3 * draft.config.target_hidden_size:
+        raise ValueError(f"features: last dim {features.shape[-1]}, expected 3 * target_hidden_size = "
+                         f"{3 * draft.config.target_hidden_size}")
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    h, _ = layer(draft, next_tokens, project(draft, features), positions, jnp.zeros((B,), jnp.int32), None, None)
+    return logits(draft, h)
+
+
+def init_cache(draft: Eagle3, batch: int, max_len: int) -> kvc.KVCache:
+    c = draft.config
+    return kvc.init(1, batch, max_len, c.num_key_value_heads, c.head_dim, draft.dtype)
+
+
+def random_eagle3(config: Eagle3Config, seed: int = 0, dtype=jnp.bfloat16, *, target=None):
+    """Random draft (d2t maps draft index i to target id i), on the default device. Without its own
+    embedding or head it shares the given target's."""
+    if (not config.own_embed or not config.own_lm_head) and target is None:
+        raise ValueError("random_eagle3: the config shares the target's embedding or head: pass target=")
+    return Eagle3(config, dtype=dtype, rngs=nnx.Rngs(seed),
+                  embed=None if config.own_embed else target.embed,
+                  lm_head=None if config.own_lm_head else target.lm_head)
