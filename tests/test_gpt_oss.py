@@ -92,7 +92,7 @@ def test_tree_step_matches_reference_paths(ckpt):
         prompts[b, :n] = rng.integers(0, 120, n)
     cache = gpt_oss.init_cache(model, 2, 32)
     cache = jax.tree.map(lambda a: a + 1e4, cache)  # poison: any read of scratch shows
-    cache, _ = gpt_oss.prefill(model, cache, jnp.asarray(prompts), jnp.asarray(lens), chunk=8)
+    cache, _, _ = gpt_oss.prefill(model, cache, jnp.asarray(prompts), jnp.asarray(lens), chunk=8)
     tree_tokens = rng.integers(0, 120, (2, N))
     positions = lens[:, None] + depth[None]
     mask = pack(np.broadcast_to(anc, (2, N, N)))

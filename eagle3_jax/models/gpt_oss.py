@@ -326,12 +326,12 @@ def step(model: GptOss, cache: kvc.KVCache, tokens, positions, lengths, mask=Non
     return logits(model, h), feats, cache
 
 
-def prefill(model: GptOss, cache: kvc.KVCache, tokens, prompt_lengths, *, chunk: int):
+def prefill(model: GptOss, cache: kvc.KVCache, tokens, prompt_lengths, *, chunk: int, feature_ids=()):
     """Chunked prefill of right-padded prompts tokens int32 [B, P] (P a multiple of `chunk`).
 
     Runs ceil(max(prompt_lengths) / chunk) causal chunks (a `fori_loop`, so prompt lengths do not
-    recompile); padding writes only scratch slots. Returns (cache, hidden of each prompt's last
-    token, final-normed [B, H]).
+    recompile); padding writes only scratch slots. Returns (cache, final-normed hidden of each
+    prompt's last token [B, H], features [B, P, len(feature_ids) * H] of every position, or None).
     """
     B, P = tokens.shape
     if P % chunk:
@@ -340,17 +340,20 @@ def prefill(model: GptOss, cache: kvc.KVCache, tokens, prompt_lengths, *, chunk:
     last = prompt_lengths - 1
 
     def body(c, carry):
-        cache, h_last = carry
+        cache, h_last, feats = carry
         start = c * chunk
         toks = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
         pos = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
-        h, _, cache = run_layers(model, toks, pos, jnp.full((B,), start, jnp.int32), None, cache)
+        h, f, cache = run_layers(model, toks, pos, jnp.full((B,), start, jnp.int32), None, cache, feature_ids)
         here = (last >= start) & (last < start + chunk)
         pick = jnp.take_along_axis(h, jnp.clip(last - start, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
-        return cache, jnp.where(here[:, None], pick, h_last)
+        if feature_ids:
+            feats = jax.lax.dynamic_update_slice_in_dim(feats, f, start, axis=1)
+        return cache, jnp.where(here[:, None], pick, h_last), feats
 
-    h0 = jnp.zeros((B, model.config.hidden_size), model.dtype)
-    return jax.lax.fori_loop(0, n_chunks, body, (cache, h0))
+    H = model.config.hidden_size
+    feats = jnp.zeros((B, P, len(feature_ids) * H), model.dtype) if feature_ids else None
+    return jax.lax.fori_loop(0, n_chunks, body, (cache, jnp.zeros((B, H), model.dtype), feats))
 
 
 def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16) -> GptOss:

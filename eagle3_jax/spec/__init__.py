@@ -1,4 +1,4 @@
 """Speculative decoding and the baseline generator."""
-from eagle3_jax.spec.decode import Output, generate
+from eagle3_jax.spec.decode import Output, decode, generate
 
-__all__ = ["Output", "generate"]
+__all__ = ["Output", "decode", "generate"]

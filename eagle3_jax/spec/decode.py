@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax.models import gpt_oss
+from eagle3_jax.models import eagle3, gpt_oss
+from eagle3_jax.spec.step import step as step_fn
 
 PREFILL_CHUNK = 256
 LENGTH_BUCKET = 256
@@ -46,17 +47,19 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[
     return out
 
 
-def plan_lengths(config, prompts, max_new_tokens: int, chunk: int, max_cache_len: int | None):
-    """(padded prompt length, cache slots, output slots); raises if a prompt plus its budget does not fit."""
+def plan_lengths(config, prompts, max_new_tokens: int, chunk: int, max_cache_len: int | None, slack: int = 0):
+    """(padded prompt length, cache slots, output slots); raises if a prompt plus its budget (plus
+    `slack` scratch slots a speculative step writes past the length) does not fit."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
     longest = max(len(p) for p in prompts)
-    need = longest + max_new_tokens
+    need = longest + max_new_tokens + slack
     limit = config.max_position_embeddings if max_cache_len is None else max_cache_len
     if need > limit:
         what = "max_cache_len" if max_cache_len is not None else "max_position_embeddings"
-        raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} = {need} does not fit "
-                         f"{what}={limit}")
+        extra = f" + {slack} speculative scratch slots" if slack else ""
+        raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens}{extra} = {need} does not "
+                         f"fit {what}={limit}")
     return _round_up(longest, chunk), _round_up(need, LENGTH_BUCKET), _round_up(max_new_tokens, LENGTH_BUCKET)
 
 
@@ -74,13 +77,20 @@ def sample(logits, key, temperature, greedy: bool):
     return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
 
 
+def _eos_array(cfg, eos_ids):
+    eos = np.array(cfg.eos_token_ids if eos_ids is None else list(eos_ids), np.int32).reshape(-1)
+    if eos.size and (eos.min() < 0 or eos.max() >= cfg.vocab_size):
+        raise ValueError(f"eos_ids: {eos.tolist()} has ids outside the vocabulary [0, {cfg.vocab_size})")
+    return eos if eos.size else np.array([-1], np.int32)
+
+
 def _generate_loop(graphdef, state, tokens, prompt_lengths, budget, eos_ids, temperature, key, *,
                    cache_len: int, out_len: int, chunk: int, greedy: bool):
     model = nnx.merge(graphdef, state)
     B = tokens.shape[0]
     cache = gpt_oss.init_cache(model, B, cache_len)
     with jax.named_scope("prefill"):
-        cache, h_last = gpt_oss.prefill(model, cache, tokens, prompt_lengths, chunk=chunk)
+        cache, h_last, _ = gpt_oss.prefill(model, cache, tokens, prompt_lengths, chunk=chunk)
     first = sample(gpt_oss.logits(model, h_last), jax.random.fold_in(key, 0), temperature, greedy)
 
     def finished(tok, n_out):
@@ -136,11 +146,7 @@ def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: 
     prompts = validate_prompts(prompts, cfg.vocab_size)
     if temperature < 0:
         raise ValueError(f"temperature: must be >= 0, got {temperature}")
-    eos = np.array(cfg.eos_token_ids if eos_ids is None else list(eos_ids), np.int32).reshape(-1)
-    if eos.size and (eos.min() < 0 or eos.max() >= cfg.vocab_size):
-        raise ValueError(f"eos_ids: {eos.tolist()} has ids outside the vocabulary [0, {cfg.vocab_size})")
-    if eos.size == 0:
-        eos = np.array([-1], np.int32)
+    eos = _eos_array(cfg, eos_ids)
     padded, cache_len, out_len = plan_lengths(cfg, prompts, max_new_tokens, prefill_chunk, max_cache_len)
     tokens, lengths = pad_prompts(prompts, padded)
     graphdef, state = nnx.split(target)
@@ -156,3 +162,153 @@ def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: 
     total = int(n_out.sum())
     return Output(toks, dict(steps=int(steps), generated_tokens=total, seconds=seconds, compile_seconds=compile_s,
                              tokens_per_second=total / seconds if seconds > 0 else float("inf")))
+
+
+def _check_pair(target, draft):
+    tc, dc = target.config, draft.config
+    problems = []
+    if dc.vocab_size != tc.vocab_size:
+        problems.append(f"draft vocab_size {dc.vocab_size} != target vocab_size {tc.vocab_size}")
+    if dc.target_hidden_size != tc.hidden_size:
+        problems.append(f"draft target_hidden_size {dc.target_hidden_size} != target hidden_size {tc.hidden_size}")
+    if dc.target_num_layers != tc.num_hidden_layers:
+        problems.append(f"draft was made for a {dc.target_num_layers}-layer target, this one has "
+                        f"{tc.num_hidden_layers}")
+    if dc.hidden_size != draft.embed[...].shape[1]:
+        problems.append("draft embedding width does not match its hidden_size")
+    if problems:
+        raise ValueError("draft incompatible with the target: " + "; ".join(problems))
+
+
+def _decode_loop(graphdef, state, tokens, prompt_lengths, budget, eos_ids, temperature, key, *,
+                 cache_len: int, out_len: int, chunk: int, greedy: bool, depth: int, topk: int, num_nodes: int):
+    target, draft = nnx.merge(graphdef, state)
+    B, P = tokens.shape
+    fids = draft.config.feature_layers
+    tcache = gpt_oss.init_cache(target, B, cache_len)
+    dcache = eagle3.init_cache(draft, B, cache_len)
+    with jax.named_scope("prefill"):
+        tcache, h_last, feats = gpt_oss.prefill(target, tcache, tokens, prompt_lengths, chunk=chunk, feature_ids=fids)
+        first = sample(gpt_oss.logits(target, h_last), jax.random.fold_in(key, 0), temperature, greedy)
+        # the draft reads (x_{t+1}, f_t): the prompt shifted left, the first token after the last position
+        nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], 1)
+        nxt = nxt.at[jnp.arange(B), prompt_lengths - 1].set(first)
+        dcache, h_root = _draft_prefill(draft, dcache, nxt, feats, prompt_lengths, chunk)
+
+    def finished(tok, n_out):
+        return jnp.isin(tok, eos_ids) | (n_out >= budget)
+
+    out = jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(first)
+    n_out = jnp.ones((B,), jnp.int32)
+    W = depth + 1
+    init = dict(tcache=tcache, dcache=dcache, lengths=prompt_lengths, root=first, h_root=h_root, out=out, n_out=n_out,
+                done=finished(first, n_out), steps=jnp.zeros((), jnp.int32),
+                m=dict(slot_steps=jnp.zeros((), jnp.int32), committed=jnp.zeros((), jnp.int32),
+                       accepted=jnp.zeros((), jnp.int32), hist=jnp.zeros((W,), jnp.int32)))
+
+    def body(s):
+        active = ~s["done"]
+        new, acc, committed, count = step_fn(target, draft, s, depth=depth, topk=topk, num_nodes=num_nodes,
+                                             feature_ids=fids, greedy=greedy, temperature=temperature,
+                                             key=jax.random.fold_in(key, s["steps"] + 1))
+        j = jnp.arange(W)[None]
+        # cut at the first eos and at the token budget
+        is_eos = jnp.isin(committed, eos_ids) & (j < count[:, None])
+        first_eos = jnp.min(jnp.where(is_eos, j, W), axis=1)
+        count = jnp.minimum(jnp.minimum(count, first_eos + 1), budget - s["n_out"])
+        count = jnp.where(active, count, 0)
+        cols = jnp.where(j < count[:, None], s["n_out"][:, None] + j, out_len)
+        out = s["out"].at[jnp.arange(B)[:, None], cols].set(committed, mode="drop")
+        n_out = s["n_out"] + count
+        full = new["lengths"] + num_nodes + depth + 1 > cache_len
+        done = s["done"] | (active & ((first_eos < W) | (n_out >= budget) | full))
+        keep = lambda a, b: jnp.where(active.reshape((B,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
+        upd = {k: keep(new[k], s[k]) for k in ("lengths", "root", "h_root")}
+        m = s["m"]
+        m = dict(slot_steps=m["slot_steps"] + active.sum(), committed=m["committed"] + count.sum(),
+                 accepted=m["accepted"] + jnp.where(active, acc, 0).sum(),
+                 hist=m["hist"] + jnp.zeros((W,), jnp.int32).at[acc].add(active.astype(jnp.int32)))
+        return dict(s, tcache=new["tcache"], dcache=new["dcache"], out=out, n_out=n_out, done=done,
+                    steps=s["steps"] + 1, m=m, **upd)
+
+    final = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), body, init)
+    return final["out"], final["n_out"], final["steps"], final["m"]
+
+
+def _draft_prefill(draft, dcache, next_tokens, feats, prompt_lengths, chunk: int):
+    """Chunked draft prefill over (x_{t+1}, f_t), t < prompt length. Returns (cache, h at the last
+    prompt position [B, H])."""
+    B, P = next_tokens.shape
+    n_chunks = (jnp.max(prompt_lengths) + chunk - 1) // chunk
+    last = prompt_lengths - 1
+
+    def body(c, carry):
+        cache, h_last = carry
+        start = c * chunk
+        toks = jax.lax.dynamic_slice_in_dim(next_tokens, start, chunk, axis=1)
+        f = jax.lax.dynamic_slice_in_dim(feats, start, chunk, axis=1)
+        pos = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+        h, cache = eagle3.layer(draft, toks, eagle3.project(draft, f), pos, jnp.full((B,), start, jnp.int32), None,
+                                cache)
+        here = (last >= start) & (last < start + chunk)
+        pick = jnp.take_along_axis(h, jnp.clip(last - start, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+        return cache, jnp.where(here[:, None], pick, h_last)
+
+    return jax.lax.fori_loop(0, n_chunks, body, (dcache, jnp.zeros((B, draft.config.hidden_size), draft.dtype)))
+
+
+def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens: int, num_spec_tokens: int = 3,
+           topk: int = 1, num_draft_tokens: int | None = None, temperature: float = 0.0,
+           eos_ids: Sequence[int] | None = None, seed: int = 0, *, max_cache_len: int | None = None,
+           prefill_chunk: int = PREFILL_CHUNK) -> Output:
+    """EAGLE-3 speculative decoding; lossless against `generate` (greedy: token for token).
+
+    num_spec_tokens: draft depth; topk: children per expanded node (1 = chain); num_draft_tokens:
+    tree nodes N including the root (default: num_spec_tokens + 1 for a chain; required <=
+    1 + topk + (depth - 1) * topk^2 for a tree). Output as `generate`, with acceptance metrics.
+    """
+    cfg = target.config
+    _check_pair(target, draft)
+    if num_spec_tokens < 1:
+        raise ValueError(f"num_spec_tokens: must be >= 1, got {num_spec_tokens}")
+    if topk < 1:
+        raise ValueError(f"topk: must be >= 1, got {topk}")
+    if topk > draft.config.draft_vocab_size:
+        raise ValueError(f"topk: {topk} > draft vocabulary size {draft.config.draft_vocab_size}")
+    most = 1 + topk + (num_spec_tokens - 1) * topk * topk
+    if num_draft_tokens is None:
+        num_draft_tokens = num_spec_tokens + 1 if topk == 1 else min(most, 2 * num_spec_tokens + 2)
+    if not 2 <= num_draft_tokens <= most:
+        raise ValueError(f"num_draft_tokens: {num_draft_tokens} outside [2, {most}] for depth {num_spec_tokens}, "
+                         f"topk {topk}")
+    prompts = validate_prompts(prompts, cfg.vocab_size)
+    if temperature < 0:
+        raise ValueError(f"temperature: must be >= 0, got {temperature}")
+    eos = _eos_array(cfg, eos_ids)
+    slack = num_draft_tokens + num_spec_tokens + 1  # verify writes N slots, rewind depth + 1 past the length
+    padded, cache_len, out_len = plan_lengths(cfg, prompts, max_new_tokens, prefill_chunk, max_cache_len, slack)
+    tokens, lengths = pad_prompts(prompts, padded)
+    graphdef, state = nnx.split((target, draft))
+    args = (state, tokens, lengths, np.int32(max_new_tokens), eos, np.float32(max(temperature, 1e-6)),
+            jax.random.key(seed))
+    static = dict(cache_len=cache_len, out_len=out_len, chunk=prefill_chunk, greedy=temperature == 0,
+                  depth=num_spec_tokens, topk=topk, num_nodes=num_draft_tokens)
+    exe, compile_s = compiled(_decode_loop, static, graphdef, *args)
+    t0 = time.perf_counter()
+    out, n_out, steps, m = jax.block_until_ready(exe(*args))
+    seconds = time.perf_counter() - t0
+    out, n_out, m = np.asarray(out), np.asarray(n_out), jax.tree.map(np.asarray, m)
+    toks = [out[b, :n_out[b]].tolist() for b in range(len(prompts))]
+    total = int(n_out.sum())
+    slot_steps = max(int(m["slot_steps"]), 1)
+    hist = m["hist"].astype(int)
+    at_least = np.cumsum(hist[::-1])[::-1]  # at_least[i] = slot-steps with accept_len >= i
+    metrics = dict(
+        steps=int(steps), slot_steps=int(m["slot_steps"]), generated_tokens=total, seconds=seconds,
+        compile_seconds=compile_s, tokens_per_second=total / seconds if seconds > 0 else float("inf"),
+        mean_accept_length=int(m["committed"]) / slot_steps,
+        accept_rate=int(m["accepted"]) / (slot_steps * num_spec_tokens),
+        accept_rate_per_position=(at_least[1:] / slot_steps).tolist(),
+        accept_length_histogram=hist.tolist(), frac_steps_ge2=float(at_least[1] / slot_steps) if len(hist) > 1 else 0.0,
+        num_spec_tokens=num_spec_tokens, topk=topk, num_draft_tokens=num_draft_tokens)
+    return Output(toks, metrics)
