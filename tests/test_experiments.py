@@ -29,3 +29,15 @@ def test_bench_baseline_writes_json(tmp_path):
               "param_bytes", "memory_after_run"):
         assert k in r
     assert r["seconds_per_generated_token"] > 0 and r["preset"] == "tiny"
+
+
+def test_bench_step_writes_json(tmp_path):
+    path = tmp_path / "s.json"
+    run("bench_step.py", "--preset", "tiny", "--context", "24", "--iters", "2", "--batch", "1", "--shapes",
+        "chain2,tree2x2n4", "--out", str(path))
+    r = json.loads(path.read_text())
+    assert r["recompile_check"]["second_call_compile_seconds"] == 0.0
+    assert {row["topk"] for row in r["rows"]} == {1, 2}
+    for row in r["rows"]:
+        assert row["seconds"]["step"] > 0 and row["sum_of_parts"] > 0
+        assert set(row["seconds"]) >= {"step", "draft", "verify", "accept", "extend"}
