@@ -15,9 +15,14 @@ def run(script, *args):
     return r.stdout
 
 
-def test_decode_main_job_on_embedded_default():
-    out = run("decode.py", "--prompt", "5,6,7", "--max_new_tokens", "4", "--dtype", "float32")
-    assert "output: [" in out and "4 tokens in" in out
+def test_decode_main_job_on_embedded_default(tmp_path):
+    path = tmp_path / "d.json"
+    out = run("decode.py", "--prompt", "5,6,7", "--prompt", "9,9", "--max_new_tokens", "5", "--dtype", "float32",
+              "--json_out", str(path))
+    assert "output: [" in out and "outputs identical: True" in out
+    r = json.loads(path.read_text())
+    assert r["decode"]["tokens"] == r["baseline"]["tokens"] and all(len(t) == 5 for t in r["decode"]["tokens"])
+    assert r["decode"]["metrics"]["mean_accept_length"] >= 1.0
 
 
 def test_bench_baseline_writes_json(tmp_path):
