@@ -1,4 +1,6 @@
 """Checkpoint converters: Hugging Face layouts <-> this library's modules."""
+from eagle3_jax.convert import frspec
+from eagle3_jax.convert.frspec import coverage, restrict_head, select_draft_vocab, token_frequencies
 from eagle3_jax.convert.hf_eagle3 import load_eagle3, save_eagle3
 from eagle3_jax.convert.hf_gpt_oss import (load_gpt_oss, restore_checkpoint, save_checkpoint,
                                            save_gpt_oss)
@@ -6,4 +8,5 @@ from eagle3_jax.models.eagle3 import random_eagle3
 from eagle3_jax.models.gpt_oss import random_gpt_oss
 
 __all__ = ["load_gpt_oss", "save_gpt_oss", "save_checkpoint", "restore_checkpoint", "random_gpt_oss",
-           "load_eagle3", "save_eagle3", "random_eagle3"]
+           "load_eagle3", "save_eagle3", "random_eagle3", "frspec", "token_frequencies", "select_draft_vocab",
+           "coverage", "restrict_head"]

@@ -14,7 +14,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import safetensors.numpy
 from flax import nnx
@@ -55,8 +54,8 @@ def config_from_hf(cfg: dict, target_config: GptOssConfig, where: str = "config.
         raise ValueError(f"{where}: target_hidden_size {Ht} does not match the target's hidden_size "
                          f"{target_config.hidden_size}")
     dv = cfg.get("draft_vocab_size")
-    own_head = has_lm_head and dv is not None
-    if dv is not None and not has_lm_head:
+    own_head = has_lm_head  # an lm_head without draft_vocab_size is a full-vocab head of the draft's own
+    if dv is not None and dv != V and not has_lm_head:
         raise ValueError(f"{where}: draft_vocab_size is {dv} but the checkpoint has no lm_head.weight (use "
                          "frspec.restrict_head to build a head from the target's rows)")
     ids = aux_layer_ids or eagle.get("eagle_aux_hidden_state_layer_ids") or cfg.get(
@@ -68,7 +67,8 @@ def config_from_hf(cfg: dict, target_config: GptOssConfig, where: str = "config.
         return Eagle3Config(
             hidden_size=H, intermediate_size=cfg.get("intermediate_size"), num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or H // heads, vocab_size=V, draft_vocab_size=dv if own_head else V,
+            head_dim=cfg.get("head_dim") or H // heads, vocab_size=V,
+            draft_vocab_size=dv if own_head and dv is not None else V,
             target_hidden_size=Ht, aux_layer_ids=tuple(ids), aux_convention=conv, target_num_layers=L,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope=rope_from_hf({"rope_theta": 10000.0, **cfg}, where),
             max_position_embeddings=cfg.get("max_position_embeddings", target_config.max_position_embeddings),
@@ -151,9 +151,13 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
     cfg = config_from_hf(raw, target_config, cfg_file, aux_layer_ids=aux_layer_ids, aux_convention=aux_convention,
                          has_lm_head="lm_head.weight" in tensors, has_embed="embed_tokens.weight" in tensors,
                          sliding_window=sliding_window)
-    if (not cfg.own_embed or not cfg.own_lm_head) and target is None:
+    if not cfg.own_embed or not cfg.own_lm_head:
         what = "embed_tokens" if not cfg.own_embed else "lm_head"
-        raise ValueError(f"{path}: the draft has no {what}.weight; pass target= to share the target's")
+        if target is None:
+            raise ValueError(f"{path}: the draft has no {what}.weight; pass target= to share the target's")
+        if cfg.hidden_size != target_config.hidden_size:
+            raise ValueError(f"{path}: the draft has no {what}.weight, and the target's (width "
+                             f"{target_config.hidden_size}) does not fit its hidden_size {cfg.hidden_size}")
     fc = tensors["fc.weight"]
     if tuple(fc.shape) != (cfg.hidden_size, 3 * cfg.target_hidden_size):
         raise ValueError(f"{fc.file}: fc.weight: expected shape {[cfg.hidden_size, 3 * cfg.target_hidden_size]} "
@@ -176,7 +180,7 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
         check_d2t(d2t, cfg.vocab_size, tensors["d2t"].file + ": d2t" if "d2t" in tensors else path)
         if "t2d" in tensors:
             t2d = stio.get(tensors, "t2d", (cfg.vocab_size,), path, "bu")
-            if not np.array_equal(np.flatnonzero(t2d), np.arange(cfg.draft_vocab_size) + d2t):
+            if not np.array_equal(np.flatnonzero(t2d), np.sort(np.arange(cfg.draft_vocab_size) + d2t)):
                 raise ValueError(f"{tensors['t2d'].file}: t2d does not mark exactly the target ids d2t maps to")
     else:
         d2t = np.zeros(cfg.draft_vocab_size, np.int64)
@@ -187,26 +191,24 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
 def save_eagle3(draft: Eagle3, path: str | os.PathLike) -> None:
     """Writes the SpecForge `LlamaForCausalLMEagle3` layout (config.json + model.safetensors with
     `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t` int64, `t2d` bool; `embed_tokens` only when the
-    draft owns one). Aux ids are written in the output convention when expressible (input id k is
-    output id k - 1), else as input ids with `eagle_config.aux_layer_convention: "input"`."""
+    draft owns one; matrices in the draft's dtype, norms float32, so save -> load is lossless).
+    Aux ids keep the checkpoint's own spelling (what each serving stack already does with the
+    original); input-convention drafts also get `eagle_config.aux_layer_convention: "input"`."""
     c = draft.config
     os.makedirs(path, exist_ok=True)
     tensors = {}
     for key, attr, _, transpose in _entries(c, "midlayer."):
         a = np.asarray(jax.device_get(_get_attr(draft, attr).get_value()))
         a = a.T if transpose else a
-        tensors[key] = np.ascontiguousarray(a.astype(np.float32 if a.ndim == 1 else ml_dtypes.bfloat16))
+        tensors[key] = np.ascontiguousarray(a.astype(np.float32) if a.ndim == 1 else a)  # matrices keep their dtype
     d2t = np.asarray(draft.d2t[...]).astype(np.int64)
     t2d = np.zeros(c.vocab_size, bool)
     t2d[np.arange(c.draft_vocab_size) + d2t] = True
     if c.own_lm_head:
         tensors["d2t"], tensors["t2d"] = d2t, t2d
     safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    ids, conv = list(c.aux_layer_ids), c.aux_convention
-    if conv == "input" and min(ids) >= 1:
-        ids, conv = [k - 1 for k in ids], "output"
-    eagle = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
-    if conv == "input":
+    eagle = {"eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids), "use_aux_hidden_state": True}
+    if c.aux_convention == "input":
         eagle["aux_layer_convention"] = "input"
     cfg = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
                hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -217,6 +219,6 @@ def save_eagle3(draft: Eagle3, path: str | os.PathLike) -> None:
                rope_scaling=rope_to_hf(c.rope), max_position_embeddings=c.max_position_embeddings,
                hidden_act="silu", tie_word_embeddings=False, norm_before_fc=c.norm_before_fc, fc_norm=c.fc_norm,
                norm_output=c.norm_output, norm_before_residual=c.norm_before_residual, eagle_config=eagle,
-               torch_dtype="bfloat16")
+               torch_dtype=np.dtype(draft.dtype).name)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)

@@ -1,0 +1,141 @@
+"""Frequency-ranked draft vocabularies (FR-Spec) for EAGLE-3 drafts, for notebooks.
+
+    counts = token_frequencies(corpus_ids, target.config.vocab_size)   # int64 [V]
+    ids = select_draft_vocab(counts, 32000)                            # sorted target ids [k]
+    coverage(counts, ids)                                              # share of tokens inside ids
+    small = restrict_head(draft, ids, source="target", target=target)  # k-row head, d2t recomputed
+    save_eagle3(small, "out/")                                         # a standard EAGLE-3 checkpoint
+
+The draft head of a restricted draft scores only its k ids; `eagle3.top_k` / `to_target_ids` map
+draft indices back to target ids (draft index i -> target id ids[i] = i + d2t[i]).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle3_jax.models.eagle3 import Eagle3
+
+__all__ = ["token_frequencies", "select_draft_vocab", "coverage", "restrict_head"]
+
+
+def _int_array(a, what: str) -> np.ndarray:
+    a = np.asarray(a)
+    if a.size == 0:
+        return a.reshape(-1).astype(np.int64)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{what}: expected integer token ids, got dtype {a.dtype}")
+    return a.reshape(-1).astype(np.int64)
+
+
+def token_frequencies(ids, vocab_size: int) -> np.ndarray:
+    """Token counts over a corpus.
+
+    ids: integer array of any shape, or a list of (ragged) lists / arrays of token ids.
+    Returns int64 [vocab_size]: counts[t] = occurrences of token t. Ids outside [0, vocab_size)
+    raise ValueError.
+    """
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size: must be positive, got {vocab_size}")
+    if isinstance(ids, (list, tuple)):
+        parts = [_int_array(s, "ids") for s in ids]
+        flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    else:
+        flat = _int_array(ids, "ids")
+    bad = np.flatnonzero((flat < 0) | (flat >= vocab_size))
+    if bad.size:
+        raise ValueError(f"ids: token id {int(flat[bad[0]])} outside the vocabulary [0, {vocab_size})")
+    return np.bincount(flat, minlength=vocab_size).astype(np.int64)
+
+
+def select_draft_vocab(counts, k: int) -> np.ndarray:
+    """The k most frequent target ids, sorted ascending: int64 [k].
+
+    counts: [V] token counts (token_frequencies). Ranked by count, ties broken by the lower id;
+    when fewer than k ids were seen, the lowest unseen ids fill the rest. k outside [1, V] raises.
+    """
+    counts = np.asarray(counts)
+    if counts.ndim != 1:
+        raise ValueError(f"counts: expected shape [V], got {list(counts.shape)}")
+    V = counts.shape[0]
+    if not 1 <= k <= V:
+        raise ValueError(f"k: {k} outside [1, {V}] (the vocabulary has {V} ids)")
+    order = np.lexsort((np.arange(V), -counts.astype(np.int64)))  # last key first: count desc, then id
+    return np.sort(order[:k]).astype(np.int64)
+
+
+def coverage(counts, ids) -> float:
+    """Fraction of all counted tokens whose id is in `ids` (duplicates count once)."""
+    counts = np.asarray(counts)
+    total = counts.sum()
+    if total <= 0:
+        raise ValueError("counts: no tokens counted")
+    ids = np.unique(_int_array(ids, "ids"))
+    if ids.size and (ids[0] < 0 or ids[-1] >= counts.shape[0]):
+        raise ValueError(f"ids: outside the vocabulary [0, {counts.shape[0]})")
+    return float(counts[ids].sum() / total)
+
+
+def _get(module, path):
+    for p in path:
+        module = module[p] if isinstance(p, int) else getattr(module, p)
+    return module
+
+
+def restrict_head(draft: Eagle3, ids, source: str = "draft", target=None) -> Eagle3:
+    """A new draft whose head scores only the target ids `ids` (k of them, sorted on the way in).
+
+    source "draft": rows gathered from the draft's own head; every id must be in its current
+    vocabulary (re-ranking a reduced vocab to a smaller k). source "target": rows gathered from
+    the target's lm_head [V, H] (`target`, a GptOss; a draft that already uses the target's head
+    may omit it). The result has draft_vocab_size k, its own lm_head [k, H] and d2t[i] = ids[i] - i;
+    every other weight is the same array (an embedding shared with the target stays shared).
+    """
+    c = draft.config
+    ids = _int_array(ids, "ids")
+    if ids.size == 0:
+        raise ValueError("ids: empty draft vocabulary")
+    ids = np.sort(ids)
+    if np.any(ids[1:] == ids[:-1]):
+        raise ValueError(f"ids: duplicate target id {int(ids[1:][ids[1:] == ids[:-1]][0])}")
+    if ids[0] < 0 or ids[-1] >= c.vocab_size:
+        raise ValueError(f"ids: outside the target vocabulary [0, {c.vocab_size})")
+    if source == "draft":
+        current = np.arange(c.draft_vocab_size) + np.asarray(draft.d2t[...]).astype(np.int64)
+        where = {int(t): i for i, t in enumerate(current)}
+        missing = [int(t) for t in ids if int(t) not in where]
+        if missing:
+            raise ValueError(f"ids: {len(missing)} ids are not in the draft's vocabulary of {c.draft_vocab_size} "
+                             f"(first: {missing[:5]}); use source='target' to take rows from the target's lm_head")
+        head = draft.lm_head[...][np.asarray([where[int(t)] for t in ids])]
+    elif source == "target":
+        if target is not None:
+            full = target.lm_head
+        elif not c.own_lm_head:
+            full = draft.lm_head  # the draft already uses the target's head
+        else:
+            raise ValueError("restrict_head: source='target' needs target= (the GptOss whose lm_head to use)")
+        if tuple(full.shape) != (c.vocab_size, c.hidden_size):
+            raise ValueError(f"target lm_head: shape {list(full.shape)}, expected {[c.vocab_size, c.hidden_size]} "
+                             "(the target's vocab x the draft's hidden size)")
+        head = full[...][ids]
+    else:
+        raise ValueError(f"source: {source!r}, expected 'draft' or 'target'")
+
+    k = int(ids.size)
+    cfg = c.replace(draft_vocab_size=k, own_lm_head=True)
+    new = nnx.eval_shape(lambda: Eagle3(cfg.replace(own_embed=True), dtype=draft.dtype, rngs=nnx.Rngs(0)))
+    new.config = cfg
+    for path, var in nnx.to_flat_state(nnx.state(draft)):
+        if path[0] in ("embed", "lm_head", "d2t"):
+            continue
+        _get(new, path).set_value(var.get_value())
+    if c.own_embed:
+        new.embed.set_value(draft.embed.get_value())
+    else:
+        new.embed = draft.embed
+    new.lm_head.set_value(head.astype(draft.dtype))
+    new.d2t.set_value(jnp.asarray(ids - np.arange(k), jnp.int32))
+    return new
