@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 
 def run(script, *args):
@@ -46,3 +47,22 @@ def test_bench_step_writes_json(tmp_path):
     for row in r["rows"]:
         assert row["seconds"]["step"] > 0 and row["sum_of_parts"] > 0
         assert set(row["seconds"]) >= {"step", "draft", "verify", "accept", "extend"}
+
+
+def test_bench_and_gates(tmp_path):
+    path = tmp_path / "b.json"
+    run("bench.py", "--preset", "tiny", "--scenarios", "gates,sweep,stress", "--sweep_shapes", "chain2,tree2x2n4",
+        "--sweep_context", "48", "--iters", "1", "--copy_bytes", "1000000", "--out", str(path))
+    r = json.loads(path.read_text())
+    names = [x["name"] for x in r["scenarios"]]
+    assert names.count("sweep") == 2 and "single-32k" in names and "batch4-16k" in names and "stress" in names
+    gate = next(x for x in r["scenarios"] if x["name"] == "single-32k")
+    assert set(gate["step_seconds"]) == {"step", "draft", "verify", "accept_rewind", "extend"}
+    assert gate["bytes"]["step"] > gate["bytes"]["baseline"] > 0 and "3.22" in gate["projected_speedup"]
+    stress = next(x for x in r["scenarios"] if x["name"] == "stress")
+    assert len(stress["lengths"]) == 16 and min(stress["lengths"]) < 64  # early eos ended some slots
+    g = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "gates.py"), "--results", str(path)],
+                       capture_output=True, text=True, timeout=120)
+    assert g.returncode in (0, 1) and "single-32k chain3" in g.stdout and "byte roofline allows" in g.stdout
+    passed = all(x["projected"] >= x["need"] for x in __import__("gates").evaluate(r) if not x.get("missing"))
+    assert g.returncode == (0 if passed else 1)

@@ -1,0 +1,148 @@
+"""gpt-oss-120b speculative-step benchmark against the byte roofline and the baseline, one process.
+
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python experiments/bench.py --scenarios single,gates \
+      --out experiments/results/bench_gpt-oss-120b_h200.json --plot experiments/results/bench.png
+
+Random packed gpt-oss-120b and a random draft of the published EAGLE-3 shape (hidden 2880, MLP
+17280, draft vocab 32000): acceptance is meaningless, so each scenario reports the baseline time
+per token, the speculative step split into draft / verify / accept+rewind / extend, the byte
+roofline of each (experiments/roofline.py, at the copy bandwidth measured in this run), and the
+projected speedup tau * T_base / T_step for the published gpt-oss-120b tau (2.29, 2.68, 3.22 at 3
+draft tokens) and, with --tau_trained, a measured one.
+
+Scenarios: single (B=1, 1K), gates (B=1 32K and B=4 16K, chain3: what gates.py reads), batch (B=4,
+1K), large (B=1 at --large_contexts), sweep (B=1 at --sweep_context over chains 1..5 and trees),
+stress (decode() end to end, B=16 ragged prompts, early eos).
+"""
+
+import json
+import os
+
+import numpy as np
+from absl import app, flags
+
+import roofline
+import timing
+from eagle3_jax.models import GptOssConfig
+from eagle3_jax.spec import decode
+from step_timing import parse_shape, random_pair, time_baseline, time_step
+
+flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
+flags.DEFINE_list("scenarios", ["single", "gates", "batch", "large", "sweep", "stress"], "which to run")
+flags.DEFINE_list("large_contexts", ["16384", "32768", "131072"], "contexts of the large scenario")
+flags.DEFINE_integer("sweep_context", 4096, "context of the sweep scenario")
+flags.DEFINE_list("sweep_shapes", ["chain1", "chain2", "chain3", "chain4", "chain5", "tree3x4n8", "tree4x4n16"],
+                  "shapes of the sweep")
+flags.DEFINE_integer("short_context", 1024, "context of the single and batch scenarios")
+flags.DEFINE_integer("iters", 8, "steps per timed loop")
+flags.DEFINE_integer("copy_bytes", 4 << 30, "buffer size of the copy-bandwidth measurement")
+flags.DEFINE_float("tau_trained", None, "tau measured on a trained pair (projected alongside)")
+flags.DEFINE_string("out", None, "JSON output path")
+flags.DEFINE_string("plot", None, "PNG output path (needs matplotlib)")
+FLAGS = flags.FLAGS
+
+PUBLISHED_TAU = (2.29, 2.68, 3.22)
+
+
+def rows_for(name):
+    s = FLAGS.short_context
+    return {"single": [("single", 1, s, "chain3")],
+            "gates": [("single-32k", 1, 32768, "chain3"), ("batch4-16k", 4, 16384, "chain3")],
+            "batch": [("batch4", 4, s, "chain3")],
+            "large": [(f"large-{int(c) // 1024}k", 1, int(c), "chain3") for c in FLAGS.large_contexts],
+            "sweep": [("sweep", 1, FLAGS.sweep_context, sh) for sh in FLAGS.sweep_shapes]}.get(name, [])
+
+
+def measure(target, draft, bw, name, B, ctx, shape_name, base_cache):
+    shape = parse_shape(shape_name)
+    if (B, ctx) not in base_cache:
+        base_cache[(B, ctx)] = time_baseline(target, B, ctx, FLAGS.iters)
+    t_base = base_cache[(B, ctx)]
+    r = time_step(target, draft, B, shape, ctx, FLAGS.iters)
+    sec = r["seconds"]
+    split = dict(draft=sec["draft"], verify=sec["verify"], accept_rewind=sec["accept"] + sec.get("rewind", 0.0),
+                 extend=sec["extend"])
+    sb = roofline.step_bytes(target.config, draft.config, B, ctx, shape["depth"], shape["num_nodes"])
+    base_bytes = roofline.target_bytes(target.config, B, 1, ctx)["total"]
+    taus = list(PUBLISHED_TAU) + ([FLAGS.tau_trained] if FLAGS.tau_trained else [])
+    row = dict(name=name, batch=B, context=ctx, shape=shape_name, **shape,
+               baseline_seconds_per_token=t_base, step_seconds=dict(step=sec["step"], **split),
+               bytes=dict(baseline=base_bytes, step=sb["total"], draft=sb["draft"], verify=sb["verify"],
+                          extend=sb["extend"]),
+               roofline_seconds=dict(baseline=base_bytes / bw, step=sb["total"] / bw, draft=sb["draft"] / bw,
+                                     verify=sb["verify"] / bw, extend=sb["extend"] / bw),
+               projected_speedup={f"{t:g}": t * t_base / sec["step"] for t in taus},
+               roofline_speedup={f"{t:g}": t * base_bytes / sb["total"] for t in taus})
+    row["baseline_roofline_fraction"] = row["roofline_seconds"]["baseline"] / t_base
+    row["step_roofline_fraction"] = row["roofline_seconds"]["step"] / sec["step"]
+    print(f"{name:<12} B={B:<2} ctx={ctx:<6} {shape_name:<10} base {t_base * 1e3:7.2f} ms "
+          f"({row['baseline_roofline_fraction']:.0%} of roofline)  step {sec['step'] * 1e3:7.2f} ms "
+          f"({row['step_roofline_fraction']:.0%})  " + " ".join(f"{k} {v * 1e3:.2f}" for k, v in split.items()) +
+          f"  proj@3.22 {row['projected_speedup']['3.22']:.2f}x roof@3.22 {row['roofline_speedup']['3.22']:.2f}x",
+          flush=True)
+    return row
+
+
+def stress(target, draft):
+    rng = np.random.default_rng(0)
+    V = target.config.vocab_size
+    hi = min(1024, target.config.max_position_embeddings - 128)
+    prompts = [rng.integers(0, V, int(n)).tolist() for n in rng.integers(64, hi, 16)]
+    eos = rng.choice(V, max(V // 100, 2), replace=False).tolist()  # ~1% of ids end a sequence: ragged stops
+    out = decode(target, draft, prompts, 64, num_spec_tokens=3, eos_ids=eos, prefill_chunk=512)
+    m = out.metrics
+    lens = [len(t) for t in out.tokens]
+    print(f"stress B=16: {m['generated_tokens']} tokens, {m['steps']} steps, {m['tokens_per_second']:.1f} tok/s, "
+          f"lengths {min(lens)}..{max(lens)}", flush=True)
+    return dict(name="stress", batch=16, lengths=lens, metrics=m)
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    sweep = sorted((r for r in rows if r["name"] == "sweep"), key=lambda r: r["num_nodes"])
+    if sweep:
+        n = [r["num_nodes"] for r in sweep]
+        ax[0].plot(n, [r["step_seconds"]["step"] * 1e3 for r in sweep], "o-", label="step (measured)")
+        ax[0].plot(n, [r["roofline_seconds"]["step"] * 1e3 for r in sweep], "k--", label="byte roofline")
+        ax[0].set(xlabel="tree nodes N (incl. root)", ylabel="ms", title=f"step vs N, B=1, {sweep[0]['context']} ctx")
+        ax[0].legend()
+    large = sorted((r for r in rows if r["name"].startswith(("large", "single"))), key=lambda r: r["context"])
+    if large:
+        c = [r["context"] for r in large]
+        ax[1].plot(c, [r["step_seconds"]["step"] * 1e3 for r in large], "o-", label="spec step (chain3)")
+        ax[1].plot(c, [r["baseline_seconds_per_token"] * 1e3 for r in large], "s-", label="baseline token")
+        ax[1].plot(c, [r["roofline_seconds"]["step"] * 1e3 for r in large], "k--", label="step roofline")
+        ax[1].plot(c, [r["roofline_seconds"]["baseline"] * 1e3 for r in large], "k:", label="baseline roofline")
+        ax[1].set(xscale="log", xlabel="context (tokens)", ylabel="ms", title="B=1 vs context")
+        ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv):
+    del argv
+    cfg = GptOssConfig.preset(FLAGS.preset)
+    target, draft = random_pair(cfg)
+    bw = timing.copy_bandwidth(FLAGS.copy_bytes)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows, base_cache = [], {}
+    for sc in FLAGS.scenarios:
+        if sc == "stress":
+            rows.append(stress(target, draft))
+        for args in rows_for(sc):
+            rows.append(measure(target, draft, bw, *args, base_cache))
+    result = dict(timing.device_info(), preset=FLAGS.preset, copy_bandwidth=bw, iters=FLAGS.iters,
+                  tau_published=PUBLISHED_TAU, tau_trained=FLAGS.tau_trained, scenarios=rows)
+    if FLAGS.out:
+        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+        with open(FLAGS.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if FLAGS.plot:
+        plot([r for r in rows if "step_seconds" in r], FLAGS.plot)
+
+
+if __name__ == "__main__":
+    app.run(main)

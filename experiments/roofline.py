@@ -1,0 +1,60 @@
+"""Byte roofline of decode and speculative steps (REFERENCE.md 4): the fewest bytes a step must read.
+
+A target pass over T tokens per sequence (batch B, committed context C) reads every dense weight
+once, the packed bytes of each distinct routed expert once per layer, the lm_head once, and each
+sequence's K/V (full layers: C positions; sliding layers: at most the window). Distinct experts
+are the expectation under uniform top-k routing of B*T tokens unless measured counts are given.
+The draft reads its weights once per forward and its one layer's K/V.
+"""
+
+from __future__ import annotations
+
+from eagle3_jax.models.config import Eagle3Config, GptOssConfig
+
+BF16 = 2
+
+
+def expert_bytes(c: GptOssConfig) -> float:
+    """Packed MXFP4 bytes of one expert: nibbles + scales + bf16 biases (dense: bf16 weights)."""
+    H, I = c.hidden_size, c.intermediate_size
+    n = 2 * I * H + H * I
+    per_weight = 0.5 + 1 / 32 if c.experts_format == "mxfp4" else BF16
+    return n * per_weight + (2 * I + H) * BF16
+
+
+def expected_distinct(c: GptOssConfig, tokens: int) -> float:
+    """Expected distinct experts per layer when `tokens` tokens each pick k of E uniformly."""
+    E, k = c.num_local_experts, c.num_experts_per_tok
+    return E * (1 - (1 - k / E) ** tokens)
+
+
+def target_bytes(c: GptOssConfig, batch: int, tokens: int, context: int, distinct_experts=None) -> dict:
+    """Bytes of one target pass: dict of parts and 'total'."""
+    H, D, Hq, Hkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    L = c.num_hidden_layers
+    attn_w = (H * Hq * D * 2 + 2 * H * Hkv * D + (Hq + 2 * Hkv) * D + H) * BF16 + Hq * BF16
+    router = (H + 1) * c.num_local_experts * BF16
+    d = expected_distinct(c, batch * tokens) if distinct_experts is None else distinct_experts
+    kv_pos = sum(min(context, c.sliding_window) if c.is_sliding(i) else context for i in range(L))
+    parts = dict(attention_weights=L * (attn_w + router + 2 * H * 4), experts=L * d * expert_bytes(c),
+                 lm_head=c.vocab_size * H * BF16, kv_read=batch * kv_pos * 2 * Hkv * D * BF16,
+                 kv_write=batch * tokens * L * 2 * Hkv * D * BF16)
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def draft_bytes(d: Eagle3Config, batch: int, context: int) -> float:
+    """Bytes of one draft forward (any few tokens): weights once plus the layer's K/V."""
+    H, D, Hq, Hkv, I = d.hidden_size, d.head_dim, d.num_attention_heads, d.num_key_value_heads, d.intermediate_size
+    w = (3 * d.target_hidden_size * H + 2 * H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I
+         + (d.draft_vocab_size * H if d.own_lm_head else d.vocab_size * H)) * BF16
+    kv = batch * min(context, d.sliding_window or context) * 2 * Hkv * D * BF16
+    return w + kv
+
+
+def step_bytes(c: GptOssConfig, d: Eagle3Config, batch: int, context: int, depth: int, num_nodes: int,
+               distinct_experts=None) -> dict:
+    """One speculative step: `depth` draft forwards, the verify of num_nodes tokens, one extend."""
+    verify = target_bytes(c, batch, num_nodes, context, distinct_experts)["total"]
+    one = draft_bytes(d, batch, context)
+    return dict(draft=depth * one, verify=verify, extend=one, total=(depth + 1) * one + verify)
