@@ -73,8 +73,9 @@ def main(argv):
         compile_seconds=first.metrics["compile_seconds"], memory_after_build=mem_model, memory_after_run=_memory(),
         prefill_seconds=t_prefill, prefill_tokens_per_second=FLAGS.batch * FLAGS.prompt_len / t_prefill,
         seconds_per_generated_token=per_token, generated_tokens_per_second=FLAGS.batch / per_token,
-        notes="jnp reference attention and jnp MoE (gathered experts for decode, expert-grouped tiles "
-              "for prefill); Pallas kernels not yet in use",
+        paths=("GPU: Pallas attention kernel; Pallas MXFP4 MoE kernel for <= 16 tokens per call (decode), "
+               "expert-grouped jnp tiles for prefill" if jax.default_backend() == "gpu" else
+               "CPU: jnp reference attention and jnp MoE"),
     )
     print(json.dumps(result, indent=1))
     if FLAGS.out:

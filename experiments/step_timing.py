@@ -13,8 +13,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax.models import Eagle3Config, eagle3, gpt_oss
+from eagle3_jax.models import kv_cache as kvc
+from eagle3_jax.pallas.accept import accept_greedy
+from eagle3_jax.pallas.kv_rewind import kv_rewind
+from eagle3_jax.pallas.tree_mask import tree_mask
 from eagle3_jax.spec import step as spec_step
-from eagle3_jax.spec.tree import draft_tree, pack_bits
+from eagle3_jax.spec.tree import draft_tree
 
 
 def parse_shape(s):
@@ -78,17 +82,16 @@ def time_step(target, draft, B, shape, ctx, iters=10, parts=True):
 
     def part_draft(m, c):
         tokens, parents = make_tree(m, c)
-        anc, dep = spec_step.tree_structure(parents)
-        return dict(c, root=tokens[:, -1] + dep[:, -1] + anc[:, -1, 0].astype(jnp.int32))
+        bits, _, positions, _, _ = tree_mask(parents, L)
+        return dict(c, root=tokens[:, -1] + positions[:, -1] + bits[:, -1, 0].astype(jnp.int32))
 
     times["draft"] = loop_time(graphdef, params, part_draft,
                                dict(dcache=s["dcache"], root=s["root"], h_root=s["h_root"]), iters)
     tokens, parents = once(graphdef, params, lambda m: make_tree(m, s))
-    anc, dep = spec_step.tree_structure(parents)
-    mask = pack_bits(anc)
+    mask, _, positions, _, _ = tree_mask(parents, L)
 
     def verify(m, tcache, toks):
-        return gpt_oss.step(m[0], tcache, toks, L[:, None] + dep, L, mask, fids)
+        return gpt_oss.step(m[0], tcache, toks, positions, L, mask, fids)
 
     def part_verify(m, c):
         logits, feats, tc = verify(m, c["tcache"], c["tokens"])
@@ -99,15 +102,19 @@ def time_step(target, draft, B, shape, ctx, iters=10, parts=True):
 
     def part_accept(m, c):
         choice = jnp.argmax(c["logits"], axis=-1).astype(jnp.int32)
-        acc, path, bonus = spec_step.accept(tokens, parents, dep, choice, depth)
+        acc, path, bonus = accept_greedy(tokens, parents, choice, max_depth=depth)
         return dict(logits=c["logits"], acc=c["acc"] + acc + path[:, 0] + bonus * 0)
 
     times["accept"] = loop_time(graphdef, params, part_accept, dict(logits=logits, acc=jnp.zeros((B,), jnp.int32)),
                                 iters)
-    acc, path, bonus = spec_step.accept(tokens, parents, dep, jnp.argmax(logits, -1).astype(jnp.int32), depth)
+    acc, path, bonus = accept_greedy(tokens, parents, jnp.argmax(logits, -1).astype(jnp.int32), max_depth=depth)
+    path = jnp.maximum(path, 0)
     if topk > 1:
-        times["rewind"] = loop_time(graphdef, params, lambda m, c: dict(tcache=spec_step.rewind(c["tcache"], L, path)),
-                                    dict(tcache=s["tcache"]), iters)
+        def part_rewind(m, c):
+            k, v = kv_rewind(c["tcache"].k, c["tcache"].v, L, path, acc)
+            return dict(tcache=kvc.KVCache(k=tuple(k), v=tuple(v)))
+
+        times["rewind"] = loop_time(graphdef, params, part_rewind, dict(tcache=s["tcache"]), iters)
     W = depth + 1
     f = jnp.take_along_axis(feats, path[:, :, None], axis=1)
     nxt = jnp.take_along_axis(tokens, jnp.minimum(path, N - 1), axis=1)[:, :W]

@@ -46,3 +46,63 @@ def device_info() -> dict:
     d = jax.devices()[0]
     return dict(device=d.device_kind, platform=d.platform, jax_version=jax.__version__,
                 date=datetime.date.today().isoformat(), command=" ".join(["python"] + sys.argv))
+
+
+def time_calls(fn, arg_sets, *, repeats: int = 5, warmup: int = 2) -> float:
+    """Median seconds per call of `fn` for short kernels (~5-50 us), host dispatch amortized.
+
+    `arg_sets` is a list of argument tuples, all distinct (so XLA cannot merge identical calls;
+    rotate several large inputs so that no call finds its data in L2). One jitted program calls
+    `fn` once per set, back to back on the device, and returns every output; three programs are
+    queued per measurement, so the figure is the per-call time in a stream of calls (what the kernel
+    costs inside a jitted step), launch gaps and any per-launch host cost included.
+    """
+    n = len(arg_sets)
+    many = jax.jit(lambda sets: [fn(*a) for a in sets])
+    return time_fn(many, list(arg_sets), calls=3, repeats=repeats, warmup=warmup) / n
+
+
+def profile_calls(fn, arg_sets, *, repeats: int = 3) -> dict:
+    """Device kernel time per call of `fn` from the profiler (CUPTI kernel records), same program
+    as `time_calls`. Returns {"kernel_seconds": summed kernel time per call, "kernels": {name:
+    seconds per call}, "span_seconds": first kernel start to last kernel end per call (launch gaps
+    included, host gaps between the `repeats` programs excluded)}; {} where no device records exist
+    (CPU)."""
+    from jax._src.lib import _profiler
+    from jax.profiler import ProfileData
+
+    n = len(arg_sets)
+    many = jax.jit(lambda sets: [fn(*a) for a in sets])
+    sets = list(arg_sets)
+    jax.block_until_ready(many(sets))
+    sess = _profiler.ProfilerSession()
+    spans = []
+    for _ in range(repeats):
+        jax.block_until_ready(many(sets))
+    xspace = sess.stop()
+    kernels, total, starts, ends = {}, 0.0, [], []
+    for plane in ProfileData.from_serialized_xspace(xspace).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "stream" not in line.name.lower() or "memcpy" in line.name.lower():
+                continue
+            for e in line.events:
+                kernels[e.name] = kernels.get(e.name, 0.0) + e.duration_ns * 1e-9
+                total += e.duration_ns * 1e-9
+                starts.append(e.start_ns)
+                ends.append(e.start_ns + e.duration_ns)
+    if not kernels:
+        return {}
+    # spans: split the records into the `repeats` programs by the largest gaps between kernels
+    order = sorted(range(len(starts)), key=lambda i: starts[i])
+    gaps = sorted(((starts[order[j + 1]] - ends[order[j]], j) for j in range(len(order) - 1)), reverse=True)
+    cuts = sorted(j for _, j in gaps[:repeats - 1])
+    lo = 0
+    for c in cuts + [len(order) - 1]:
+        idx = order[lo:c + 1]
+        spans.append((max(ends[i] for i in idx) - min(starts[i] for i in idx)) * 1e-9)
+        lo = c + 1
+    per = n * repeats
+    return dict(kernel_seconds=total / per, span_seconds=float(sorted(spans)[len(spans) // 2]) / n,
+                kernels={k: v / per for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:6]})

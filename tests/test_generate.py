@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from eagle3_jax.models import GptOssConfig, gpt_oss
-from eagle3_jax.spec import decode as decode_mod
+from eagle3_jax.spec.decode import plan_lengths
 from eagle3_jax.spec import generate
 
 
@@ -88,4 +88,4 @@ def test_bad_input_raises(tiny, prompts, kw, match):
 
 def test_length_plan_buckets():
     cfg = GptOssConfig.preset("tiny")
-    assert decode_mod.plan_lengths(cfg, [[1] * 300], 10, 256, None) == (512, 512, 256)
+    assert plan_lengths(cfg, [[1] * 300], 10, 256, None) == (512, 512, 256)

@@ -152,15 +152,37 @@ class MoE(nnx.Module):
         act = self._swiglu(h).astype(x.dtype)
         return jnp.einsum(in_spec, act, w2, preferred_element_type=F32) + b2.astype(F32)
 
+    # Tokens up to which packed (MXFP4) bf16 experts run the Pallas kernel on a GPU when the path is
+    # chosen by size (grouped=None): the decode and verify sizes. experiments/results/moe_*.json.
+    KERNEL_MAX_TOKENS = 16
+
     def __call__(self, x, grouped: bool | None = None):
-        """x [..., H] -> [..., H]. `grouped` picks the token-grouped path (default: by pair count)."""
+        """x [..., H] -> [..., H]. `grouped` forces the token-grouped (True) or gathered (False) jnp
+        path; by default few tokens take the Pallas kernel on a GPU (MXFP4, bf16), else the gathered
+        path up to GATHER_MAX_PAIRS (token, expert) pairs, else the grouped one."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         ids, w = self.route(x)
-        if grouped is None:
-            grouped = ids.size > GATHER_MAX_PAIRS
-        out = self._grouped(x, ids, w) if grouped else self._gathered(x, ids, w)
+        if grouped is None and self._use_kernel(x):
+            out = self._kernel(x, ids, w)
+        else:
+            if grouped is None:
+                grouped = ids.size > GATHER_MAX_PAIRS
+            out = self._grouped(x, ids, w) if grouped else self._gathered(x, ids, w)
         return out.astype(x.dtype).reshape(shape)
+
+    def _use_kernel(self, x):
+        return (isinstance(self.experts, Mxfp4Experts) and x.dtype == jnp.bfloat16
+                and x.shape[0] <= self.KERNEL_MAX_TOKENS and jax.default_backend() == "gpu")
+
+    def _kernel(self, x, ids, w):
+        """Few tokens on a GPU: each selected expert's packed weights read once (pallas/moe.py). f32 [N, H]."""
+        from eagle3_jax.pallas import moe as moe_kernel
+
+        ex = self.experts
+        return moe_kernel.mxfp4_moe(x, ids, w, ex.gate_up_blocks[...], ex.gate_up_scales[...], ex.gate_up_bias[...],
+                                    ex.down_blocks[...], ex.down_scales[...], ex.down_bias[...],
+                                    limit=float(self.limit), alpha=float(self.alpha))
 
     def _gathered(self, x, ids, w):
         """Few tokens: read each (token, expert) pair's weights. Returns f32 [N, H]."""

@@ -5,23 +5,10 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
-BLOCK = 32
-E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                np.float32)
-SCALE_BIAS = 127
-
-
-def dequantize(blocks, scales, dtype=jnp.bfloat16):
-    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> [..., G * 32] in `dtype` (exact for bf16/f32)."""
-    lut = jnp.asarray(E2M1)
-    lo = lut[(blocks & 0x0F).astype(jnp.int32)]
-    hi = lut[(blocks >> 4).astype(jnp.int32)]
-    vals = jnp.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], BLOCK)  # [..., G, 32]
-    vals = jnp.ldexp(vals, scales.astype(jnp.int32)[..., None] - SCALE_BIAS)
-    return vals.reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK).astype(dtype)
+# One definition of the format, shared with the kernels (eagle3_jax.pallas imports nothing of the package).
+from eagle3_jax.pallas.moe import BLOCK, E2M1, SCALE_BIAS, dequantize  # noqa: F401
 
 
 def random_scale_byte(fan_in: int) -> int:

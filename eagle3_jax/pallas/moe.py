@@ -1,0 +1,479 @@
+"""MXFP4 expert matmul for few tokens (decode and verify): each selected expert is read once.
+
+`mxfp4_moe(x, ids, weights, <packed experts>)` computes, for T tokens routed to k experts each,
+`out[t] = sum_j weights[t, j] * FFN_{ids[t, j]}(x[t])` with the GPT-OSS expert
+`FFN_e(x) = W2_e act(W1_e x + b1_e) + b2_e`, `act` the clamped, interleaved SwiGLU. The experts
+stay packed exactly as the HF checkpoint stores them (MXFP4: E2M1 nibbles, one E8M0 scale byte per
+32 inputs along the contraction axis; rows are outputs):
+
+  gate_up_blocks u8 [E, 2I, H/32, 16], gate_up_scales u8 [E, 2I, H/32], gate_up_bias [E, 2I]
+  down_blocks    u8 [E, H, I/32, 16],  down_scales    u8 [E, H, I/32],  down_bias    [E, H]
+
+Two Pallas (Triton) kernels, no routing glue in XLA:
+
+  1. gate_up + SwiGLU. Grid (slot, token chunk, I tile). Slot s is the s-th (token, expert) pair;
+     a slot whose expert already appeared in an earlier pair exits at once, so each selected
+     expert is handled by exactly one slot, which computes every token of the chunk that chose it
+     (tokens come in chunks of 16 rows, the smallest MMA tile; T <= 16 is one chunk). The program
+     streams its 2*BI packed gate/linear rows once, dequantizes them in registers and multiplies
+     with the chunk's activations on the tensor cores; bias and SwiGLU in f32; act bf16 to HBM
+     (a few MB at most, read back from L2).
+  2. down + combine. Same grid over H tiles: act @ W2^T + b2, times the routing weight of each
+     token, atomically added (f32) into the output, which kernel 1 zeroed.
+
+Dequantization: the nibble's sign and three magnitude bits are moved into the sign, exponent-low
+and mantissa-high bits of an f32 (bf16x2 in the PTX variant), which is the E2M1 value times 2^-126
+(exact; subnormal for the magnitude 0.5), then multiplied by 2^(scale - 1 - 32): the weights enter
+the MMA as exact bf16 values times 2^-32, and the f32 accumulator is scaled back once. Exact for
+scale bytes 35..160 (real checkpoints use about 110..130); the subnormal step needs a GPU, which
+keeps f32/bf16 subnormals in these multiplies, so the interpreter (XLA:CPU flushes them) decodes
+through f16 instead (`decode="f16"`, the same values).
+
+Status (H200, JAX 0.11.2, experiments/results/moe_h200.json): correct on the GPU for every decoder,
+5.7-10.7x faster than the jnp gathered path, but only 16-21% of the HBM roofline for T <= 16: the
+cost is instructions per weight (nearly constant time per expert from T = 1 to 16; loading ahead
+changed nothing), most likely the layout conversions of the decoded nibble planes. layout="perm"
+(no joins) is the next variant to time.
+
+`mxfp4_moe_reference` is the plain-jnp function of the same signature (dequantize the selected
+experts per pair). CPU tests run the kernels with interpret=True.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+F32 = jnp.float32
+BLOCK = 32  # inputs per scale byte
+SCALE_BIAS = 127
+# E2M1 nibble -> value (low nibble = even input element, high nibble = the next one).
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                np.float32)
+TOKEN_TILE = 16  # rows of one MMA tile of tokens
+MAX_TOKENS = 64
+_SHIFT = 32  # the kernels' weights are the true weights times 2^-_SHIFT (keeps scale bytes up to 160 finite)
+_UNSCALE = float(2.0 ** _SHIFT)
+_MASK = np.int32(np.uint32(0x81C00000).view(np.int32))  # f32 sign | exponent bits 0-1 | mantissa bit 22
+_MASK16 = np.int32(np.uint32(0x8E000000).view(np.int32))  # the same fields of an f16 in the top half
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Tile sizes. block_i: SwiGLU outputs per kernel-1 program (it reads 2*block_i gate_up rows);
+    block_h: outputs per kernel-2 program; groups: 32-input scale groups per K step (power of 2);
+    decode: "bits" (f32 integer ops; needs subnormal f32 multiplies), "ptx" (bf16x2 inline PTX) or
+    "f16" (through f16 conversions). The interpreter always uses "f16" (XLA:CPU flushes subnormals).
+    prefetch: K steps whose loads are issued ahead of the math (>= 1). layout: "interleave" joins
+    the 8 nibble planes of each word into input order before one dot per K step; "perm" keeps them
+    apart and multiplies each with the matching stride-8 slice of the activations (8 dots of K =
+    4 * groups), which skips the joins (untimed as of the last GPU run)."""
+
+    block_i: int = 32
+    block_h: int = 32
+    groups: int = 4
+    num_warps: int = 4
+    num_stages: int = 3
+    decode: str = "ptx"
+    prefetch: int = 2
+    layout: str = "interleave"
+
+
+DEFAULT_CONFIG = MoeConfig()
+
+
+def _load(ref, idx, *, mask=None, other=None):
+    return plgpu.load(ref.at[idx], mask=mask, other=other)
+
+
+def _store(ref, idx, val, *, mask=None):
+    plgpu.store(ref.at[idx], val, mask=mask)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# -- dequantization in registers ----------------------------------------------------------------
+
+def _decode_bits(w, sc):
+    """w uint32 [R, G, 4] (8 nibbles each, input 8q + i in nibble i), sc uint8 [R, G] -> 8 parts
+    bf16 [R, G * 4] (part i: inputs 8m + i, m = 4g + q) equal to the dequantized weights times 2^-32
+    (exact for scale bytes 35..160). `_interleaved(parts)` is the [R, G * 32] tile in input order."""
+    R, G, _ = w.shape
+    wi = lax.bitcast_convert_type(w, jnp.int32)
+    f = lax.bitcast_convert_type((sc.astype(jnp.int32) + (126 - _SHIFT)) << 23, F32)[:, :, None]  # 2^(s-1-32)
+    vals = []
+    for i in range(8):
+        t = wi if i == 7 else lax.shift_left(wi, jnp.int32(28 - 4 * i))
+        bits = lax.shift_right_arithmetic(t, jnp.int32(6)) & _MASK  # E2M1 * 2^-126 as f32 bits
+        v = lax.bitcast_convert_type(bits, F32) * f
+        vals.append(v.astype(jnp.bfloat16).reshape(R, G * 4))
+    return vals
+
+
+def _decode_f16(w, sc):
+    """`_decode_bits` through f16: the nibble becomes an f16 (E2M1 * 2^-14, subnormal for the two
+    smallest magnitudes), converted exactly to f32. Needs no subnormal f32 arithmetic, so it is
+    exact where f32 subnormals are flushed (XLA:CPU, the interpreter); slower on GPUs."""
+    R, G, _ = w.shape
+    wi = lax.bitcast_convert_type(w, jnp.int32)
+    f = lax.bitcast_convert_type((sc.astype(jnp.int32) + (14 - _SHIFT)) << 23, F32)[:, :, None]  # 2^(s-113-32)
+    vals = []
+    for i in range(8):
+        t = wi if i == 7 else lax.shift_left(wi, jnp.int32(28 - 4 * i))
+        bits = lax.shift_right_arithmetic(lax.shift_right_arithmetic(t, jnp.int32(3)) & _MASK16, jnp.int32(16))
+        h = lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
+        vals.append((h.astype(F32) * f).astype(jnp.bfloat16).reshape(R, G * 4))
+    return vals
+
+
+# Pair (i, i + 4) of each 32-bit word lands in one bf16x2: nibble i sits at bits 4i..4i+3 and
+# nibble i + 4 sixteen bits higher, so one shift per field serves both halves. $8 = word, $9 = the
+# bf16x2 factor 2^(scale - 33); outputs $0..$7 = inputs 8q + 0..7.
+def _ptx_asm() -> str:
+    lines = ["{", ".reg .b32 a, b;"]
+    for i in range(4):
+        mag, sign = 6 - 4 * i, 12 - 4 * i  # nibble bit 0 -> bf16 bit 6; nibble bit 3 -> bf16 bit 15
+        lines.append(f"shl.b32 a, $8, {mag};" if mag >= 0 else f"shr.b32 a, $8, {-mag};")
+        lines.append("and.b32 a, a, 0x01C001C0;")
+        lines.append(f"shl.b32 b, $8, {sign};" if sign > 0 else "mov.b32 b, $8;")
+        lines.append("and.b32 b, b, 0x80008000;")
+        lines.append("or.b32 a, a, b;")
+        lines.append("mul.rn.bf16x2 a, a, $9;")
+        lines.append(f"mov.b32 {{${i}, ${i + 4}}}, a;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _decode_ptx(w, sc):
+    """`_decode_bits` in inline PTX on bf16x2 registers (GPU only): about 2.5 instructions a weight
+    instead of about 4.5, and no f32 -> bf16 conversions."""
+    R, G, _ = w.shape
+    s = sc.astype(jnp.int32) + (126 - _SHIFT)  # bf16 exponent field of 2^(s - 1 - 32)
+    fac = jnp.broadcast_to(((s << 7) | (s << 23))[:, :, None], (R, G, 4))
+    wi = lax.bitcast_convert_type(w, jnp.int32)
+    outs = _inline_asm_multi(_ptx_asm(), [wi, fac], ",".join(["=h"] * 8 + ["r", "r"]), 8, jnp.bfloat16)
+    return [o.reshape(R, G * 4) for o in outs]
+
+
+_asm_multi_p = None
+
+
+def _inline_asm_multi(asm, args, constraints, n_out, dtype):
+    """plgpu.elementwise_inline_asm with several results (JAX 0.10's rule returns them as one value):
+    a private primitive lowered through the Pallas Triton lowering's registry."""
+    global _asm_multi_p
+    if _asm_multi_p is None:
+        from jax._src import core as jax_core
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.triton import dialect as tt_dialect
+        from jax._src.pallas.triton import lowering as tl
+
+        prim = jax_core.Primitive("eagle3_elementwise_inline_asm")
+        prim.multiple_results = True
+        prim.def_abstract_eval(lambda *avals, asm, constraints, n_out, dtype: [
+            jax_core.ShapedArray(avals[0].shape, dtype) for _ in range(n_out)])
+        elt = {jnp.dtype(jnp.bfloat16): ir.BF16Type.get, jnp.dtype(jnp.float16): ir.F16Type.get,
+               jnp.dtype(F32): ir.F32Type.get}
+
+        def rule(ctx, *vals, asm, constraints, n_out, dtype):
+            shape = ir.RankedTensorType(vals[0].type).shape
+            types = [ir.RankedTensorType.get(shape, elt[jnp.dtype(dtype)]()) for _ in range(n_out)]
+            res = tt_dialect.elementwise_inline_asm(types, asm, constraints=constraints, pure=True,
+                                                    packed_element=1, args=list(vals))
+            return list(res) if n_out > 1 else [res]
+
+        tl.register_lowering(prim)(rule)
+        _asm_multi_p = prim
+    return _asm_multi_p.bind(*args, asm=asm, constraints=constraints, n_out=n_out, dtype=jnp.dtype(dtype))
+
+
+def _interleaved(parts):
+    """8 decoded parts [R, N] -> [R, 8N] in input order."""
+    R, N = parts[0].shape
+    return _interleave8(parts).reshape(R, 8 * N)
+
+
+def _interleave8(v):
+    """8 arrays [R, N] (v[i] = element 8n + i) -> [R, N, 2, 2, 2] in element order (pairwise joins)."""
+    j = [jnp.stack([v[r], v[r + 4]], axis=-1) for r in range(4)]  # axis: bit 2 of i
+    k = [jnp.stack([j[b0], j[2 + b0]], axis=-1) for b0 in range(2)]  # axis: bit 1
+    return jnp.stack(k, axis=-1)  # axis: bit 0
+
+
+_DECODERS = {"bits": _decode_bits, "ptx": _decode_ptx, "f16": _decode_f16}
+
+
+# -- routing inside the kernels -----------------------------------------------------------------
+
+def _slot_tokens(ids_ref, s, c, *, T, k):
+    """Expert of pair s, whether s is its first pair, and which tokens of chunk c chose it.
+    Returns (e, first, member bool [16], eq bool [16, kp], flat index int32 [16, kp] into [T * k])."""
+    P, Pp, kp = T * k, _pow2(T * k), _pow2(k)
+    e = ids_ref[s]
+    q = lax.broadcasted_iota(jnp.int32, (Pp,), 0)
+    flat = _load(ids_ref, pl.ds(0, Pp), mask=q < P, other=-1)
+    first = jnp.sum(((flat == e) & (q < s)).astype(jnp.int32)) == 0
+    t = c * TOKEN_TILE + lax.broadcasted_iota(jnp.int32, (TOKEN_TILE, kp), 0)
+    j = lax.broadcasted_iota(jnp.int32, (TOKEN_TILE, kp), 1)
+    ok = (t < T) & (j < k)
+    idx = jnp.where(ok, t * k + j, 0)
+    mine = _load(ids_ref, idx, mask=ok, other=-1)
+    eq = (mine == e) & ok
+    member = jnp.sum(eq.astype(jnp.int32), axis=1) > 0
+    return e, first, member, eq, idx
+
+
+def _expert_rows(x_ref, x_lead, wq_ref, sc_ref, e, row_sets, r_ok, c, *, K, BG, decode, x_rows, depth, perm):
+    """[acc f32 [n, 16] = W_e[rows] @ x[chunk c]^T times 2^-32 for rows in row_sets], streaming the
+    K inputs (K / 32 scale groups) in steps of BG groups; the activations are loaded once per step.
+    Loads run `depth` steps ahead of the math (a queue in the loop carry), so each program keeps
+    several tiles in flight. row_sets: index tuples of n output rows each (a pl.ds, then maybe an
+    int); r_ok bool [n]: rows that exist; x_ref[*x_lead] [>= x_rows, >= K], or with perm
+    [>= x_rows, >= K / 8, 8]: then the 8 decoded parts meet the 8 strided slices of x in 8 dots
+    and are never interleaved."""
+    n = r_ok.shape[0]
+    K_groups = K // BLOCK
+    nk = -(-K_groups // BG)
+    t_ok = (c * TOKEN_TILE + lax.broadcasted_iota(jnp.int32, (TOKEN_TILE,), 0)) < x_rows
+    g_iota = lax.broadcasted_iota(jnp.int32, (BG,), 0)
+    c_iota = lax.broadcasted_iota(jnp.int32, (BG * BLOCK,), 0)
+    m_iota = lax.broadcasted_iota(jnp.int32, (BG * 4,), 0)
+
+    def load_step(kk):
+        live = kk < nk
+        g0 = jnp.minimum(kk, nk - 1) * BG  # in bounds; steps past the end load nothing (masked)
+        wmask = r_ok[:, None] & (g0 + g_iota < K_groups)[None, :] & live  # [n, BG]
+        rows_x = pl.ds(c * TOKEN_TILE, TOKEN_TILE)
+        if perm:  # x[t, 8m + i] for m in this step's words: 8 tiles [16, BG * 4]
+            xmask = t_ok[:, None] & (g0 * 4 + m_iota < K // 8)[None, :] & live
+            xt = tuple(_load(x_ref, (*x_lead, rows_x, pl.ds(g0 * 4, BG * 4), jnp.int32(i)), mask=xmask, other=0)
+                       for i in range(8))
+        else:
+            xmask = t_ok[:, None] & (g0 * BLOCK + c_iota < K)[None, :] & live
+            xt = _load(x_ref, (*x_lead, rows_x, pl.ds(g0 * BLOCK, BG * BLOCK)), mask=xmask, other=0)
+        ws = []
+        for rows in row_sets:
+            ws.append(_load(wq_ref, (e, *rows, pl.ds(g0, BG), slice(None)),
+                            mask=jnp.broadcast_to(wmask[:, :, None], (n, BG, 4)), other=0))
+            ws.append(_load(sc_ref, (e, *rows, pl.ds(g0, BG)), mask=wmask, other=0))
+        return (xt, *ws)
+
+    def body(kk, carry):
+        accs, queue = carry
+        ahead = load_step(kk + depth)  # issued before the math on the oldest tile
+        xt, *ws = queue[0]
+        out = []
+        dims = (((1,), (1,)), ((), ()))
+        for r, acc in enumerate(accs):
+            parts = decode(ws[2 * r], ws[2 * r + 1])  # 8 x [n, BG * 4] bf16
+            if perm:
+                for i in range(8):
+                    acc = acc + lax.dot_general(parts[i], xt[i].astype(parts[i].dtype), dims,
+                                                preferred_element_type=F32)
+            else:
+                wd = _interleaved(parts)  # [n, BG * 32]
+                acc = acc + lax.dot_general(wd, xt.astype(wd.dtype), dims, preferred_element_type=F32)
+            out.append(acc)
+        return tuple(out), (*queue[1:], ahead)
+
+    init = (tuple(jnp.zeros((n, TOKEN_TILE), F32) for _ in row_sets), tuple(load_step(d) for d in range(depth)))
+    accs, _ = lax.fori_loop(0, nk, body, init)
+    return accs
+
+
+def _gate_up_kernel(ids_ref, x_ref, wq_ref, sc_ref, b_ref, act_ref, out_ref, *, T, k, H, I, BI, BG, limit, alpha,
+                    decode, zero_cols, depth, perm):
+    s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    To, Ho = out_ref.shape
+    Tz = _pow2(To)
+
+    @pl.when((s == 0) & (c == 0))
+    def _zero():  # kernel 2 accumulates into out
+        r = lax.broadcasted_iota(jnp.int32, (Tz, zero_cols), 0)
+        col = j * zero_cols + lax.broadcasted_iota(jnp.int32, (Tz, zero_cols), 1)
+        _store(out_ref, (pl.ds(0, Tz), pl.ds(j * zero_cols, zero_cols)), jnp.zeros((Tz, zero_cols), F32),
+               mask=(r < To) & (col < Ho))
+
+    e, first, member, _, _ = _slot_tokens(ids_ref, s, c, T=T, k=k)
+
+    @pl.when(first & (jnp.sum(member.astype(jnp.int32)) > 0))
+    def _compute():
+        _GATE, _LIN = jnp.int32(0), jnp.int32(1)
+        # gate_up rows viewed as [I, 2]: row 2i (gate i) = [i, 0], row 2i + 1 (linear i) = [i, 1]
+        i_ok = j * BI + lax.broadcasted_iota(jnp.int32, (BI,), 0) < I
+        kw = dict(K=H, BG=BG, decode=decode, x_rows=T, depth=depth, perm=perm)
+        hg, hl = _expert_rows(x_ref, (), wq_ref, sc_ref, e, [(pl.ds(j * BI, BI), _GATE), (pl.ds(j * BI, BI), _LIN)],
+                              i_ok, c, **kw)
+        hg, hl = hg * _UNSCALE, hl * _UNSCALE
+        bg = _load(b_ref, (e, pl.ds(j * BI, BI), _GATE), mask=i_ok, other=0).astype(F32)
+        bl = _load(b_ref, (e, pl.ds(j * BI, BI), _LIN), mask=i_ok, other=0).astype(F32)
+        gate = jnp.minimum(hg + bg[:, None], limit)
+        lin = jnp.clip(hl + bl[:, None], -limit, limit)
+        act = gate * (1.0 / (1.0 + jnp.exp(-alpha * gate))) * (lin + 1.0)  # [BI, 16]
+        mask = jnp.broadcast_to(i_ok[None, :], (TOKEN_TILE, BI))
+        _store(act_ref, (s, pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(j * BI, BI)),
+                 act.T.astype(act_ref.dtype), mask=mask)
+
+
+def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H, I, BN, BG, decode,
+                 interpret, depth, perm):
+    del out_in_ref  # aliased with out_ref
+    s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    e, first, member, eq, idx = _slot_tokens(ids_ref, s, c, T=T, k=k)
+
+    @pl.when(first & (jnp.sum(member.astype(jnp.int32)) > 0))
+    def _compute():
+        n_ok = j * BN + lax.broadcasted_iota(jnp.int32, (BN,), 0) < H
+        [y] = _expert_rows(act_ref, (s,), wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, c, K=I, BG=BG,
+                           decode=decode, x_rows=act_ref.shape[1], depth=depth, perm=perm)
+        y = y * _UNSCALE
+        b = _load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
+        wt = _load(w_ref, idx, mask=eq, other=0.0)
+        wtok = jnp.sum(jnp.where(eq, wt, 0.0), axis=1)  # [16] routing weight of this expert per token
+        val = (y + b[:, None]) * wtok[None, :]  # [BN, 16]
+        rows = c * TOKEN_TILE + lax.broadcasted_iota(jnp.int32, (BN, TOKEN_TILE), 1)
+        cols = j * BN + lax.broadcasted_iota(jnp.int32, (BN, TOKEN_TILE), 0)
+        if interpret:  # the interpreter's atomics take no mask; out is padded so every index is valid
+            plgpu.atomic_add(out_ref, (rows, cols), jnp.where(member[None, :], val, 0.0))
+        else:
+            plgpu.atomic_add(out_ref, (rows, cols), val, mask=member[None, :] & n_ok[:, None])
+
+
+def _as_words(blocks):
+    """u8 [E, R, G, 16] -> u32 [E, R, G, 4] (a bitcast: little-endian, nibble i of word q = input 8q + i)."""
+    E, R, G, B = blocks.shape
+    return lax.bitcast_convert_type(blocks.reshape(E, R, G, B // 4, 4), jnp.uint32)
+
+
+def _pad(a, shape, value=0):
+    """Pads `a` at the end of each axis up to `shape` (the interpreter cannot read past an array's end;
+    the Triton kernels mask such reads and get unpadded arrays)."""
+    if tuple(a.shape) == tuple(shape):
+        return a
+    return jnp.pad(a, [(0, n - m) for m, n in zip(a.shape, shape)], constant_values=value)
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "alpha", "config", "interpret"))
+def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias,
+              *, limit: float, alpha: float, config: MoeConfig | None = None, interpret: bool = False):
+    """x [T, H] (bf16), ids int [T, k], weights f32 [T, k] -> f32 [T, H]; T <= MAX_TOKENS.
+
+    out[t] = sum_j weights[t, j] * (W2 act(W1 x[t] + b1) + b2) of expert ids[t, j], act(h) =
+    g * sigmoid(alpha * g) * (l + 1), g = min(h[0::2], limit), l = clip(h[1::2], -limit, limit);
+    act is rounded to x.dtype before the down projection (as the jnp model does). Each token's k
+    expert ids must be distinct (top-k routing)."""
+    cfg = config or DEFAULT_CONFIG
+    T, H = x.shape
+    k = ids.shape[1]
+    E, R1, G1, _ = gate_up_blocks.shape
+    I = R1 // 2
+    G2 = I // BLOCK
+    if T > MAX_TOKENS:
+        raise ValueError(f"mxfp4_moe: {T} tokens > {MAX_TOKENS}; use a grouped path for prefill")
+    if (G1 * BLOCK != H or I % BLOCK or gate_up_blocks.shape[-1] != 16
+            or tuple(down_blocks.shape) != (E, H, G2, 16) or tuple(ids.shape) != tuple(weights.shape)):
+        raise ValueError(f"mxfp4_moe: shapes x {x.shape}, ids {ids.shape}, weights {weights.shape}, gate_up "
+                         f"{gate_up_blocks.shape}, down {down_blocks.shape} do not fit together")
+    for bsz in (cfg.block_i, cfg.block_h, cfg.groups):
+        if bsz != _pow2(bsz):
+            raise ValueError(f"mxfp4_moe: tile sizes must be powers of two, got {cfg}")
+    if cfg.prefetch < 1:
+        raise ValueError(f"mxfp4_moe: prefetch must be >= 1, got {cfg}")
+    if cfg.layout not in ("interleave", "perm") or (cfg.layout == "perm" and cfg.groups < 4):
+        raise ValueError(f"mxfp4_moe: layout must be 'interleave' or 'perm' (perm: groups >= 4), got {cfg}")
+    perm = cfg.layout == "perm"
+    if cfg.decode not in _DECODERS:
+        raise ValueError(f"mxfp4_moe: decode {cfg.decode!r}, expected one of {sorted(_DECODERS)}")
+    decode = _decode_f16 if interpret else _DECODERS[cfg.decode]
+    P, Pp = T * k, _pow2(T * k)
+    nc = -(-T // TOKEN_TILE)
+    Tp = nc * TOKEN_TILE
+    BI, BN, BG = cfg.block_i, cfg.block_h, cfg.groups
+    nj1, nj2 = -(-I // BI), -(-H // BN)
+    Gp1, Gp2 = -(-G1 // BG) * BG, -(-G2 // BG) * BG
+    zero_cols = _pow2(-(-H // nj1))
+    # out: exactly [T, H] on GPU (masked stores and atomics); the interpreter gets every index in bounds
+    To, Ho = (max(Tp, _pow2(T)), max(nj2 * BN, nj1 * zero_cols)) if interpret else (T, H)
+    Ia = max(Gp2 * BLOCK, nj1 * BI)  # act columns: every K step of kernel 2 and every store of kernel 1 in bounds
+    ids_flat = ids.reshape(-1).astype(jnp.int32)
+    w_flat = weights.reshape(-1).astype(F32)
+    # gate_up rows as [I, 2] (gate, linear): free reshapes of the HF layout
+    gu_w = _as_words(gate_up_blocks).reshape(E, I, 2, G1, 4)
+    gu_s, gu_b = gate_up_scales.reshape(E, I, 2, G1), gate_up_bias.reshape(E, I, 2)
+    dn_w, dn_s, dn_b = _as_words(down_blocks), down_scales, down_bias
+    if interpret:
+        ids_flat = _pad(ids_flat, (Pp,), -1)
+        x = _pad(x, (Tp, Gp1 * BLOCK))
+        gu_w, gu_s, gu_b = (_pad(gu_w, (E, nj1 * BI, 2, Gp1, 4)), _pad(gu_s, (E, nj1 * BI, 2, Gp1)),
+                            _pad(gu_b, (E, nj1 * BI, 2)))
+        dn_w, dn_s, dn_b = (_pad(dn_w, (E, nj2 * BN, Gp2, 4)), _pad(dn_s, (E, nj2 * BN, Gp2)),
+                            _pad(dn_b, (E, nj2 * BN)))
+        params = None
+    else:
+        params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    act, out = pl.pallas_call(
+        functools.partial(_gate_up_kernel, T=T, k=k, H=H, I=I, BI=BI, BG=BG, limit=float(limit), alpha=float(alpha),
+                          decode=decode, zero_cols=zero_cols, depth=cfg.prefetch, perm=perm),
+        grid=(P, nc, nj1),
+        out_shape=(jax.ShapeDtypeStruct((P, Tp, Ia), x.dtype), jax.ShapeDtypeStruct((To, Ho), F32)),
+        compiler_params=params, interpret=interpret, name="mxfp4_moe_gate_up",
+    )(ids_flat, x.reshape(x.shape[0], -1, 8) if perm else x, gu_w, gu_s, gu_b)
+    out = pl.pallas_call(
+        functools.partial(_down_kernel, T=T, k=k, H=H, I=I, BN=BN, BG=BG, decode=decode, interpret=interpret,
+                          depth=cfg.prefetch, perm=perm),
+        grid=(P, nc, nj2),
+        out_shape=jax.ShapeDtypeStruct((To, Ho), F32),
+        input_output_aliases={6: 0},
+        compiler_params=params, interpret=interpret, name="mxfp4_moe_down",
+    )(ids_flat, w_flat, act.reshape(P, Tp, -1, 8) if perm else act, dn_w, dn_s, dn_b, out)
+    return out if (To, Ho) == (T, H) else out[:T, :H]
+
+
+# -- reference ---------------------------------------------------------------------------------
+
+def dequantize(blocks, scales, dtype=jnp.bfloat16):
+    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> [..., G * 32] in `dtype` (exact for bf16/f32)."""
+    lut = jnp.asarray(E2M1)
+    lo = lut[(blocks & 0x0F).astype(jnp.int32)]
+    hi = lut[(blocks >> 4).astype(jnp.int32)]
+    vals = jnp.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], BLOCK)  # [..., G, 32]
+    vals = jnp.ldexp(vals, scales.astype(jnp.int32)[..., None] - SCALE_BIAS)
+    return vals.reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "alpha", "config", "interpret"))
+def mxfp4_moe_reference(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales,
+                        down_bias, *, limit: float, alpha: float, config: MoeConfig | None = None,
+                        interpret: bool = False):
+    """Plain-jnp `mxfp4_moe`: dequantize each (token, expert) pair's expert (tokens four at a time,
+    so that full-size experts fit in memory). f32 [T, H]."""
+    del config, interpret
+
+    def one_token(args):
+        xt, it, wt = args  # [H], [k], [k]
+        w1 = dequantize(gate_up_blocks[it], gate_up_scales[it], x.dtype)  # [k, 2I, H]
+        w2 = dequantize(down_blocks[it], down_scales[it], x.dtype)  # [k, H, I]
+        h = jnp.einsum("h,koh->ko", xt, w1, preferred_element_type=F32) + gate_up_bias[it].astype(F32)
+        gate = jnp.minimum(h[..., ::2], limit)
+        lin = jnp.clip(h[..., 1::2], -limit, limit)
+        act = (gate * jax.nn.sigmoid(alpha * gate) * (lin + 1)).astype(x.dtype)
+        y = jnp.einsum("ki,koi->ko", act, w2, preferred_element_type=F32) + down_bias[it].astype(F32)
+        return jnp.einsum("ko,k->o", y, wt.astype(F32))
+
+    return lax.map(one_token, (x, ids, weights), batch_size=4)
+
+
+def expert_bytes(gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias) -> int:
+    """Bytes one expert's packed weights, scales and biases occupy."""
+    arrs = (gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias)
+    return sum(math.prod(a.shape[1:]) * jnp.dtype(a.dtype).itemsize for a in arrs)

@@ -1,0 +1,720 @@
+"""Kernel benchmarks: each section times one Pallas kernel against the bytes it must move.
+
+  python experiments/bench_kernels.py --only moe --out experiments/results/moe_h200.json
+
+One function per section returns a dict; the JSON holds {"device": ..., "<section>": {...}}.
+Every roofline fraction divides by the copy bandwidth measured in the same process.
+"""
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timing  # noqa: E402
+
+flags.DEFINE_list("only", None, "sections to run (default: all)")
+flags.DEFINE_string("out", None, "JSON output path")
+FLAGS = flags.FLAGS
+
+
+# -- moe: MXFP4 expert matmul for decode / verify (eagle3_jax/pallas/moe.py) ------------------------
+
+flags.DEFINE_list("moe_tokens", ["1", "4", "8", "16", "32", "64"], "token counts T (top-4 routing)")
+flags.DEFINE_list("moe_sweep", [], "MoeConfig variants to time at --moe_sweep_tokens before the main table, "
+                  "each 'key=value/key=value' (e.g. decode=ptx/block_i=64); the fastest correct one is used")
+flags.DEFINE_list("moe_sweep_tokens", ["1", "16"], "token counts of the sweep (the sum of times ranks variants)")
+flags.DEFINE_integer("moe_routings", 4, "distinct random routings cycled inside one timed call (defeats L2 reuse; "
+                     "each is its own kernel instance, compiled separately)")
+flags.DEFINE_bool("moe_e2e", False, "also build the random full-size gpt-oss-120b and time B=1 decode and its parts")
+flags.DEFINE_integer("moe_e2e_prompt", 128, "committed context (tokens) of the end-to-end decode step")
+flags.DEFINE_integer("moe_e2e_new", 16, "decode steps per timed loop")
+flags.DEFINE_bool("moe_jnp", True, "also time the MoE layer's jnp paths (slow to compile)")
+flags.DEFINE_string("moe_preset", "gpt-oss-120b", "GptOssConfig preset of the benchmarked layer (tiny: CPU smoke run)")
+flags.DEFINE_integer("moe_copy_bytes", 4 << 30, "bytes of the copy-bandwidth measurement")
+
+
+def _parse_moe_config(text):
+    from eagle3_jax.pallas import moe as mk
+
+    kw = {}
+    for part in filter(None, text.split("/")):
+        key, val = part.split("=")
+        kw[key] = val if key == "decode" else int(val)
+    return mk.MoeConfig(**kw)
+
+
+def _loop_time(fn, *args, calls=3, repeats=5):
+    return timing.time_fn(jax.jit(fn), *args, calls=calls, repeats=repeats)
+
+
+def bench_moe():
+    import dataclasses
+
+    from flax import nnx
+
+    from eagle3_jax.models import GptOssConfig, gpt_oss
+    from eagle3_jax.pallas import moe as mk
+
+    res = dict(timing.device_info())
+    bw = timing.copy_bandwidth(FLAGS.moe_copy_bytes)
+    res["copy_bandwidth_bytes_per_s"] = bw
+    interp = jax.default_backend() != "gpu"  # CPU smoke run: the kernels interpreted
+
+    def partial():  # what is measured so far survives a timeout
+        if FLAGS.out:
+            with open(FLAGS.out + ".moe_partial", "w") as f:
+                json.dump(res, f, indent=1, default=float)
+
+    if FLAGS.moe_e2e:  # first: the full-size model needs the memory the layer below would hold
+        res["e2e"] = _bench_moe_e2e(bw)
+        partial()
+    cfg = GptOssConfig.preset(FLAGS.moe_preset)
+    H, E, k = cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok
+    layer = gpt_oss.MoE(cfg, jnp.bfloat16, nnx.Rngs(0))  # one layer, random packed experts (scale bytes 119..121)
+    ex = layer.experts
+    packed = (ex.gate_up_blocks[...], ex.gate_up_scales[...], ex.gate_up_bias[...],
+              ex.down_blocks[...], ex.down_scales[...], ex.down_bias[...])
+    per_expert = mk.expert_bytes(*packed)
+    res["expert_bytes"] = per_expert
+    lim, alpha = float(layer.limit), float(layer.alpha)
+    R = FLAGS.moe_routings
+    route = jax.jit(lambda m, x: m.route(x))
+
+    def inputs(T, seed):
+        """R routings of T tokens through the layer's random router (realistic top-4 sets)."""
+        xs = jax.random.normal(jax.random.key(seed), (R, T, H), jnp.bfloat16)
+        ids, ws = zip(*[route(layer, xs[r]) for r in range(R)])
+        return xs, jnp.stack(ids), jnp.stack(ws)
+
+    def kernel_loop(config):
+        def f(xs, ids, ws, *p):
+            outs = [mk.mxfp4_moe(xs[r], ids[r], ws[r], *p, limit=lim, alpha=alpha, config=config, interpret=interp)
+                    for r in range(R)]
+            return jnp.stack([o[:, :8] for o in outs])
+        return f
+
+    def roofline(T, ids):
+        distinct = float(np.mean([len(np.unique(np.asarray(ids[r]))) for r in range(R)]))
+        nbytes = distinct * per_expert + T * H * (2 + 4)  # experts + x in + f32 out
+        return distinct, nbytes, nbytes / bw
+
+    def check(config, T=5, seed=123):
+        xs, ids, ws = inputs(T, seed)
+        out = mk.mxfp4_moe(xs[0], ids[0], ws[0], *packed, limit=lim, alpha=alpha, config=config, interpret=interp)
+        ref = mk.mxfp4_moe_reference(xs[0], ids[0], ws[0], *packed, limit=lim, alpha=alpha)
+        out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+        return float(np.linalg.norm(out - ref) / np.linalg.norm(ref)) if np.isfinite(out).all() else float("nan")
+
+    # -- variant sweep -----------------------------------------------------------------------------
+    best = mk.DEFAULT_CONFIG
+    if FLAGS.moe_sweep:
+        sweep = []
+        for text in FLAGS.moe_sweep:
+            c = _parse_moe_config(text)
+            row = dict(config=dataclasses.asdict(c))
+            try:
+                row["rel_err_T5"] = check(c)
+                tot = 0.0
+                for T in map(int, FLAGS.moe_sweep_tokens):
+                    xs, ids, ws = inputs(T, T)
+                    t = _loop_time(kernel_loop(c), xs, ids, ws, *packed) / R
+                    row[f"us_T{T}"] = t * 1e6
+                    row[f"roofline_T{T}"] = roofline(T, ids)[2] / t
+                    tot += t
+                row["ok"] = bool(row["rel_err_T5"] < 1e-2)
+                row["total_s"] = tot
+            except Exception as e:  # a variant that does not compile or run is reported, not fatal
+                row["ok"], row["error"] = False, f"{type(e).__name__}: {str(e)[:400]}"
+            print("sweep", row, flush=True)
+            sweep.append(row)
+            res["sweep"] = sweep
+            partial()
+        res["sweep"] = sweep
+        good = [r for r in sweep if r.get("ok")]
+        if good:
+            best = mk.MoeConfig(**min(good, key=lambda r: r["total_s"])["config"])
+    res["config"] = dataclasses.asdict(best)
+    res["rel_err_T5_vs_reference"] = check(best)
+
+    # -- main table ------------------------------------------------------------------------------
+    rows = []
+    for T in map(int, FLAGS.moe_tokens):
+        xs, ids, ws = inputs(T, 1000 + T)
+        distinct, nbytes, t_roof = roofline(T, ids)
+        row = dict(tokens=T, distinct_experts=distinct, bytes=nbytes, roofline_us=t_roof * 1e6)
+        t = _loop_time(kernel_loop(best), xs, ids, ws, *packed) / R
+        row.update(kernel_us=t * 1e6, kernel_roofline_fraction=t_roof / t)
+
+        # the layer as the model runs it (router included): default path, and the jnp paths
+        def layer_loop(grouped):
+            def f(m, xs):
+                return jnp.stack([m(xs[r], grouped=grouped)[:, :8] for r in range(R)])
+            return f
+
+        def kernel_with_router(m, xs):
+            outs = []
+            for r in range(R):
+                i, w = m.route(xs[r])
+                outs.append(mk.mxfp4_moe(xs[r], i, w, *packed, limit=lim, alpha=alpha, config=best,
+                                         interpret=interp)[:, :8])
+            return jnp.stack(outs)
+
+        row["layer_kernel_us"] = _loop_time(kernel_with_router, layer, xs) / R * 1e6
+        if FLAGS.moe_jnp and T * k <= gpt_oss.GATHER_MAX_PAIRS:
+            row["layer_jnp_gathered_us"] = _loop_time(layer_loop(False), layer, xs, calls=1, repeats=3) / R * 1e6
+        if FLAGS.moe_jnp:
+            row["layer_jnp_grouped_us"] = _loop_time(layer_loop(True), layer, xs, calls=1, repeats=3) / R * 1e6
+        print("moe", row, flush=True)
+        rows.append(row)
+        res["tokens"] = rows
+        partial()
+    res["tokens"] = rows
+    res["notes"] = (
+        "kernel_us: mxfp4_moe (both Pallas kernels) per call, median of back-to-back calls inside one jit, "
+        f"cycling {R} router-drawn routings so consecutive calls read different experts. roofline_us: packed "
+        "bytes of the distinct selected experts (blocks + scales + biases) over the copy bandwidth measured here. "
+        "layer_*: the MoE layer with its router (kernel; jnp gathered per-pair dequantize; jnp expert-grouped tiles).")
+    del layer, ex, packed
+    return res
+
+
+def _bench_moe_e2e(bw):
+    """Random full-size gpt-oss-120b, B=1, short context: the decode step (target step + greedy pick,
+    the body of generate()'s while_loop) against the bytes it must read, and the parts that take the
+    time. Every timing runs its work `iters` times inside one jitted fori_loop, the cache carried in place."""
+    import inspect
+
+    from flax import nnx
+
+    from eagle3_jax.models import GptOssConfig, gpt_oss
+    from eagle3_jax.pallas import attention as attn_mod
+    from eagle3_jax.pallas import moe as mk
+
+    cfg = GptOssConfig.preset(FLAGS.moe_preset)
+    t0 = time.perf_counter()
+    model = gpt_oss.random_gpt_oss(cfg, seed=0)
+    jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+    out = dict(build_seconds=time.perf_counter() - t0, param_bytes=gpt_oss.param_bytes(model))
+    P, iters = FLAGS.moe_e2e_prompt, FLAGS.moe_e2e_new
+    graphdef, state = nnx.split(model)
+
+    def loop(body, carry):
+        def run(st, c):
+            m = nnx.merge(graphdef, st)
+            return jax.lax.fori_loop(0, iters, lambda i, c: body(m, c), c)
+        f = jax.jit(run, donate_argnums=1)
+        t1 = time.perf_counter()
+        carry = jax.block_until_ready(f(state, carry))
+        compile_s = time.perf_counter() - t1
+        best = float("inf")
+        for _ in range(3):
+            t1 = time.perf_counter()
+            carry = jax.block_until_ready(f(state, carry))
+            best = min(best, time.perf_counter() - t1)
+        return best / iters, compile_s
+
+    key = jax.random.key(0)
+    cache = jax.tree.map(lambda a: (jax.random.normal(key, a.shape, jnp.float32) * 0.5).astype(a.dtype),
+                         gpt_oss.init_cache(model, 1, P + 8 * iters + 8))
+
+    def decode_step(m, c):  # lengths stay put so every iteration sees the same context
+        lg, _, cache = gpt_oss.step(m, c["cache"], c["tok"][:, None], c["len"][:, None], c["len"])
+        return dict(cache=cache, tok=jnp.argmax(lg[:, 0], axis=-1).astype(jnp.int32), len=c["len"])
+
+    per_tok, compile_s = loop(decode_step, dict(cache=cache, tok=jnp.array([7], jnp.int32),
+                                                len=jnp.array([P], jnp.int32)))
+    L, H, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+    lay = model.layers[0]
+    attn_bytes = sum(int(np.prod(getattr(lay.self_attn, nm)[...].shape)) * 2 for nm in ("wq", "wk", "wv", "wo")) * L
+    ex = lay.mlp.experts
+    per_expert = mk.expert_bytes(ex.gate_up_blocks[...], ex.gate_up_scales[...], ex.gate_up_bias[...],
+                                 ex.down_blocks[...], ex.down_scales[...], ex.down_bias[...])
+    expert_bytes = cfg.num_experts_per_tok * per_expert * L
+    router_bytes = H * cfg.num_local_experts * 2 * L
+    head_bytes = V * H * 2
+    kv_bytes = 2 * L * cfg.num_key_value_heads * cfg.head_dim * 2 * P  # upper bound: every layer reads P slots
+    total = attn_bytes + expert_bytes + router_bytes + head_bytes + kv_bytes
+    out.update(context=P, iters=iters, step_compile_seconds=compile_s, seconds_per_token=per_tok,
+               tokens_per_second=1 / per_tok,
+               step_bytes=dict(attention_weights=attn_bytes, experts=expert_bytes, routers=router_bytes,
+                               lm_head=head_bytes, kv_cache=kv_bytes, total=total),
+               roofline_seconds_per_token=total / bw, roofline_fraction=total / bw / per_tok)
+
+    x0 = jax.random.normal(jax.random.key(1), (1, 1, H), jnp.bfloat16)
+
+    def moe_all(m, x):  # the MoE half of every block: norm, router, experts (kernel on GPU), residual
+        for blk in m.layers:
+            x = x + blk.mlp(blk.post_attention_layernorm(x))
+        return x
+
+    def head(m, x):  # final norm, lm_head, greedy pick, next embedding
+        tok = jnp.argmax(gpt_oss.logits(m, m.norm(x)), axis=-1)
+        return x + m.embed[...][tok] * 1e-3
+
+    t_moe, _ = loop(moe_all, jnp.copy(x0))  # the loop donates its carry
+    t_head, _ = loop(head, jnp.copy(x0))
+    rest = per_tok - t_moe - t_head
+    uses_attn_kernel = "attention_pallas" in inspect.getsource(attn_mod.attention)
+    out["parts_seconds_per_token"] = dict(moe_layers=t_moe, lm_head_and_pick=t_head, rest=rest)
+    out["parts_roofline_fraction"] = dict(
+        moe_layers=(expert_bytes + router_bytes) / bw / t_moe, lm_head_and_pick=head_bytes / bw / t_head,
+        rest=(attn_bytes + kv_bytes) / bw / max(rest, 1e-9))
+    out["notes"] = (
+        "seconds_per_token: one decode step (gpt_oss.step on 1 token + argmax), the body of generate()'s "
+        f"while_loop, {iters} steps in one jitted fori_loop over a random-filled KV cache of {P} committed tokens. "
+        "moe_layers: the 36 MoE halves (norm, router, experts: Pallas kernel on GPU, residual) chained; "
+        "lm_head_and_pick: final norm, lm_head, argmax, embedding; rest = step - both: the 36 attention halves "
+        f"(norm, q/k/v/o projections, RoPE, {'Pallas' if uses_attn_kernel else 'jnp reference'} attention "
+        "(pallas/attention.py dispatch on GPU at the time of the run), KV-cache writes) and the embedding. "
+        "Roofline bytes: REFERENCE.md 4 (weights read once per token, 4 experts per layer) plus the KV cache.")
+    del model, state
+    return out
+
+
+# -- attention / tree_mask / accept / kv_rewind (eagle3_jax/pallas/{attention,tree_mask,accept,kv_rewind}.py) --
+# Each returns a dict with a "table" (printed at the end). Roofline fractions divide the bytes a kernel
+# must move by the copy bandwidth measured in this process (_copy_bw, measured once).
+
+flags.DEFINE_bool("attn_torch", True, "attention: torch flex_attention / SDPA side by side (GPU only)")
+flags.DEFINE_bool("attn_sweep", True, "attention: sweep launch configs at the 32K, Nq in {1, 16} shapes")
+flags.DEFINE_bool("kernels_quick", False, "attention/tree/accept/rewind: small shapes (CPU smoke runs)")
+
+_BW = {}
+
+
+def _copy_bw():
+    if "bw" not in _BW:
+        _BW["bw"] = timing.copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 1 << 28)
+    return _BW["bw"]
+
+
+def _guard(fn):
+    """Run a section; a failure is recorded in its dict instead of killing the other sections."""
+    import functools
+    import traceback
+
+    @functools.wraps(fn)
+    def run():
+        try:
+            return fn()
+        except Exception:  # noqa: BLE001
+            err = traceback.format_exc()[-3000:]
+            print(err, flush=True)
+            return dict(error=err, table=[f"{fn.__name__}: FAILED {err.strip().splitlines()[-1][:200]}"])
+    return run
+
+
+def _profile_program(run, calls):
+    """Device kernel time per call of one profiled `run()` holding `calls` calls (CUPTI records)."""
+    try:
+        from jax._src.lib import _profiler
+        from jax.profiler import ProfileData
+        sess = _profiler.ProfilerSession()
+        jax.block_until_ready(run())
+        total, names = 0.0, {}
+        for plane in ProfileData.from_serialized_xspace(sess.stop()).planes:
+            if plane.name.startswith("/device:GPU"):
+                for line in plane.lines:
+                    if "stream" in line.name.lower():
+                        for e in line.events:
+                            total += e.duration_ns * 1e-9
+                            names[e.name] = names.get(e.name, 0) + 1
+        return dict(kernel_seconds=total / calls, kernels=names)
+    except Exception as e:  # noqa: BLE001
+        return dict(profile_error=repr(e)[:300])
+
+
+def _safe_profile(fn, sets):
+    try:
+        return timing.profile_calls(fn, sets)
+    except Exception as e:  # noqa: BLE001
+        return dict(profile_error=repr(e)[:300])
+
+
+def _attn_inputs(key, B, Nq, L, *, Hq=64, Hkv=8, D=64, n_caches=1):
+    from eagle3_jax.pallas.tree_mask import tree_mask_reference
+    S = L + max(Nq, 64)
+    ks = jax.random.split(key, 8)
+    bf = jnp.bfloat16
+    caches = [(jax.random.normal(jax.random.fold_in(ks[0], i), (B, Hkv, S, D), bf),
+               jax.random.normal(jax.random.fold_in(ks[1], i), (B, Hkv, S, D), bf)) for i in range(n_caches)]
+    k = jax.random.normal(ks[2], (B, Nq, Hkv, D), bf)
+    v = jax.random.normal(ks[3], (B, Nq, Hkv, D), bf)
+    lengths = jnp.full((B,), L, jnp.int32)
+    rng = np.random.default_rng(0)
+    par = np.full((B, Nq), -1, np.int32)
+    for i in range(1, Nq):  # a bushy tree: parents among the previous 4 nodes
+        par[:, i] = rng.integers(max(0, i - 4), i, B)
+    bits, _, positions, _, _ = tree_mask_reference(jnp.asarray(par), lengths)
+    sinks = jax.random.normal(ks[4], (Hq,), jnp.float32)
+    return caches, k, v, lengths, positions, bits, sinks, par
+
+
+def _torch_attention(B, Nq, L, par, Hq=64, Hkv=8, D=64, n_sets=4, flex=True):
+    """{sdpa_s, flex_s}: the same tree attention in torch over [B, Hkv, L + Nq, D] caches (torch has no
+    sinks, so torch does slightly less work). Timed with CUDA events over 20 calls rotating n_sets inputs."""
+    import torch
+    import torch.nn.functional as F
+    dev = "cuda"
+    S = L + Nq
+    res = {}
+    anc = np.zeros((B, Nq, Nq), bool)
+    for b in range(B):
+        for i in range(Nq):
+            j = i
+            while j >= 0:
+                anc[b, i, j] = True
+                j = par[b, j] if j > 0 else -1
+    anc_t = torch.tensor(anc, device=dev)
+    sets = [(torch.randn(B, Hkv, S, D, device=dev, dtype=torch.bfloat16),
+             torch.randn(B, Hkv, S, D, device=dev, dtype=torch.bfloat16)) for _ in range(n_sets)]
+    qs = [torch.randn(B, Hq, Nq, D, device=dev, dtype=torch.bfloat16) for _ in range(n_sets)]
+    full = torch.ones(B, 1, Nq, S, dtype=torch.bool, device=dev)
+    full[:, 0, :, L:] = anc_t
+    scale = D ** -0.5
+
+    def bench(f, reps=20):
+        for i in range(3):
+            f(i % n_sets)
+        torch.cuda.synchronize()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(5):
+            t0.record()
+            for i in range(reps):
+                f(i % n_sets)
+            t1.record()
+            torch.cuda.synchronize()
+            times.append(t0.elapsed_time(t1) / 1e3 / reps)
+        return float(np.median(times))
+
+    try:
+        res["sdpa_s"] = bench(lambda i: F.scaled_dot_product_attention(
+            qs[i], sets[i][0], sets[i][1], attn_mask=full, scale=scale, enable_gqa=True))
+    except Exception as e:  # noqa: BLE001
+        res["sdpa_error"] = repr(e)[:300]
+    if not flex:
+        res["flex_error"] = "not run (flex_attention did not compile at Nq=64 in the issue's measurement)"
+    try:
+        if not flex:
+            raise RuntimeError("skipped")
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        flex = torch.compile(flex_attention, dynamic=False)
+
+        def mask_mod(b, h, qi, kv):
+            return (kv < L) | anc_t[b, qi, (kv - L).clamp(min=0, max=Nq - 1)]
+
+        bm = create_block_mask(mask_mod, B, None, Nq, S, device=dev)
+        res["flex_s"] = bench(lambda i: flex(qs[i], sets[i][0], sets[i][1], block_mask=bm, scale=scale,
+                                             enable_gqa=True))
+    except Exception as e:  # noqa: BLE001
+        if flex:
+            res["flex_error"] = repr(e)[:300]
+    del sets, qs
+    torch.cuda.empty_cache()
+    return res
+
+
+@_guard
+def bench_attention():
+    import math
+
+    from eagle3_jax.pallas.attention import attention_config, attention_pallas, attention_reference
+    bw = _copy_bw()
+    gpu = jax.default_backend() == "gpu"
+    quick = FLAGS.kernels_quick or not gpu
+    Hq, Hkv, D = 64, 8, 64
+    prefixes = [512] if quick else [32768, 131072]
+    batches = [1] if quick else [1, 4]
+    nqs = [1, 16] if quick else [1, 4, 8, 16, 64]
+    rows = []
+    table = [f"attention on {jax.devices()[0].device_kind}: us; roof% = K/V bytes / copy bandwidth "
+             f"({bw / 1e12:.2f} TB/s) / time",
+             "pallas = device kernel time per call (profiler, split-K merge included); stream = wall time per "
+             "call of 16 calls in one program (launch gaps included); sdpa/flex: CUDA events, 20 calls",
+             f"{'L':>7} {'B':>2} {'Nq':>3} {'win':>4} {'pallas':>8} {'roof%':>6} {'stream':>8} {'sdpa':>8} "
+             f"{'flex':>8} {'relerr':>8}  config"]
+    key = jax.random.key(0)
+
+    def run_one(B, Nq, L, window, configs=(None,), torch_side=False):
+        kv_bytes_one = 2 * B * Hkv * L * D * 2
+        n_caches = max(2, min(8, math.ceil(3 * 64e6 / kv_bytes_one)))
+        caches, k, v, lengths, positions, bits, sinks, par = _attn_inputs(key, B, Nq, L, n_caches=n_caches)
+        qs = [jax.random.normal(jax.random.key(100 + i), (B, Nq, Hq, D), jnp.bfloat16) for i in range(16)]
+        keys_read = L if window is None else min(L, window - 1)
+        kv_bytes = 2 * B * Hkv * keys_read * D * 2
+        best = None
+        for cfg in configs:
+            ov = dict(cfg or {})
+
+            def f(q, kc, vc, ov=ov):
+                return attention_pallas(q, k, v, kc, vc, lengths, positions, bits, sinks, window=window,
+                                        scale=D ** -0.5, interpret=not gpu, **ov)
+            try:
+                sets = [(qs[i], *caches[i % n_caches]) for i in range(len(qs))]
+                t = timing.time_calls(f, sets)
+                prof = _safe_profile(f, sets) if gpu else {}
+            except Exception as e:  # noqa: BLE001
+                rows.append(dict(L=L, B=B, Nq=Nq, window=window, config=ov, error=repr(e)[:400]))
+                print("attention config failed", L, B, Nq, window, ov, repr(e)[:400], flush=True)
+                continue
+            used = attention_config(B, Nq, Hq, Hkv, D, L + max(Nq, 64), window, **ov)
+            kt = prof.get("kernel_seconds", t)
+            r = dict(L=L, B=B, Nq=Nq, window=window, config=dict(used.__dict__), seconds=t, kv_bytes=kv_bytes,
+                     roofline_fraction=kv_bytes / bw / t, device=prof, kernel_seconds=kt,
+                     kernel_roofline_fraction=kv_bytes / bw / kt)
+            rows.append(r)
+            if best is None or kt < best["kernel_seconds"]:
+                best = r
+        if best is None:
+            table.append(f"{L:>7} {B:>2} {Nq:>3} {str(window):>4}   FAILED")
+            return None
+        if L <= 32768 or B == 1:  # correctness of the best config at this shape, f32 reference on the device
+            cfg = dict(best["config"])
+            ref = jax.jit(lambda q, kc, vc: attention_reference(q, k, v, kc, vc, lengths, positions, bits, sinks,
+                                                                  window=window, scale=D ** -0.5))
+            out = jax.jit(lambda q, kc, vc: attention_pallas(q, k, v, kc, vc, lengths, positions, bits, sinks,
+                                                               window=window, scale=D ** -0.5,
+                                                               interpret=not gpu, **cfg))
+            a = np.asarray(out(qs[0], *caches[0]), np.float32)
+            b_ = np.asarray(ref(qs[0], *caches[0]), np.float32)
+            best["rel_err"] = float(np.linalg.norm(a - b_) / np.linalg.norm(b_))
+        del caches
+        if torch_side and gpu and FLAGS.attn_torch:
+            try:
+                best.update(_torch_attention(B, Nq, L, par, flex=Nq <= 16))
+            except Exception as e:  # noqa: BLE001
+                best["torch_error"] = repr(e)[:300]
+        best["best"] = True
+        c = best["config"]
+        table.append(f"{L:>7} {B:>2} {Nq:>3} {str(window):>4} {best['kernel_seconds'] * 1e6:8.1f} "
+                     f"{100 * best['kernel_roofline_fraction']:6.1f} {best['seconds'] * 1e6:8.1f} "
+                     f"{best.get('sdpa_s', float('nan')) * 1e6:8.1f} {best.get('flex_s', float('nan')) * 1e6:8.1f} "
+                     f"{best.get('rel_err', float('nan')):8.1e}  ns={c['num_splits']} bk={c['block_k']} "
+                     f"rb={c['block_rows']} w={c['num_warps']} st={c['num_stages']} {c.get('merge', '')}")
+        print(table[-1], flush=True)
+        return best
+
+    for L in prefixes:
+        for B in batches:
+            for Nq in nqs:
+                configs = [None]
+                if gpu and FLAGS.attn_sweep and L == 32768 and Nq <= 16:
+                    base = attention_config(B, Nq, Hq, Hkv, D, L + 64, None)
+                    ns = base.num_splits
+                    configs = [None, dict(num_splits=max(1, ns // 2)), dict(num_splits=2 * ns),
+                               dict(num_stages=4), dict(merge="rows"), dict(merge="rows", num_splits=2 * ns),
+                               dict(merge="rows", num_splits=4 * ns)]
+                    if base.block_rows <= 64:
+                        configs += [dict(block_k=128)]
+                    else:
+                        configs += [dict(block_k=32), dict(num_stages=2)]
+                run_one(B, Nq, L, None, configs, torch_side=(L == 32768 and Nq in (1, 16, 64)))
+        for B in batches:  # sliding layers (window 128): time independent of the prefix
+            for Nq in ([1] if quick else [1, 16]):
+                run_one(B, Nq, L, 128)
+    return dict(copy_bandwidth=bw, rows=rows, table=table)
+
+
+def _random_trees(rng, B, N, n_sets):
+    out = []
+    for _ in range(n_sets):
+        par = np.full((B, N), -1, np.int32)
+        for i in range(1, N):
+            par[:, i] = rng.integers(max(0, i - 4), i, B)
+        out.append(jnp.asarray(par))
+    return out
+
+
+@_guard
+def bench_tree_mask():
+    from eagle3_jax.pallas.tree_mask import tree_mask_pallas, tree_mask_reference
+    interp = jax.default_backend() != "gpu"
+    rng = np.random.default_rng(0)
+    rows, table = [], ["tree_mask (us per call, 32 distinct trees back to back in one program)"]
+    for B, N in [(1, 8), (4, 64)]:
+        pars = _random_trees(rng, B, N, 32)
+        lengths = jnp.full((B,), 1000, jnp.int32)
+        kern = lambda p: tree_mask_pallas(p, lengths, interpret=interp)  # noqa: E731
+        ref = lambda p: tree_mask_reference(p, lengths)  # noqa: E731
+        t = timing.time_calls(kern, [(p,) for p in pars])
+        tr = timing.time_calls(ref, [(p,) for p in pars])
+        dev = _safe_profile(kern, [(p,) for p in pars]) if not interp else {}
+        same = all(bool(jnp.all(a == b)) for a, b in zip(jax.jit(kern)(pars[0]), jax.jit(ref)(pars[0])))
+        rows.append(dict(B=B, N=N, seconds=t, reference_seconds=tr, matches_reference=same, device=dev))
+        table.append(f"B={B} N={N}: kernel {dev.get('kernel_seconds', float('nan')) * 1e6:.1f} on device, "
+                     f"{t * 1e6:.1f} per call in a stream; jnp reference {tr * 1e6:.1f}; match={same}")
+    return dict(rows=rows, table=table)
+
+
+@_guard
+def bench_accept():
+    from eagle3_jax.pallas.accept import (accept_greedy_pallas, accept_greedy_reference, accept_sample_pallas,
+                                          accept_sample_reference)
+    gpu = jax.default_backend() == "gpu"
+    interp = not gpu
+    rng = np.random.default_rng(0)
+    rows, table = [], ["accept (us per call, distinct inputs back to back in one program)"]
+    B, N, Dm = 4, 64, 16
+    pars = _random_trees(rng, B, N, 32)
+    sets = []
+    for p in pars:
+        tok = rng.integers(0, 8, (B, N)).astype(np.int32)
+        tgt = rng.integers(0, 8, (B, N)).astype(np.int32)
+        pn = np.asarray(p)
+        for b in range(B):  # long accepted paths
+            for i in range(1, N):
+                if rng.random() < 0.7:
+                    tgt[b, pn[b, i]] = tok[b, i]
+        sets.append((jnp.asarray(tok), p, jnp.asarray(tgt)))
+    kern = lambda a, b, c: accept_greedy_pallas(a, b, c, max_depth=Dm, interpret=interp)  # noqa: E731
+    ref = lambda a, b, c: accept_greedy_reference(a, b, c, max_depth=Dm)  # noqa: E731
+    t = timing.time_calls(kern, sets)
+    tr = timing.time_calls(ref, sets)
+    dev = _safe_profile(kern, sets) if not interp else {}
+    o = jax.jit(kern)(*sets[0])
+    same = all(bool(jnp.all(x == y)) for x, y in zip(o, jax.jit(ref)(*sets[0])))
+    rows.append(dict(kind="greedy", B=B, N=N, max_depth=Dm, seconds=t, reference_seconds=tr,
+                     matches_reference=same, accept_len=np.asarray(o[0]).tolist(), device=dev))
+    table.append(f"greedy B={B} N={N}: kernel {dev.get('kernel_seconds', float('nan')) * 1e6:.1f} on device, "
+                 f"{t * 1e6:.1f} per call in a stream; jnp reference {tr * 1e6:.1f}; match={same} "
+                 f"acc={np.asarray(o[0]).tolist()}")
+    for V in ([32000, 201088] if gpu and not FLAGS.kernels_quick else [64]):
+        key = jax.random.key(0)
+        logits = jax.random.normal(key, (B, N, V), jnp.float32) * 3
+        p = jax.nn.softmax(logits, -1)
+        q = jax.nn.softmax(logits + jax.random.normal(jax.random.key(1), (B, N, V)) * 2, -1)
+        tok = jnp.argmax(q, -1).astype(jnp.int32)  # plausible drafts
+        par = sets[0][1]
+        for prop in ("sample", "deterministic"):
+            ks = [(tok, par, p, q, jax.random.key(10 + i)) for i in range(8)]
+            kern = lambda a, b, c, d, e, prop=prop: accept_sample_pallas(  # noqa: E731
+                a, b, c, d, e, max_depth=Dm, proposal=prop, interpret=interp)
+            ref = lambda a, b, c, d, e, prop=prop: accept_sample_reference(  # noqa: E731
+                a, b, c, d, e, max_depth=Dm, proposal=prop)
+            t = timing.time_calls(kern, ks)
+            tr = timing.time_calls(ref, ks)
+            dev = _safe_profile(kern, ks) if not interp else {}
+            o, r = jax.jit(kern)(*ks[0]), jax.jit(ref)(*ks[0])
+            same = all(bool(jnp.all(x == y)) for x, y in zip(o, r))
+            rows.append(dict(kind=f"sample/{prop}", B=B, N=N, V=V, seconds=t, reference_seconds=tr,
+                             matches_reference=same, accept_len=np.asarray(o[0]).tolist(), device=dev))
+            table.append(f"sample/{prop} B={B} N={N} V={V}: kernel {dev.get('kernel_seconds', float('nan')) * 1e6:.1f}"
+                         f" on device, {t * 1e6:.1f} in a stream; jnp reference {tr * 1e6:.1f}  "
+                         f"match={same} acc={np.asarray(o[0]).tolist()}")
+        del p, q, logits
+    return dict(rows=rows, table=table)
+
+
+@_guard
+def bench_kv_rewind():
+    import functools
+
+    from eagle3_jax.pallas.accept import accept_greedy_reference
+    from eagle3_jax.pallas.kv_rewind import _kv_rewind_pallas, kv_rewind_reference
+    gpu = jax.default_backend() == "gpu"
+    interp = not gpu
+    quick = FLAGS.kernels_quick or not gpu
+    layers, B, Hkv, S, D, N = (4, 2, 2, 256, 64, 16) if quick else (36, 4, 8, 8192, 64, 64)
+    Dm = 8
+    rng = np.random.default_rng(0)
+    bf = jnp.bfloat16
+    k = tuple(jax.random.normal(jax.random.key(i), (B, Hkv, S, D), bf) for i in range(layers))
+    v = tuple(jax.random.normal(jax.random.key(1000 + i), (B, Hkv, S, D), bf) for i in range(layers))
+    lengths = jnp.asarray(rng.integers(100, S - N, B), jnp.int32)
+    paths = []
+    for p in _random_trees(rng, B, N, 16):
+        zeros = jnp.zeros((B, N), jnp.int32)
+        acc, path, _ = accept_greedy_reference(zeros, p, zeros, max_depth=Dm)  # everything matches: deepest path
+        paths.append((path, acc))
+    rk, rv = jax.jit(kv_rewind_reference)(k, v, lengths, *paths[0])
+    ok, ov = jax.jit(functools.partial(_kv_rewind_pallas, interpret=interp))(k, v, lengths, *paths[0])
+    same = all(bool(jnp.all(a == b)) for a, b in zip(rk + rv, ok + ov))
+    del rk, rv, ok, ov
+    d = jnp.arange(1, Dm + 1)
+    moved = int(jnp.sum((paths[0][0][:, 1:] != d) & (d <= paths[0][1][:, None])))
+
+    def chain(k, v):  # 16 rewinds in one program, in place (donated), each with its own path
+        for pth, a in paths:
+            k, v = _kv_rewind_pallas(k, v, lengths, pth, a, interpret=interp)
+        return k, v
+
+    f = jax.jit(chain, donate_argnums=(0, 1))
+    k, v = f(k, v)
+    jax.block_until_ready((k, v))
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        k, v = f(k, v)
+        jax.block_until_ready((k, v))
+        times.append((time.perf_counter() - t0) / len(paths))
+    t = float(np.median(times))
+    dev = _profile_program(lambda: f(k, v), len(paths)) if gpu else {}
+    row = dict(layers=layers, B=B, Hkv=Hkv, S=S, D=D, N=N, max_depth=Dm, seconds=t, matches_reference=same, device=dev,
+               moved_rows_per_head_first_tree=moved, bytes_moved_first_tree=2 * moved * 2 * layers * Hkv * D * 2)
+    return dict(rows=[row], table=[f"kv_rewind {layers} layers K+V, B={B} Hkv={Hkv} N={N}: "
+                                   f"{dev.get('kernel_seconds', float('nan')) * 1e6:.1f} us on device, {t * 1e6:.1f} us per "
+                                   f"call (in place, 16 in one program; {moved} moved rows/head/layer in tree 0); "
+                                   f"match={same}"])
+
+
+SECTIONS = {
+    "moe": bench_moe,
+    "attention": bench_attention,
+    "tree_mask": bench_tree_mask,
+    "accept": bench_accept,
+    "kv_rewind": bench_kv_rewind,
+}
+
+
+def main(argv):
+    del argv
+    names = FLAGS.only or list(SECTIONS)
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        raise ValueError(f"--only: unknown sections {unknown}; known: {sorted(SECTIONS)}")
+    result = dict(timing.device_info())
+    for name in names:
+        t0 = time.perf_counter()
+        result[name] = SECTIONS[name]()
+        result[name]["section_seconds"] = time.perf_counter() - t0
+    text = json.dumps(result, indent=1, default=float)
+    if FLAGS.out:
+        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+        with open(FLAGS.out, "w") as f:
+            f.write(text)
+    if "moe" in result:
+        _print_moe_table(result["moe"])
+    for name in names:  # sections that bring their own table print it last
+        if isinstance(result[name], dict) and result[name].get("table"):
+            print("\n".join(result[name]["table"]))
+
+
+def _print_moe_table(r):
+    print(f"\n{r['device']} jax {r['jax_version']} copy {r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s "
+          f"config {r['config']} relerr {r['rel_err_T5_vs_reference']:.1e}")
+    for s in r.get("sweep", []):
+        print("  sweep", s.get("config"), {k: round(float(v), 3) if isinstance(v, (float, np.floating)) else v
+                                          for k, v in s.items() if k != "config"})
+    print(f"{'T':>3} {'experts':>7} {'roof us':>8} {'kern us':>8} {'frac':>5} {'layer':>8} {'gather':>8} {'group':>8}")
+    for row in r["tokens"]:
+        print(f"{row['tokens']:>3} {row['distinct_experts']:>7.1f} {row['roofline_us']:>8.1f} {row['kernel_us']:>8.1f} "
+              f"{row['kernel_roofline_fraction']:>5.2f} {row['layer_kernel_us']:>8.1f} "
+              f"{row.get('layer_jnp_gathered_us', float('nan')):>8.1f} {row.get('layer_jnp_grouped_us', float('nan')):>8.1f}")
+    if "e2e" in r:
+        e = r["e2e"]
+        print(f"e2e: {e['seconds_per_token'] * 1e3:.3f} ms/token, roofline {e['roofline_seconds_per_token'] * 1e3:.3f} ms "
+              f"({e['roofline_fraction']:.2f}); parts ms " +
+              str({k: round(v * 1e3, 3) for k, v in e['parts_seconds_per_token'].items()}))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,147 @@
+"""Tree / prefix attention kernel (eagle3_jax/pallas/attention.py) against its jnp reference.
+
+CPU: the Pallas kernel in interpret mode on fresh random inputs (outputs start as NaN in interpret
+mode, so an unwritten element fails), with the cache's scratch slots (>= lengths) poisoned with huge
+values that would dominate the result if they were read. GPU (@pytest.mark.gpu): the compiled kernel.
+"""
+
+import zlib
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax.pallas.attention import attention, attention_pallas, attention_reference, mask_words
+from eagle3_jax.pallas.tree_mask import tree_mask_reference
+
+TOL = 1.5e-2
+_tree_ref = jax.jit(tree_mask_reference)  # bf16 inputs and output; float32 softmax
+
+
+def random_parents(rng, B, N, fan=3):
+    p = np.zeros((B, N), np.int32)
+    p[:, 0] = -1
+    for i in range(1, N):
+        p[:, i] = rng.integers(max(0, i - fan), i, B)
+    return p
+
+
+def make_inputs(seed, B, Nq, Hq, Hkv, D, S, *, kind="tree", lengths=None, dtype=jnp.bfloat16):
+    """kind: 'tree' (random tree, positions = len + depth), 'causal' (chunk: mask None, positions
+    len + i), 'random_mask' (arbitrary bits, consecutive positions)."""
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(B, Nq, Hq, D))
+    k = rng.normal(size=(B, Nq, Hkv, D))
+    v = rng.normal(size=(B, Nq, Hkv, D))
+    kc = rng.normal(size=(B, Hkv, S, D))
+    vc = rng.normal(size=(B, Hkv, S, D))
+    if lengths is None:
+        lengths = rng.integers(0, S - Nq + 1, B)
+    lengths = np.asarray(lengths, np.int32)
+    for b in range(B):  # poison the scratch slots
+        kc[b, :, lengths[b]:] = 30.0
+        vc[b, :, lengths[b]:] = 1e4
+    if kind == "tree":
+        parents = random_parents(rng, B, Nq)
+        bits, _, positions, _, _ = _tree_ref(jnp.asarray(parents), jnp.asarray(lengths))
+        mask = bits
+    elif kind == "causal":
+        mask, positions = None, lengths[:, None] + np.arange(Nq)[None]
+    else:
+        mask = jnp.asarray(rng.integers(0, 2**32, (B, Nq, mask_words(Nq)), dtype=np.uint32))
+        positions = lengths[:, None] + np.arange(Nq)[None]
+    sinks = rng.normal(size=(Hq,)) * 2
+    c = lambda x: jnp.asarray(x, dtype)
+    return (c(q), c(k), c(v), c(kc), c(vc), jnp.asarray(lengths), jnp.asarray(positions, jnp.int32),
+            mask, jnp.asarray(sinks, jnp.float32))
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.isfinite(a).all(), "non-finite (unwritten or poisoned) output"
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+CPU_CASES = [
+    # id, B, Nq, Hq, Hkv, D, S, kind, window, overrides, lengths
+    ("decode_splitk_len0", 2, 1, 8, 2, 16, 150, "causal", None, dict(num_splits=3, block_k=16), [0, 130]),
+    ("tree_siblings_N40", 2, 40, 8, 2, 16, 200, "tree", None, dict(num_splits=2, block_k=32, block_new=16, merge="rows"), None),
+    ("window_tree_default_config", 3, 12, 8, 2, 16, 200, "tree", 8, {}, [0, 5, 170]),
+    ("causal_chunk_window", 2, 37, 4, 2, 16, 120, "causal", 8, dict(block_rows=32, block_new=16, block_k=16), None),
+    ("causal_chunk_full_splitk", 1, 50, 2, 1, 16, 90, "causal", None, dict(block_rows=32, block_new=16, num_splits=2), [30]),
+    ("random_mask_N33_D24_mha", 1, 33, 2, 2, 24, 64, "random_mask", None, dict(num_splits=3, block_k=16, merge="rows"), None),
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=[c[0] for c in CPU_CASES])
+def test_kernel_matches_reference_interpret(case):
+    name, B, Nq, Hq, Hkv, D, S, kind, window, ov, lengths = case
+    seed = zlib.crc32(name.encode())
+    args = make_inputs(seed, B, Nq, Hq, Hkv, D, S, kind=kind, lengths=lengths)
+    kw = dict(window=window, scale=D ** -0.5)
+    ref = jax.jit(lambda *a: attention_reference(*a, **kw))(*args)
+    out = jax.jit(lambda *a: attention_pallas(*a, **kw, interpret=True, **ov))(*args)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_err(out, ref) < TOL
+
+
+def test_attention_dispatch_cpu_is_reference():
+    args = make_inputs(4, 1, 3, 4, 2, 16, 32, kind="tree")
+    kw = dict(window=8, scale=0.25)
+    np.testing.assert_array_equal(np.asarray(attention(*args, **kw), np.float32),
+                                  np.asarray(attention_reference(*args, **kw), np.float32))
+
+
+def test_sliding_window_keys_outside_window_are_not_read():
+    """Poison every prefix slot outside the window: the result must not change."""
+    B, Nq, Hq, Hkv, D, S, W = 2, 4, 4, 2, 16, 160, 16
+    q, k, v, kc, vc, lengths, positions, mask, sinks = make_inputs(5, B, Nq, Hq, Hkv, D, S, kind="tree",
+                                                                   lengths=[100, 140])
+    kw = dict(window=W, scale=0.25)
+    ref = jax.jit(lambda *a: attention_reference(*a, **kw))(q, k, v, kc, vc, lengths, positions, mask, sinks)
+    kc2 = kc.at[:, :, :100 - W].set(jnp.nan)  # slots before the earliest window
+    vc2 = vc.at[:, :, :100 - W].set(jnp.nan)
+    out = attention_pallas(q, k, v, kc2, vc2, lengths, positions, mask, sinks, **kw, interpret=True,
+                           block_k=16)
+    assert rel_err(out, ref) < TOL
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+GPU_CASES = [
+    # B, Nq, kind, window, S, lengths
+    (1, 1, "causal", None, 4096, [4000]),
+    (4, 1, "causal", None, 4096, [0, 1, 2049, 4095]),
+    (2, 16, "tree", None, 4096, [3000, 17]),
+    (4, 64, "tree", None, 2048, None),
+    (2, 16, "tree", 128, 4096, [3000, 100]),
+    (3, 8, "tree", 128, 1024, [0, 127, 1000]),
+    (1, 256, "causal", None, 2048, [1024]),
+    (2, 256, "causal", 128, 2048, [0, 1500]),
+]
+GPU_OVERRIDES = [{}, dict(merge="rows"), dict(merge="rows", num_splits=7)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_kernel_matches_reference_gpu(case):
+    B, Nq, kind, window, S, lengths = case
+    args = make_inputs(zlib.crc32(repr(case).encode()), B, Nq, 64, 8, 64, S, kind=kind, lengths=lengths)
+    kw = dict(window=window, scale=0.125)
+    ref = jax.jit(lambda *a: attention_reference(*a, **kw))(*args)
+    out = jax.jit(lambda *a: attention(*a, **kw))(*args)
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ov", GPU_OVERRIDES[1:], ids=["rows", "rows_ns7"])
+@pytest.mark.parametrize("case", GPU_CASES[:4], ids=lambda c: f"B{c[0]}_Nq{c[1]}")
+def test_merge_variants_gpu(case, ov):
+    B, Nq, kind, window, S, lengths = case
+    args = make_inputs(zlib.crc32(repr(case).encode()), B, Nq, 64, 8, 64, S, kind=kind, lengths=lengths)
+    kw = dict(window=window, scale=0.125)
+    ref = jax.jit(lambda *a: attention_reference(*a, **kw))(*args)
+    out = jax.jit(lambda *a: attention_pallas(*a, **kw, **ov))(*args)
+    assert rel_err(out, ref) < TOL
