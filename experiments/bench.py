@@ -15,9 +15,6 @@ Scenarios: single (B=1, 1K), gates (B=1 32K and B=4 16K, chain3: what gates.py r
 stress (decode() end to end, B=16 ragged prompts, early eos).
 """
 
-import json
-import os
-
 import numpy as np
 from absl import app, flags
 
@@ -136,10 +133,7 @@ def main(argv):
             rows.append(measure(target, draft, bw, *args, base_cache))
     result = dict(timing.device_info(), preset=FLAGS.preset, copy_bandwidth=bw, iters=FLAGS.iters,
                   tau_published=PUBLISHED_TAU, tau_trained=FLAGS.tau_trained, scenarios=rows)
-    if FLAGS.out:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-        with open(FLAGS.out, "w") as f:
-            json.dump(result, f, indent=1)
+    timing.write_json(FLAGS.out, result)
     if FLAGS.plot:
         plot([r for r in rows if "step_seconds" in r], FLAGS.plot)
 

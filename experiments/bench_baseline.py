@@ -8,20 +8,18 @@ Prefill time is a `generate` call with max_new_tokens=1 (prefill + first token);
 Each timing is the best of --repeats runs after a compile.
 """
 
-import datetime
 import json
-import os
-import sys
 import time
 
 import numpy as np
 from absl import app, flags
 
 import jax
-import jax.numpy as jnp
 
 from eagle3_jax.models import GptOssConfig, gpt_oss
 from eagle3_jax.spec import generate
+
+import timing
 
 flags.DEFINE_string("preset", "gpt-oss-120b", "GptOssConfig preset")
 flags.DEFINE_integer("batch", 1, "sequences")
@@ -66,8 +64,7 @@ def main(argv):
     assert all(len(t) == 1 + FLAGS.new_tokens for t in out.tokens)
     per_token = (t_total - t_prefill) / FLAGS.new_tokens
     result = dict(
-        command=" ".join(["python"] + sys.argv), date=datetime.date.today().isoformat(),
-        device=jax.devices()[0].device_kind, jax_version=jax.__version__, preset=FLAGS.preset,
+        **timing.device_info(), preset=FLAGS.preset,
         batch=FLAGS.batch, prompt_len=FLAGS.prompt_len, new_tokens=FLAGS.new_tokens,
         prefill_chunk=FLAGS.prefill_chunk, param_bytes=gpt_oss.param_bytes(model), build_seconds=build_s,
         compile_seconds=first.metrics["compile_seconds"], memory_after_build=mem_model, memory_after_run=_memory(),
@@ -78,10 +75,7 @@ def main(argv):
                "CPU: jnp reference attention and jnp MoE"),
     )
     print(json.dumps(result, indent=1))
-    if FLAGS.out:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-        with open(FLAGS.out, "w") as f:
-            json.dump(result, f, indent=1)
+    timing.write_json(FLAGS.out, result)
 
 
 if __name__ == "__main__":

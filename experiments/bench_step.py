@@ -12,7 +12,6 @@ accepted tokens). A step much slower than the sum of its parts would mean a hidd
 """
 
 import json
-import os
 
 import numpy as np
 from absl import app, flags
@@ -68,10 +67,7 @@ def main(argv):
                       first_compile_seconds=a.metrics["compile_seconds"],
                       second_call_compile_seconds=b.metrics["compile_seconds"]))
     print(json.dumps(result["recompile_check"]))
-    if FLAGS.out:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-        with open(FLAGS.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+    timing.write_json(FLAGS.out, result)
 
 
 if __name__ == "__main__":

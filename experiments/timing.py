@@ -106,3 +106,14 @@ def profile_calls(fn, arg_sets, *, repeats: int = 3) -> dict:
     per = n * repeats
     return dict(kernel_seconds=total / per, span_seconds=float(sorted(spans)[len(spans) // 2]) / n,
                 kernels={k: v / per for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:6]})
+
+
+def write_json(path, result: dict) -> None:
+    """Writes a benchmark's result dict (creating the folder); no-op when path is None."""
+    import json
+    import os
+
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)

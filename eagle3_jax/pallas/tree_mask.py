@@ -31,11 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-MASK_WORD = 32
-
-
-def mask_words(n: int) -> int:
-    return -(-n // MASK_WORD)
+from .attention import MASK_WORD, mask_words, pack_mask
 
 
 def _pow2(n: int) -> int:
@@ -54,7 +50,6 @@ def tree_mask_reference(parents, lengths):
     """Plain-jnp tree structure (see the module docstring). parents int32 [B, N], lengths int32 [B]."""
     parents = parents.astype(jnp.int32)
     B, N = parents.shape
-    W = mask_words(N)
     idx = jnp.arange(N, dtype=jnp.int32)
 
     def one(par):
@@ -75,9 +70,7 @@ def tree_mask_reference(parents, lengths):
         return anc, depth, first_child, next_sibling
 
     anc, depth, first_child, next_sibling = jax.vmap(one)(parents)
-    pad = W * MASK_WORD - N
-    anc = jnp.pad(anc, ((0, 0), (0, 0), (0, pad))).reshape(B, N, W, MASK_WORD).astype(jnp.uint32)
-    bits = jnp.sum(anc << jnp.arange(MASK_WORD, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+    bits = pack_mask(anc)
     positions = lengths.astype(jnp.int32)[:, None] + depth
     return bits, depth, positions, first_child, next_sibling
 

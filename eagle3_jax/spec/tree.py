@@ -16,21 +16,12 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax.models import eagle3
-from eagle3_jax.pallas.attention import MASK_WORD, mask_words
+from eagle3_jax.pallas.attention import pack_mask
 
 
 def max_nodes(depth: int, topk: int) -> int:
     """Largest useful tree: the root plus every candidate."""
     return 1 + topk + (depth - 1) * topk * topk
-
-
-def pack_bits(allowed):
-    """bool [..., N, N] -> packed uint32 [..., N, ceil(N/32)] (bit j % 32 of word j // 32)."""
-    n = allowed.shape[-1]
-    w = mask_words(n)
-    pad = jnp.zeros(allowed.shape[:-1] + (w * MASK_WORD - n,), bool)
-    bits = jnp.concatenate([allowed, pad], -1).reshape(allowed.shape[:-1] + (w, MASK_WORD)).astype(jnp.uint32)
-    return jnp.sum(bits << jnp.arange(MASK_WORD, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
 
 
 def draft_tree(draft, cache, lengths, root, h_root, *, depth: int, topk: int, num_nodes: int):
@@ -64,7 +55,7 @@ def draft_tree(draft, cache, lengths, root, h_root, *, depth: int, topk: int, nu
         rows = jnp.where((f_slot_parent >= 0)[:, :, None], parent_rows, False) | jax.nn.one_hot(slots, anc.shape[-1],
                                                                                                 dtype=bool)
         anc = anc.at[:, slots].set(rows)
-        h, _ = eagle3.layer(draft, p_tok, p_g, p_pos, lengths, pack_bits(anc), cache)
+        h, _ = eagle3.layer(draft, p_tok, p_g, p_pos, lengths, pack_mask(anc), cache)
         h_f = h[:, lo:lo + k]  # [B, k, H]
         logp, tok = eagle3.top_k(draft, eagle3.logits(draft, h_f), k)  # [B, k(frontier), k(child)]
         score = (f_score[:, :, None] + logp).reshape(B, k * k)
