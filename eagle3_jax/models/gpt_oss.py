@@ -15,7 +15,6 @@ Entry points (all take the module itself and are traceable under `jax.jit`):
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -254,11 +253,6 @@ class GptOss(nnx.Module):
 
 # -- functional entry points ---------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def _rope_table(cfg: GptOssConfig):
-    return rope.inv_freq_and_scale(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
-
-
 def feature_hidden_index(config: GptOssConfig, aux_layer_ids, convention: str = "output") -> tuple[int, ...]:
     """Indices into the hidden-state list h[0] = embeddings, h[i + 1] = output of block i.
 
@@ -294,7 +288,7 @@ def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCac
     cfg = model.config
     B, T = tokens.shape
     x = model.embed[...][tokens]
-    inv_freq, scale = _rope_table(cfg)
+    inv_freq, scale = rope.inv_freq_and_scale(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
     cos, sin = rope.cos_sin(positions, inv_freq, scale)
     hidden = [x]
     new_k, new_v = [], []
@@ -367,15 +361,22 @@ def prefill(model: GptOss, cache: kvc.KVCache, tokens, prompt_lengths, *, chunk:
         toks = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
         pos = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
         h, f, cache = run_layers(model, toks, pos, jnp.full((B,), start, jnp.int32), None, cache, feature_ids)
-        here = (last >= start) & (last < start + chunk)
-        pick = jnp.take_along_axis(h, jnp.clip(last - start, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
         if feature_ids:
             feats = jax.lax.dynamic_update_slice_in_dim(feats, f, start, axis=1)
-        return cache, jnp.where(here[:, None], pick, h_last), feats
+        return cache, keep_position(h, h_last, last, start), feats
 
     H = model.config.hidden_size
     feats = jnp.zeros((B, P, len(feature_ids) * H), model.dtype) if feature_ids else None
     return jax.lax.fori_loop(0, n_chunks, body, (cache, jnp.zeros((B, H), model.dtype), feats))
+
+
+def keep_position(h, h_prev, pos, start):
+    """For a chunk h [B, C, H] starting at `start`: h at position pos[b] where it falls in the chunk,
+    else h_prev [B, H] (how chunked prefills keep each prompt's last hidden state)."""
+    C = h.shape[1]
+    here = (pos >= start) & (pos < start + C)
+    pick = jnp.take_along_axis(h, jnp.clip(pos - start, 0, C - 1)[:, None, None], axis=1)[:, 0]
+    return jnp.where(here[:, None], pick, h_prev)
 
 
 def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16) -> GptOss:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import numpy as np
 from eagle3_jax.models.config import RopeConfig
 
 
+@functools.lru_cache(maxsize=None)
 def inv_freq_and_scale(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> tuple[np.ndarray, float]:
     """Inverse frequencies float32 [head_dim // 2] and the cos/sin scale (YaRN concentration, else 1)."""
     dim = head_dim

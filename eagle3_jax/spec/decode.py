@@ -250,9 +250,7 @@ def _draft_prefill(draft, dcache, next_tokens, feats, prompt_lengths, chunk: int
         pos = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
         h, cache = eagle3.layer(draft, toks, eagle3.project(draft, f), pos, jnp.full((B,), start, jnp.int32), None,
                                 cache)
-        here = (last >= start) & (last < start + chunk)
-        pick = jnp.take_along_axis(h, jnp.clip(last - start, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
-        return cache, jnp.where(here[:, None], pick, h_last)
+        return cache, gpt_oss.keep_position(h, h_last, last, start)
 
     return jax.lax.fori_loop(0, n_chunks, body, (dcache, jnp.zeros((B, draft.config.hidden_size), draft.dtype)))
 
