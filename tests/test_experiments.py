@@ -40,22 +40,21 @@ def test_bench_baseline_writes_json(tmp_path):
 def test_bench_step_writes_json(tmp_path):
     path = tmp_path / "s.json"
     run("bench_step.py", "--preset", "tiny", "--context", "24", "--iters", "2", "--batch", "1", "--shapes",
-        "chain2,tree2x2n4", "--out", str(path))
+        "tree2x2n4", "--out", str(path))
     r = json.loads(path.read_text())
     assert r["recompile_check"]["second_call_compile_seconds"] == 0.0
-    assert {row["topk"] for row in r["rows"]} == {1, 2}
-    for row in r["rows"]:
-        assert row["seconds"]["step"] > 0 and row["sum_of_parts"] > 0
-        assert set(row["seconds"]) >= {"step", "draft", "verify", "accept", "extend"}
+    (row,) = r["rows"]
+    assert row["topk"] == 2 and row["seconds"]["step"] > 0 and row["sum_of_parts"] > 0
+    assert set(row["seconds"]) == {"step", "draft", "verify", "accept", "rewind", "extend"}
 
 
 def test_bench_and_gates(tmp_path):
     path = tmp_path / "b.json"
-    run("bench.py", "--preset", "tiny", "--scenarios", "gates,sweep,stress", "--sweep_shapes", "chain2,tree2x2n4",
+    run("bench.py", "--preset", "tiny", "--scenarios", "gates,sweep,stress", "--sweep_shapes", "tree2x2n4",
         "--sweep_context", "48", "--iters", "1", "--copy_bytes", "1000000", "--out", str(path))
     r = json.loads(path.read_text())
     names = [x["name"] for x in r["scenarios"]]
-    assert names.count("sweep") == 2 and "single-32k" in names and "batch4-16k" in names and "stress" in names
+    assert names.count("sweep") == 1 and "single-32k" in names and "batch4-16k" in names and "stress" in names
     gate = next(x for x in r["scenarios"] if x["name"] == "single-32k")
     assert set(gate["step_seconds"]) == {"step", "draft", "verify", "accept_rewind", "extend"}
     assert gate["bytes"]["step"] > gate["bytes"]["baseline"] > 0 and "3.22" in gate["projected_speedup"]
