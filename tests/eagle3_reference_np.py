@@ -35,6 +35,7 @@ import os
 import ml_dtypes
 import numpy as np
 from hf_fixtures import write_safetensors
+from reference_np import yarn_inv_freq_and_scale
 
 FLAGS = {"norm_before_fc": False, "fc_norm": False, "norm_output": True, "norm_before_residual": False}
 
@@ -178,23 +179,7 @@ def rope_inv_freq(config: dict) -> tuple:
                 out[i] = (1 - s) * b / factor + s * b
         return out, 1.0
     assert kind == "yarn", kind
-    bf, bs = float(rs.get("beta_fast") or 32.0), float(rs.get("beta_slow") or 1.0)
-
-    def dim_for(rot):
-        return D * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = dim_for(bf), dim_for(bs)
-    if rs.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, D - 1)
-    if low == high:
-        high += 0.001
-    out = np.empty_like(base)
-    for i, b in enumerate(base):
-        keep = 1.0 - min(max((i - low) / (high - low), 0.0), 1.0)  # weight of the unscaled frequency
-        out[i] = b * keep + (b / factor) * (1.0 - keep)
-    scale = rs.get("attention_factor") or (0.1 * math.log(factor) + 1.0)
-    return out, float(scale)
+    return yarn_inv_freq_and_scale({**config, "rope_theta": theta})  # the GPT-OSS reference's YaRN
 
 
 def _rms(x, w, eps):
