@@ -46,9 +46,9 @@ def step(target, draft, s: dict, *, depth: int, topk: int, num_nodes: int, featu
     with jax.named_scope("extend"):
         W = depth + 1
         j = jnp.arange(W)[None]
-        nxt = jnp.take_along_axis(tokens, jnp.minimum(path[:, 1:], tokens.shape[1] - 1), axis=1)
-        nxt = jnp.concatenate([nxt, bonus[:, None]], 1)  # [B, W + 1]; entry acc is the bonus
-        nxt = jnp.where(j == acc[:, None], bonus[:, None], nxt[:, :W])
+        # input j is the token after path node j: the accepted draft at depth j + 1, the bonus at acc
+        nxt = jnp.concatenate([jnp.take_along_axis(tokens, path[:, 1:], axis=1), bonus[:, None]], 1)  # [B, W]
+        nxt = jnp.where(j == acc[:, None], bonus[:, None], nxt)
         f = jnp.take_along_axis(feats, path[:, :, None], axis=1)  # [B, W, 3H]
         h, dcache = eagle3.layer(draft, nxt, eagle3.project(draft, f), L[:, None] + j, L, None, s["dcache"])
         h_root = jnp.take_along_axis(h, acc[:, None, None], axis=1)[:, 0]
