@@ -1,0 +1,1 @@
+"""Training of the small GPT-OSS target and its EAGLE-3 draft, and their offline data."""
