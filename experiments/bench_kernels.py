@@ -154,9 +154,9 @@ def bench_moe():
         row.update(kernel_us=t * 1e6, kernel_roofline_fraction=t_roof / t)
 
         # the layer as the model runs it (router included): default path, and the jnp paths
-        def layer_loop(grouped):
+        def layer_loop(path):
             def f(m, xs):
-                return jnp.stack([m(xs[r], grouped=grouped)[:, :8] for r in range(R)])
+                return jnp.stack([m(xs[r], path=path)[:, :8] for r in range(R)])
             return f
 
         def kernel_with_router(m, xs):
@@ -169,9 +169,9 @@ def bench_moe():
 
         row["layer_kernel_us"] = _loop_time(kernel_with_router, layer, xs) / R * 1e6
         if FLAGS.moe_jnp and T * k <= gpt_oss.GATHER_MAX_PAIRS:
-            row["layer_jnp_gathered_us"] = _loop_time(layer_loop(False), layer, xs, calls=1, repeats=3) / R * 1e6
+            row["layer_jnp_gathered_us"] = _loop_time(layer_loop("gathered"), layer, xs, calls=1, repeats=3) / R * 1e6
         if FLAGS.moe_jnp:
-            row["layer_jnp_grouped_us"] = _loop_time(layer_loop(True), layer, xs, calls=1, repeats=3) / R * 1e6
+            row["layer_jnp_grouped_us"] = _loop_time(layer_loop("grouped"), layer, xs, calls=1, repeats=3) / R * 1e6
         print("moe", row, flush=True)
         rows.append(row)
         res["tokens"] = rows

@@ -107,9 +107,18 @@ def test_tree_step_matches_reference_paths(ckpt):
             assert int(np.argmax(logits[b, i])) == int(np.argmax(ref))
 
 
-def test_grouped_and_gathered_moe_agree(ckpt):
+def test_moe_paths_agree(ckpt):
+    # grouped tiles, per-pair gathers and every-expert-on-every-token give one function
     _, _, model = ckpt
     moe = model.layers[1].mlp
     x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)), (37, moe.router_w[...].shape[0]))
-    a, b = moe(x, grouped=True), moe(x, grouped=False)
-    assert rel_err(a, np.asarray(b, np.float64)) < 1e-5
+    ref = np.asarray(moe(x, path="gathered"), np.float64)
+    for path in ("grouped", "dense"):
+        assert rel_err(moe(x, path=path), ref) < 1e-5, path
+    moe.path = "dense"
+    try:
+        assert rel_err(moe(x), ref) < 1e-5
+        with pytest.raises(ValueError, match="MoE path"):
+            moe(x, path="nope")
+    finally:
+        moe.path = None

@@ -10,6 +10,7 @@ vocabulary, mapped to target ids by `d2t` offsets. The un-normed h is the next d
 Entry points (traceable under jit):
   forward(draft, next_tokens, features)        one parallel causal pass -> draft logits [B, T, Vd]
   project / layer / logits                     the pieces decode composes (cached, tree masks)
+  layer_inputs / layer_outputs                 the layer around its attention (training-time test)
   init_cache, to_target_ids, top_k
 """
 
@@ -79,11 +80,9 @@ def project(draft: Eagle3, features):
     return x @ draft.fc[...]
 
 
-def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache | None):
-    """The decoder layer. tokens int32 [B, T] (x_{t+1}), g [B, T, H] (fc(f_t) or the previous step's
-    h), positions [B, T], lengths [B] committed draft-cache prefix (new K/V written at slots
-    lengths .. lengths + T - 1), mask packed [B, T, ceil(T/32)] or None (causal).
-    Returns (h [B, T, H] un-normed, cache)."""
+def layer_inputs(draft: Eagle3, tokens, g, positions):
+    """The layer up to attention: tokens int32 [B, T], g [B, T, H], positions [B, T] ->
+    (q [B, T, Hq, D], k, v [B, T, Hkv, D] with RoPE applied, residual [B, T, H])."""
     c = draft.config
     B, T = tokens.shape
     Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -96,19 +95,35 @@ def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache
     v = (x @ draft.wv[...]).reshape(B, T, Hkv, D)
     inv_freq, scale = rope.inv_freq_and_scale(c.rope, D, c.max_position_embeddings)
     cos, sin = rope.cos_sin(positions, inv_freq, scale)
-    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v, residual
+
+
+def layer_outputs(draft: Eagle3, residual, o):
+    """The layer after attention: residual [B, T, H], attention output o [B, T, Hq, D] -> h [B, T, H] un-normed."""
+    B, T = o.shape[:2]
+    h = residual + o.reshape(B, T, -1) @ draft.wo[...]
+    y = draft.post_attention_layernorm(h)
+    return h + (jax.nn.silu(y @ draft.gate[...]) * (y @ draft.up[...])) @ draft.down[...]
+
+
+def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache | None):
+    """The decoder layer. tokens int32 [B, T] (x_{t+1}), g [B, T, H] (fc(f_t) or the previous step's
+    h), positions [B, T], lengths [B] committed draft-cache prefix (new K/V written at slots
+    lengths .. lengths + T - 1), mask packed [B, T, ceil(T/32)] or None (causal).
+    Returns (h [B, T, H] un-normed, cache)."""
+    c = draft.config
+    B = tokens.shape[0]
+    Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    q, k, v, residual = layer_inputs(draft, tokens, g, positions)
     if cache is None:
         kc = vc = jnp.zeros((B, Hkv, 0, D), k.dtype)
     else:
         kc, vc = cache.k[0], cache.v[0]
     o = attention(q, k, v, kc, vc, lengths, positions, mask, jnp.full((Hq,), NO_SINK, F32),
                   window=c.sliding_window, scale=D ** -0.5)
-    h = residual + o.reshape(B, T, Hq * D) @ draft.wo[...]
-    y = draft.post_attention_layernorm(h)
-    h = h + (jax.nn.silu(y @ draft.gate[...]) * (y @ draft.up[...])) @ draft.down[...]
     if cache is not None:
         cache = kvc.KVCache(k=(kvc.write(kc, k, lengths),), v=(kvc.write(vc, v, lengths),))
-    return h, cache
+    return layer_outputs(draft, residual, o), cache
 
 
 def logits(draft: Eagle3, h):

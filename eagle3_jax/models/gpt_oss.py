@@ -131,6 +131,7 @@ class MoE(nnx.Module):
         self.top_k, self.limit, self.alpha = cfg.num_experts_per_tok, cfg.swiglu_limit, cfg.swiglu_alpha
         self.router_w = nnx.Param(_normal(rngs, (H, E), H ** -0.5, dtype))
         self.router_b = nnx.Param(_normal(rngs, (E,), 0.1, dtype))
+        self.path: str | None = None  # see __call__; set it (e.g. "dense" for training) to fix the path
         cls = Mxfp4Experts if cfg.experts_format == "mxfp4" else DenseExperts
         self.experts = cls(cfg, dtype, rngs)
 
@@ -152,27 +153,40 @@ class MoE(nnx.Module):
         return jnp.einsum(in_spec, act, w2, preferred_element_type=F32) + b2.astype(F32)
 
     # Tokens up to which packed (MXFP4) bf16 experts run the Pallas kernel on a GPU when the path is
-    # chosen by size (grouped=None): the decode and verify sizes. experiments/results/moe_*.json.
+    # chosen by size: the decode and verify sizes. experiments/results/moe_*.json.
     KERNEL_MAX_TOKENS = 16
+    PATHS = ("kernel", "gathered", "grouped", "dense")
 
-    def __call__(self, x, grouped: bool | None = None):
-        """x [..., H] -> [..., H]. `grouped` forces the token-grouped (True) or gathered (False) jnp
-        path; by default few tokens take the Pallas kernel on a GPU (MXFP4, bf16), else the gathered
-        path up to GATHER_MAX_PAIRS (token, expert) pairs, else the grouped one."""
+    def __call__(self, x, path: str | None = None):
+        """x [..., H] -> [..., H]. `path` (else the module's `path` attribute, else chosen by size):
+        "kernel" the Pallas kernel (GPU, MXFP4, bf16; few tokens), "gathered" each (token, expert)
+        pair's weights, "grouped" tokens grouped into expert tiles, "dense" every expert on every
+        token (training: batched, differentiable; compute grows with E / k). By size: the kernel
+        where it applies, else gathered up to GATHER_MAX_PAIRS pairs, else grouped."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         ids, w = self.route(x)
-        if grouped is None and self._use_kernel(x):
-            out = self._kernel(x, ids, w)
-        else:
-            if grouped is None:
-                grouped = ids.size > GATHER_MAX_PAIRS
-            out = self._grouped(x, ids, w) if grouped else self._gathered(x, ids, w)
+        path = path or self.path or self._path_for(x, ids)
+        if path not in self.PATHS:
+            raise ValueError(f"MoE path: {path!r} not in {self.PATHS}")
+        out = getattr(self, "_" + path)(x, ids, w)
         return out.astype(x.dtype).reshape(shape)
 
-    def _use_kernel(self, x):
-        return (isinstance(self.experts, Mxfp4Experts) and x.dtype == jnp.bfloat16
-                and x.shape[0] <= self.KERNEL_MAX_TOKENS and jax.default_backend() == "gpu")
+    def _path_for(self, x, ids):
+        if (isinstance(self.experts, Mxfp4Experts) and x.dtype == jnp.bfloat16
+                and x.shape[0] <= self.KERNEL_MAX_TOKENS and jax.default_backend() == "gpu"):
+            return "kernel"
+        return "grouped" if ids.size > GATHER_MAX_PAIRS else "gathered"
+
+    def _dense(self, x, ids, w):
+        """Every expert on every token, combined with the top-k weights (zero elsewhere). f32 [N, H]."""
+        E = self.router_w.shape[1]
+        combine = jnp.zeros((x.shape[0], E), F32).at[jnp.arange(x.shape[0])[:, None], ids].set(w)
+        w1, b1, w2, b2 = self.experts.weights(jnp.arange(E))
+        h = jnp.einsum("nh,eoh->neo", x, w1, preferred_element_type=F32) + b1.astype(F32)
+        act = self._swiglu(h).astype(x.dtype)
+        y = jnp.einsum("nei,eoi->neo", act, w2, preferred_element_type=F32) + b2.astype(F32)
+        return jnp.einsum("neo,ne->no", y, combine)
 
     def _kernel(self, x, ids, w):
         """Few tokens on a GPU: each selected expert's packed weights read once (pallas/moe.py). f32 [N, H]."""

@@ -395,8 +395,9 @@ def attention_pallas(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
 
 def attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale):
     """The model's single attention entry point (same contract as `attention_reference`): the Pallas
-    kernel on GPU, the jnp reference elsewhere."""
-    if jax.default_backend() == "gpu" and q.shape[-1] <= 256:
+    kernel for cached steps on GPU; the jnp reference elsewhere and for cache-free full-sequence
+    passes (`forward`, training: the reference is differentiable, the kernel is not)."""
+    if jax.default_backend() == "gpu" and q.shape[-1] <= 256 and k_cache.shape[2] > 0:
         return attention_pallas(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
                                 window=window, scale=scale)
     return attention_reference(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,

@@ -1,0 +1,80 @@
+"""The training loop the target and draft trainers share: AdamW with linear warmup and cosine
+decay, one jitted step over an NNX model, orbax checkpoints with resume.
+
+`fit` reads batches from `batch_fn(step)`, which must depend on the step alone (a seeded draw), so
+a run resumed from a checkpoint at step s sees exactly the batches an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+def adamw(lr: float, steps: int, warmup: int, *, weight_decay: float = 0.1, clip: float = 1.0,
+          final_fraction: float = 0.1) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW (b2 0.95) on a warmup + cosine schedule (peak lr, ending at
+    final_fraction * lr). Weight decay applies to matrices only (not norms, biases, sinks)."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(steps, warmup + 1), lr * final_fraction)
+    decay = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    return optax.chain(optax.clip_by_global_norm(clip),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay))
+
+
+def _checkpointer(ckpt_dir):
+    import orbax.checkpoint as ocp
+
+    return ocp, ocp.CheckpointManager(os.path.abspath(ckpt_dir), options=ocp.CheckpointManagerOptions(max_to_keep=2))
+
+
+def fit(model: nnx.Module, loss_fn: Callable, batch_fn: Callable[[int], dict], *, steps: int,
+        tx: optax.GradientTransformation, extra: tuple = (), ckpt_dir: str | None = None, save_every: int = 500,
+        log_every: int = 50, log: Callable[[dict], None] = print) -> list[dict]:
+    """Trains the `nnx.Param`s of `model` in place for `steps` optimizer steps.
+
+    loss_fn(model, batch, *extra) -> (scalar loss, dict of scalar metrics); `extra` holds frozen
+    modules (e.g. the target a draft learns from), passed as jit arguments rather than baked in as
+    constants. With `ckpt_dir`, model and optimizer state are saved every `save_every` steps and at
+    the end, and a call finding a checkpoint there resumes from its step. Returns the logged records
+    (step, loss, metrics, seconds since the start), one every `log_every` steps and at the end.
+    """
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, opt, batch, *extra):
+        (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch, *extra)
+        opt.update(model, grads)
+        return loss, metrics
+
+    start, mgr = 0, None
+    if ckpt_dir is not None:
+        ocp, mgr = _checkpointer(ckpt_dir)
+        if mgr.latest_step() is not None:
+            start = int(mgr.latest_step())
+            state = nnx.state((model, opt))
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(state))
+            restored = mgr.restore(start, args=ocp.args.StandardRestore(abstract))
+            nnx.replace_by_pure_dict(state, restored)
+            nnx.update((model, opt), state)
+            log({"resumed_from_step": start})
+    history, t0 = [], time.perf_counter()
+    for step in range(start, steps):
+        loss, metrics = train_step(model, opt, jax.tree.map(jnp.asarray, batch_fn(step)), *extra)
+        done = step + 1
+        if done % log_every == 0 or done == steps:
+            rec = {"step": done, "loss": float(loss), **{k: float(v) for k, v in metrics.items()},
+                   "seconds": time.perf_counter() - t0}
+            log(rec)
+            history.append(rec)
+        if mgr is not None and (done % save_every == 0 or done == steps):
+            mgr.save(done, args=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state((model, opt)))))
+    if mgr is not None:
+        mgr.wait_until_finished()
+        mgr.close()
+    return history

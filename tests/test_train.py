@@ -1,0 +1,117 @@
+"""Training: the LM loss learns, MXFP4 packing keeps the model, TTT matches decode's draft steps,
+checkpoints resume exactly."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from eagle3_jax.models import GptOssConfig, eagle3, gpt_oss, kv_cache, mxfp4
+from eagle3_jax.train import draft as tdraft
+from eagle3_jax.train import loop
+from eagle3_jax.train import target as ttarget
+
+
+def tiny_target(seed=0):
+    cfg = ttarget.small_config(64, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, sliding_window=8)
+    return ttarget.new_model(cfg, seed)
+
+
+def repeating_batches(step, B=8, T=24):
+    # sequences with a learnable pattern: a random start, then +1 mod 64
+    rng = np.random.default_rng(step)
+    start = rng.integers(0, 64, (B, 1))
+    return {"tokens": ((start + np.arange(T + 1)) % 64).astype(np.int32)}
+
+
+def test_quantize_roundtrip_and_error():
+    rng = np.random.default_rng(np.random.randint(1 << 30))
+    w = rng.normal(size=(5, 7, 96)) * rng.uniform(1e-3, 10)
+    w[0, 0, 32:64] = 0
+    blocks, scales = mxfp4.quantize(w)
+    assert blocks.shape == (5, 7, 3, 16) and scales.shape == (5, 7, 3)
+    d = np.asarray(mxfp4.dequantize(jnp.asarray(blocks), jnp.asarray(scales), jnp.float32), np.float64)
+    assert np.all(d[0, 0, 32:64] == 0)
+    # E2M1 has 8 magnitudes: per-block relative RMS error is about 10%, never near 100%
+    assert np.sqrt(np.mean((d - w) ** 2)) / w.std() < 0.2
+    b2, s2 = mxfp4.quantize(d)  # representable values are a fixed point
+    assert np.array_equal(b2, blocks) and np.array_equal(s2, scales)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mxfp4.quantize(np.ones((2, 40)))
+
+
+def test_target_learns_and_packs(tmp_path):
+    model = tiny_target()
+    hist = loop.fit(model, ttarget.lm_loss, repeating_batches, steps=60, tx=loop.adamw(3e-3, 60, 10),
+                    log_every=20, log=lambda r: None)
+    assert hist[-1]["loss"] < 0.5 * hist[0]["loss"] and hist[-1]["accuracy"] > 0.8
+    tokens = jnp.asarray(repeating_batches(999)["tokens"])
+    dense_logits, _ = gpt_oss.forward(model, tokens)
+    packed = ttarget.to_mxfp4(model, dtype=jnp.float32)
+    assert isinstance(packed.layers[0].mlp.experts, gpt_oss.Mxfp4Experts) and packed.layers[0].mlp.path is None
+    packed_logits, _ = gpt_oss.forward(packed, tokens)
+    agree = jnp.mean(jnp.argmax(dense_logits, -1) == jnp.argmax(packed_logits, -1))
+    assert agree > 0.9
+
+
+def test_fit_resumes_exactly(tmp_path):
+    def run(steps, ckpt):
+        m = tiny_target(seed=3)
+        loop.fit(m, ttarget.lm_loss, repeating_batches, steps=steps, tx=loop.adamw(1e-3, 6, 2), ckpt_dir=ckpt,
+                 save_every=3, log=lambda r: None)
+        return m
+
+    whole = run(6, None)
+    run(3, tmp_path / "c")  # interrupted after 3 steps
+    resumed = run(6, tmp_path / "c")
+    for a, b in zip(jax.tree.leaves(nnx.state(whole)), jax.tree.leaves(nnx.state(resumed))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def _draft_pair(seed, vocab_k=48):
+    target = tiny_target(seed)
+    cfg = tdraft.draft_config(target.config, vocab_k, aux_layer_ids=(0, 1, 3))
+    ids = np.sort(np.random.default_rng(seed).choice(64, vocab_k, replace=False))
+    return target, tdraft.new_draft(cfg, target, ids, seed=seed + 1), ids
+
+
+def test_ttt_steps_equal_decode_draft_steps():
+    # TTT step i at position t == the draft layer run as decode runs it: a cache holding step 0's
+    # K/V of positions 0..t, then the chain of i nodes at positions t+1..t+i fed the earlier h's
+    seed = np.random.randint(1 << 30)
+    target, draft, _ = _draft_pair(seed % 1000)
+    N, L = 12, 4
+    tokens = jax.random.randint(jax.random.key(seed), (2, N), 0, 64)
+    _, feats = gpt_oss.forward(target, tokens, draft.config.aux_layer_ids)
+    hs = tdraft.ttt_hidden(draft, tokens, feats, L)
+    for t in (0, 3, N - 1 - L):
+        cache = kv_cache.init(1, 2, 32, draft.config.num_key_value_heads, draft.config.head_dim, jnp.float32)
+        zero = jnp.zeros((2,), jnp.int32)
+        pos = jnp.broadcast_to(jnp.arange(t + 1, dtype=jnp.int32), (2, t + 1))
+        h0, cache = eagle3.layer(draft, tokens[:, 1:t + 2], eagle3.project(draft, feats[:, :t + 1]), pos, zero, None,
+                                 cache)
+        np.testing.assert_allclose(h0[:, t], hs[0][:, t], rtol=2e-4, atol=2e-4)
+        for i in range(1, L):
+            g = jnp.stack([hs[j][:, t] for j in range(i)], 1)  # node j+1 is fed h_j
+            pos = jnp.broadcast_to(t + 1 + jnp.arange(i, dtype=jnp.int32), (2, i))
+            h, _ = eagle3.layer(draft, tokens[:, t + 2:t + 2 + i], g, pos, jnp.full((2,), t + 1, jnp.int32), None,
+                                cache)
+            np.testing.assert_allclose(h[:, -1], hs[i][:, t], rtol=2e-4, atol=2e-4, err_msg=f"t={t} i={i}")
+
+
+def test_ttt_loss_masks_and_learns():
+    target, draft, ids = _draft_pair(5)
+    batch = repeating_batches(0, B=4, T=15)
+    loss, m = tdraft.ttt_loss(draft, jax.tree.map(jnp.asarray, batch), target, ttt_length=3)
+    assert np.isfinite(float(loss)) and set(m) == {"loss_0", "loss_1", "loss_2", "acc_0", "acc_1", "acc_2"}
+    # the target learns the pattern first, then the draft learns the target
+    loop.fit(target, ttarget.lm_loss, repeating_batches, steps=60, tx=loop.adamw(3e-3, 60, 10), log=lambda r: None)
+    hist = loop.fit(draft, lambda d, b, t: tdraft.ttt_loss(d, b, t, ttt_length=3), repeating_batches, steps=60,
+                    tx=loop.adamw(3e-3, 60, 10), extra=(target,), log_every=20, log=lambda r: None)
+    assert hist[-1]["loss"] < 0.5 * hist[0]["loss"]
+    assert hist[-1]["acc_2"] > 0.6
+    out = tdraft.export(draft, target)
+    assert out.embed is target.embed and out.lm_head.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.arange(len(ids)) + np.asarray(out.d2t[...]), ids)
