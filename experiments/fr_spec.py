@@ -1,0 +1,249 @@
+"""FR-Spec study: for draft vocabulary sizes k, coverage, tau, draft head time and step time.
+
+  python experiments/fr_spec.py                                     # embedded tiny pair, smoke
+  python experiments/fr_spec.py --target /ckpt/gpt-oss-120b --draft /ckpt/gpt-oss-120b-eagle3 \
+      --corpus train_tokens.npy --eval_data eval_tokens.npy --num_prompts 64 --prompt_len 256 \
+      --ks 4096,8192,16384,full --max_new_tokens 256 --batch 1 \
+      --json_out experiments/results/fr_spec.json --plot experiments/results/fr_spec.png
+
+For each k: the k most frequent target ids of the corpus (frspec.select_draft_vocab) and the
+share of corpus tokens they cover (frspec.coverage); the draft with its head restricted to those
+ids (frspec.restrict_head; `--source draft` re-ranks rows of the draft's own head, `--source
+target` takes rows of the target's lm_head); greedy `decode` on the prompts: tau (mean accept
+length, bonus counted), accept rate, per-position accept rates, and whether the output equals
+greedy `generate` (lossless); the draft head alone (`eagle3.logits` for h [batch, H]) and one
+full speculative chain step at `--context` committed tokens (experiments/step_timing.py), timed
+on the current device, with a baseline decode step for the projected speedup tau * baseline /
+step. "full" uses the draft as it is, and so does k >= the draft's vocabulary with `--source
+draft`; with `--source target` every numeric k (capped at the target's vocabulary) gets a head of
+target rows, so k past the draft's vocabulary is a larger head.
+
+Frequencies come from `--corpus` (a .npy of token ids), else from the target's own greedy
+generations on the prompts (the JSON's `corpus.source` says which; the second is optimistic:
+coverage is then measured on the very text the study decodes). Prompts come from
+`--prompts_file` (JSON list of id lists), else `--eval_data` (.npy token ids: `--num_prompts`
+windows of `--prompt_len` tokens that contain no `--eval_eos_id`), else random ids.
+The embedded pair has random weights: its tau and coverage mean nothing; it shows the pipeline.
+"""
+
+import json
+import os
+import time
+
+import numpy as np
+from absl import app, flags
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import eagle3_jax
+from eagle3_jax.convert import frspec, load_eagle3, load_gpt_oss
+from eagle3_jax.models import eagle3
+from eagle3_jax.spec import decode, generate
+
+import timing
+from step_timing import time_baseline, time_step
+
+ASSETS = os.path.join(os.path.dirname(eagle3_jax.__file__), "assets")
+
+flags.DEFINE_string("target", os.path.join(ASSETS, "tiny-random-gpt-oss"), "HF GPT-OSS checkpoint folder")
+flags.DEFINE_string("draft", os.path.join(ASSETS, "tiny-random-eagle3"), "HF EAGLE-3 draft folder")
+flags.DEFINE_string("corpus", None, ".npy token ids for the frequencies (default: the target's greedy "
+                    "generations on the prompts)")
+flags.DEFINE_string("prompts_file", None, "JSON list of prompts (token id lists)")
+flags.DEFINE_string("eval_data", None, ".npy eval token ids: prompts are windows of it")
+flags.DEFINE_integer("num_prompts", 4, "prompts taken from --eval_data (or random ids)")
+flags.DEFINE_integer("prompt_len", 16, "tokens per prompt taken from --eval_data (or random ids)")
+flags.DEFINE_integer("eval_eos_id", 0, "windows of --eval_data contain no such token")
+flags.DEFINE_list("ks", ["256", "512", "1024", "2048", "full"], "draft vocabulary sizes; 'full' = the draft's own")
+flags.DEFINE_enum("source", "draft", ["draft", "target"], "rows of the restricted head: the draft's own head, "
+                  "or the target's lm_head")
+flags.DEFINE_integer("num_spec_tokens", 3, "draft depth (chain)")
+flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate per prompt")
+flags.DEFINE_integer("batch", 1, "batch of the head and step timings")
+flags.DEFINE_integer("context", 512, "committed tokens per sequence in the step timing")
+flags.DEFINE_integer("iters", 10, "steps per timed loop (step timing)")
+flags.DEFINE_integer("copy_bytes", 1 << 30, "buffer of the copy-bandwidth measurement (head roofline); 0 skips")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights / activations dtype")
+flags.DEFINE_integer("seed", 0, "prompt sampling seed")
+flags.DEFINE_string("json_out", None, "JSON output path")
+flags.DEFINE_string("plot", None, "PNG output path (needs matplotlib)")
+FLAGS = flags.FLAGS
+
+
+def _say(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def eval_windows(tokens, n, prompt_len, eos_id=0, seed=0):
+    """n windows of prompt_len tokens of the flattened `tokens`, none containing eos_id, starts
+    drawn without replacement (windows may overlap) and returned in ascending order."""
+    t = np.asarray(tokens).reshape(-1)
+    if prompt_len < 1 or n < 1:
+        raise ValueError(f"num_prompts {n} and prompt_len {prompt_len}: both must be >= 1")
+    if t.size < prompt_len:
+        raise ValueError(f"eval data: {t.size} tokens, fewer than prompt_len {prompt_len}")
+    eos = np.concatenate([[0], np.cumsum(t == eos_id)])
+    starts = np.flatnonzero(eos[prompt_len:] - eos[:-prompt_len] == 0)
+    if starts.size < n:
+        raise ValueError(f"eval data: {starts.size} windows of {prompt_len} tokens without eos {eos_id}, need {n}")
+    pick = np.sort(np.random.default_rng(seed).choice(starts, n, replace=False))
+    return [t[s:s + prompt_len].astype(np.int64).tolist() for s in pick]
+
+
+def load_prompts(vocab_size):
+    if FLAGS.prompts_file:
+        with open(FLAGS.prompts_file) as f:
+            prompts = json.load(f)
+        if not all(isinstance(p, list) for p in prompts):
+            raise app.UsageError("--prompts_file: expected a JSON list of token id lists")
+        return prompts, dict(source="prompts_file", path=os.path.abspath(FLAGS.prompts_file))
+    if FLAGS.eval_data:
+        tokens = np.load(FLAGS.eval_data, mmap_mode="r")
+        return (eval_windows(tokens, FLAGS.num_prompts, FLAGS.prompt_len, FLAGS.eval_eos_id, FLAGS.seed),
+                dict(source="eval_data", path=os.path.abspath(FLAGS.eval_data), eos_id=FLAGS.eval_eos_id,
+                     seed=FLAGS.seed))
+    rng = np.random.default_rng(FLAGS.seed)
+    lo = min(3, vocab_size - 1)
+    return ([rng.integers(lo, vocab_size, FLAGS.prompt_len).tolist() for _ in range(FLAGS.num_prompts)],
+            dict(source="random_ids", seed=FLAGS.seed))
+
+
+def parse_ks(ks, draft_vocab):
+    out = []
+    for k in ks:
+        k = k.strip().lower()
+        if k == "full":
+            out.append(("full", draft_vocab))
+        else:
+            try:
+                v = int(k)
+            except ValueError:
+                raise app.UsageError(f"--ks: {k!r} is neither an integer nor 'full'")
+            if v < 1:
+                raise app.UsageError(f"--ks: {v} must be >= 1")
+            out.append((v, v))
+    return out
+
+
+def head_seconds(draft, B):
+    """Seconds per call of the draft-vocab head `eagle3.logits(draft, h)`, h [B, H]."""
+    graphdef, state = nnx.split(draft)
+    H = draft.config.hidden_size
+    sets = [(state, jax.random.normal(jax.random.key(i), (B, H), draft.dtype)) for i in range(8)]
+    return timing.time_calls(lambda st, h: eagle3.logits(nnx.merge(graphdef, st), h), sets)
+
+
+def plot(result, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}")
+        return
+    rows = sorted(result["rows"], key=lambda r: (r["as_is"], r["draft_vocab_size"]))
+    cut = [r for r in rows if not r["as_is"]]  # restricted heads: a line; the draft as it is: stars
+    whole = [r for r in rows if r["as_is"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a2, b2 = a.twinx(), b.twinx()
+    series = [(a, "tau", 1, "C0", "tau (mean accept length)"), (a2, "coverage", 1, "C1", "corpus coverage"),
+              (b, "head_seconds", 1e6, "C2", "draft head, us per call"),
+              (b2, "step_seconds", 1e3, "C3", "speculative step, ms")]
+    for n, (ax, key, scale, color, label) in enumerate(series):
+        style = "o-" if n % 2 == 0 else "s--"
+        ax.plot([r["draft_vocab_size"] for r in cut], [r[key] * scale for r in cut], style, color=color)
+        ax.plot([r["draft_vocab_size"] for r in whole], [r[key] * scale for r in whole], "*", ms=12, color=color)
+        ax.set_ylabel(label, color=color)
+    a2.set_ylim(0, 1.02)
+    x = sorted({r["draft_vocab_size"] for r in rows})
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x)
+        ax.set_xticklabels([str(v) for v in x])
+        ax.set_xlabel("draft vocabulary size (star: the draft as it is)")
+    a.set_title(f"tau and coverage ({result['corpus']['source']})")
+    b.set_title(f"time, batch {result['batch']}, {result['device']}")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    _say(f"plot written to {path}")
+
+
+def main(argv):
+    del argv
+    dtype = jnp.dtype(FLAGS.dtype)
+    _say(f"loading target {os.path.abspath(FLAGS.target)} on {jax.devices()[0].device_kind}")
+    target = load_gpt_oss(FLAGS.target, dtype=dtype)
+    _say(f"loading draft {os.path.abspath(FLAGS.draft)}")
+    draft = load_eagle3(FLAGS.draft, target=target, dtype=dtype)
+    V, Vd = target.config.vocab_size, draft.config.draft_vocab_size
+    ks = parse_ks(FLAGS.ks, Vd)
+    prompts, prompt_info = load_prompts(V)
+    K = FLAGS.num_spec_tokens
+
+    _say("greedy generate (the lossless reference) ...")
+    base = generate(target, prompts, FLAGS.max_new_tokens)
+    if FLAGS.corpus:
+        counts = frspec.token_frequencies(np.load(FLAGS.corpus, mmap_mode="r"), V)
+        corpus = dict(source="corpus", path=os.path.abspath(FLAGS.corpus))
+    else:
+        counts = frspec.token_frequencies(base.tokens, V)
+        corpus = dict(source="target_greedy_generations",
+                      note="counted from the target's greedy outputs on the study's own prompts (optimistic)")
+    corpus["tokens"] = int(counts.sum())
+    corpus["distinct_ids"] = int((counts > 0).sum())
+    # the draft's current vocabulary; with --source draft only those ids can be kept
+    own_ids = np.arange(Vd) + np.asarray(draft.d2t[...]).astype(np.int64)
+    ranked = counts
+    if FLAGS.source == "draft" and Vd < V:
+        ranked = np.full(V, -1, np.int64)
+        ranked[own_ids] = counts[own_ids]
+
+    bw = timing.copy_bandwidth(FLAGS.copy_bytes) if FLAGS.copy_bytes else None
+    shape = dict(depth=K, topk=1, num_nodes=K + 1)
+    _say(f"baseline decode step, batch {FLAGS.batch}, context {FLAGS.context} ...")
+    base_step = time_baseline(target, FLAGS.batch, FLAGS.context, FLAGS.iters)
+    rows = []
+    for name, k in ks:
+        if name == "full" or (k >= Vd and FLAGS.source == "draft"):
+            d, ids, as_is = draft, own_ids, True
+        else:  # --source target may also grow the head past the draft's vocabulary, up to the target's
+            ids = frspec.select_draft_vocab(ranked, min(k, V))
+            d, as_is = frspec.restrict_head(draft, ids, source=FLAGS.source, target=target), False
+        cov = frspec.coverage(counts, ids)
+        _say(f"k={name}: draft vocab {d.config.draft_vocab_size}, coverage {cov:.4f}; decode ...")
+        out = decode(target, d, prompts, FLAGS.max_new_tokens, num_spec_tokens=K)
+        m = out.metrics
+        head = head_seconds(d, FLAGS.batch)
+        head_bytes = d.config.draft_vocab_size * d.config.hidden_size * jnp.dtype(d.dtype).itemsize
+        step = time_step(target, d, FLAGS.batch, shape, FLAGS.context, FLAGS.iters, parts=False)["seconds"]["step"]
+        row = dict(k=name, draft_vocab_size=d.config.draft_vocab_size, as_is=as_is, coverage=cov,
+                   tau=m["mean_accept_length"], accept_rate=m["accept_rate"],
+                   accept_rate_per_position=m["accept_rate_per_position"],
+                   accept_length_histogram=m["accept_length_histogram"],
+                   lossless=out.tokens == base.tokens, decode_tokens_per_second=m["tokens_per_second"],
+                   decode_compile_seconds=m["compile_seconds"], head_seconds=head, head_bytes=int(head_bytes),
+                   head_roofline_fraction=head_bytes / bw / head if bw else None,
+                   step_seconds=step, projected_speedup=m["mean_accept_length"] * base_step / step)
+        rows.append(row)
+        _say(f"k={name}: tau {row['tau']:.3f}, accept rate {row['accept_rate']:.3f}, lossless {row['lossless']}, "
+             f"head {head * 1e6:.1f} us, step {step * 1e3:.3f} ms, projected speedup {row['projected_speedup']:.2f}")
+
+    result = dict(timing.device_info(), target=os.path.abspath(FLAGS.target), draft=os.path.abspath(FLAGS.draft),
+                  vocab_size=V, draft_vocab_size=Vd, source=FLAGS.source, dtype=FLAGS.dtype, corpus=corpus,
+                  prompts=dict(prompt_info, count=len(prompts), lengths=[len(p) for p in prompts]),
+                  num_spec_tokens=K, max_new_tokens=FLAGS.max_new_tokens, batch=FLAGS.batch, context=FLAGS.context,
+                  iters=FLAGS.iters, copy_bandwidth=bw, baseline_tokens_per_second=base.metrics["tokens_per_second"],
+                  baseline_step_seconds=base_step, rows=rows)
+    timing.write_json(FLAGS.json_out, result)
+    if FLAGS.json_out:
+        _say(f"JSON written to {FLAGS.json_out}")
+    if FLAGS.plot:
+        plot(result, FLAGS.plot)
+
+
+if __name__ == "__main__":
+    app.run(main)
