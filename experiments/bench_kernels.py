@@ -47,7 +47,7 @@ def _parse_moe_config(text):
     kw = {}
     for part in filter(None, text.split("/")):
         key, val = part.split("=")
-        kw[key] = val if key == "decode" else int(val)
+        kw[key] = val if key in ("decode", "layout") else int(val)
     return mk.MoeConfig(**kw)
 
 

@@ -1,0 +1,88 @@
+"""Acceptance and wall-clock speedup of a target / draft pair on held-out prompts.
+
+  python experiments/eval_pair.py --out experiments/results/pair_eval_h200.json   # the shipped pair
+
+tau (mean committed tokens per step, bonus included) and acceptance rate for each draft shape
+(chains of 1..5 drafts and the --trees shapes) over all prompts in one batch, each checked
+lossless against greedy `generate`; then decode / generate throughput in the same process at each
+--speed_batches size (median of --repeats runs, compile excluded) for --speed_shapes.
+"""
+
+import json
+import os
+import statistics
+
+from absl import app, flags
+
+import jax
+import jax.numpy as jnp
+
+import eagle3_jax
+from eagle3_jax.convert import load_eagle3, load_gpt_oss
+from eagle3_jax.spec import decode, generate
+from step_timing import parse_shape
+from timing import device_info, write_json
+
+PAIR = os.path.join(os.path.dirname(eagle3_jax.__file__), "assets", "stdlib-gpt-oss")
+flags.DEFINE_string("target", os.path.join(PAIR, "target"), "HF GPT-OSS checkpoint folder")
+flags.DEFINE_string("draft", os.path.join(PAIR, "draft"), "HF EAGLE-3 draft folder")
+flags.DEFINE_string("prompts_file", os.path.join(PAIR, "eval_prompts.json"), "JSON list of token-id lists")
+flags.DEFINE_integer("num_prompts", 16, "prompts used (the first n)")
+flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per prompt")
+flags.DEFINE_list("shapes", ["chain1", "chain2", "chain3", "chain4", "chain5", "tree3x4n8", "tree5x8n16"],
+                  "draft shapes for tau: chainK or treeDxKnN (depth x topk, N nodes incl. the root)")
+flags.DEFINE_list("speed_batches", ["1", "4"], "batch sizes of the throughput comparison")
+flags.DEFINE_list("speed_shapes", ["chain3", "tree5x8n16"], "draft shapes of the throughput comparison")
+flags.DEFINE_integer("repeats", 3, "timed runs per throughput figure (median)")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights / activations dtype")
+flags.DEFINE_string("out", None, "JSON output path")
+FLAGS = flags.FLAGS
+
+
+def _shape_kw(s):
+    p = parse_shape(s)
+    return dict(num_spec_tokens=p["depth"], topk=p["topk"], num_draft_tokens=p["num_nodes"])
+
+
+def _median_seconds(fn):
+    return statistics.median(fn().metrics["seconds"] for _ in range(FLAGS.repeats))
+
+
+def main(argv):
+    del argv
+    dtype = jnp.dtype(FLAGS.dtype)
+    target = load_gpt_oss(FLAGS.target, dtype=dtype)
+    draft = load_eagle3(FLAGS.draft, target=target, dtype=dtype)
+    with open(FLAGS.prompts_file) as f:
+        prompts = json.load(f)[:FLAGS.num_prompts]
+    n = FLAGS.max_new_tokens
+    base = generate(target, prompts, n)
+    res = dict(**device_info(), target=FLAGS.target, draft=FLAGS.draft, num_prompts=len(prompts),
+               prompt_lengths=sorted({len(p) for p in prompts}), max_new_tokens=n, dtype=FLAGS.dtype, acceptance=[],
+               speed=[])
+    for s in FLAGS.shapes:
+        out = decode(target, draft, prompts, n, **_shape_kw(s))
+        m = out.metrics
+        row = dict(shape=s, **_shape_kw(s), tau=m["mean_accept_length"], accept_rate=m["accept_rate"],
+                   accept_rate_per_position=m["accept_rate_per_position"], frac_steps_ge2=m["frac_steps_ge2"],
+                   lossless=out.tokens == base.tokens)
+        res["acceptance"].append(row)
+        print(f"{s:12s} tau {row['tau']:.3f}  accept rate {row['accept_rate']:.3f}  lossless {row['lossless']}",
+              flush=True)
+    for b in map(int, FLAGS.speed_batches):
+        ps = prompts[:b]
+        t_base = _median_seconds(lambda: generate(target, ps, n))
+        for s in FLAGS.speed_shapes:
+            kw = _shape_kw(s)
+            last = decode(target, draft, ps, n, **kw)
+            t_spec = _median_seconds(lambda: decode(target, draft, ps, n, **kw))
+            row = dict(batch=b, shape=s, baseline_seconds=t_base, decode_seconds=t_spec, speedup=t_base / t_spec,
+                       tau=last.metrics["mean_accept_length"], tokens=sum(map(len, last.tokens)))
+            res["speed"].append(row)
+            print(f"B={b} {s:12s} generate {t_base * 1e3:8.1f} ms  decode {t_spec * 1e3:8.1f} ms  "
+                  f"speedup {row['speedup']:.2f}x  (tau {row['tau']:.2f})", flush=True)
+    write_json(FLAGS.out, res)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,97 @@
+"""Pretrain the small GPT-OSS target on the stdlib corpus and write it in the HF layout (MXFP4 experts).
+
+  python experiments/make_data.py --out_dir data/stdlib
+  python experiments/train_target.py --data_dir data/stdlib --out_dir runs/target --steps 3000
+
+Next-token cross-entropy on random windows of the train split (eagle3_jax.train.target, .loop):
+float32 weights and dense experts while training, then the experts packed to MXFP4 and the rest cast
+to bf16. Resumable: rerun with the same --ckpt_dir. Writes out_dir/{config.json, model.safetensors,
+tokenizer.json} and out_dir/train_log.json (loss curve, eval loss of the trained and of the packed
+model, command, device, JAX version).
+"""
+
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+from absl import app, flags, logging
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax.convert import save_gpt_oss
+from eagle3_jax.models import gpt_oss
+from eagle3_jax.train import data, loop
+from eagle3_jax.train import target as ttarget
+from timing import device_info
+
+flags.DEFINE_string("data_dir", "data/stdlib", "make_data.py output (train.npy, eval.npy, tokenizer.json)")
+flags.DEFINE_string("out_dir", "runs/target", "HF checkpoint folder to write")
+flags.DEFINE_string("ckpt_dir", None, "orbax checkpoints (resume); default <out_dir>.ckpt")
+flags.DEFINE_integer("steps", 3000, "optimizer steps")
+flags.DEFINE_integer("batch", 64, "sequences per step")
+flags.DEFINE_integer("seq_len", 512, "tokens per sequence")
+flags.DEFINE_float("lr", 2e-3, "peak learning rate")
+flags.DEFINE_integer("warmup", 200, "warmup steps")
+flags.DEFINE_integer("seed", 0, "init and data seed")
+flags.DEFINE_integer("save_every", 500, "checkpoint period (steps)")
+flags.DEFINE_integer("log_every", 100, "log period (steps)")
+flags.DEFINE_integer("eval_batches", 8, "eval-split windows of batch x seq_len for the eval loss")
+flags.DEFINE_string("size", "small", "small (the shipped pair) or tiny (smoke tests)")
+FLAGS = flags.FLAGS
+
+
+def config(vocab_size):
+    if FLAGS.size == "tiny":
+        return ttarget.small_config(vocab_size, hidden_size=64, intermediate_size=64, num_hidden_layers=6,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return ttarget.small_config(vocab_size)
+
+
+def eval_loss(model, tokens, n):
+    """Mean next-token loss over n fixed eval windows [batch, seq_len + 1]."""
+    fn = jax.jit(lambda m, b: ttarget.lm_loss(m, b)[0])
+    rng = np.random.default_rng(1234)
+    return float(np.mean([fn(model, {"tokens": jnp.asarray(data.sample_windows(tokens, rng, FLAGS.batch,
+                                                                                FLAGS.seq_len + 1))})
+                          for _ in range(n)]))
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    meta = json.load(open(os.path.join(FLAGS.data_dir, "meta.json")))
+    train, evals = data.load_split(FLAGS.data_dir, "train"), data.load_split(FLAGS.data_dir, "eval")
+    cfg = config(meta["vocab_size"])
+    model = ttarget.new_model(cfg, FLAGS.seed)
+    print(f"target {gpt_oss.param_bytes(model) / 4e6:.1f}M weights on {jax.devices()[0].device_kind}; "
+          f"{len(train)} train tokens, {FLAGS.batch}x{FLAGS.seq_len} per step", flush=True)
+
+    def batch_fn(step):
+        rng = np.random.default_rng((FLAGS.seed, step))
+        return {"tokens": data.sample_windows(train, rng, FLAGS.batch, FLAGS.seq_len + 1)}
+
+    t0 = time.time()
+    history = loop.fit(model, ttarget.lm_loss, batch_fn, steps=FLAGS.steps,
+                       tx=loop.adamw(FLAGS.lr, FLAGS.steps, FLAGS.warmup),
+                       ckpt_dir=FLAGS.ckpt_dir or os.path.abspath(FLAGS.out_dir) + ".ckpt",
+                       save_every=FLAGS.save_every, log_every=FLAGS.log_every, log=lambda r: print(r, flush=True))
+    train_seconds = time.time() - t0
+    packed = ttarget.to_mxfp4(model)
+    result = dict(**device_info(), config=cfg.to_hf(), data=meta["splits"], history=history,
+                  train_seconds=train_seconds, eval_loss_f32_dense=eval_loss(model, evals, FLAGS.eval_batches))
+    ttarget.set_moe_path(packed, "dense")  # many tokens at once: every expert, dequantized once
+    result["eval_loss_bf16_mxfp4"] = eval_loss(packed, evals, FLAGS.eval_batches)
+    ttarget.set_moe_path(packed, None)
+    save_gpt_oss(packed, FLAGS.out_dir)
+    shutil.copy(os.path.join(FLAGS.data_dir, "tokenizer.json"), FLAGS.out_dir)
+    with open(os.path.join(FLAGS.out_dir, "train_log.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"eval loss: trained {result['eval_loss_f32_dense']:.4f}, packed {result['eval_loss_bf16_mxfp4']:.4f} "
+          f"nats/token; wrote {FLAGS.out_dir}", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
