@@ -45,10 +45,10 @@ from eagle3_jax.spec import decode, generate
 import timing
 from step_timing import time_baseline, time_step
 
-ASSETS = os.path.join(os.path.dirname(eagle3_jax.__file__), "assets")
+PAIR = os.path.join(os.path.dirname(eagle3_jax.__file__), "assets", "stdlib-gpt-oss")
 
-flags.DEFINE_string("target", os.path.join(ASSETS, "tiny-random-gpt-oss"), "HF GPT-OSS checkpoint folder")
-flags.DEFINE_string("draft", os.path.join(ASSETS, "tiny-random-eagle3"), "HF EAGLE-3 draft folder")
+flags.DEFINE_string("target", os.path.join(PAIR, "target"), "HF GPT-OSS checkpoint folder")
+flags.DEFINE_string("draft", os.path.join(PAIR, "draft"), "HF EAGLE-3 draft folder")
 flags.DEFINE_string("corpus", None, ".npy token ids for the frequencies (default: the target's greedy "
                     "generations on the prompts)")
 flags.DEFINE_string("prompts_file", None, "JSON list of prompts (token id lists)")

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax.convert import frspec, load_gpt_oss, save_eagle3
+from eagle3_jax.spec import generate
 from eagle3_jax.train import data, loop
 from eagle3_jax.train import draft as tdraft
 from eagle3_jax.train import target as ttarget
@@ -42,7 +43,26 @@ flags.DEFINE_integer("seed", 0, "init and data seed")
 flags.DEFINE_integer("save_every", 500, "checkpoint period (steps)")
 flags.DEFINE_integer("log_every", 100, "log period (steps)")
 flags.DEFINE_integer("eval_batches", 4, "eval-split windows for the eval TTT figures")
+flags.DEFINE_integer("regenerate", 0, "train on this many target-written sequences (a train-split prompt of "
+                     "--prompt_len tokens, then the target's greedy continuation to seq_len; 0: corpus windows)")
+flags.DEFINE_integer("prompt_len", 64, "prompt tokens of each regenerated sequence")
+flags.DEFINE_integer("regenerate_batch", 2048, "sequences per generate call")
 FLAGS = flags.FLAGS
+
+
+def regenerate(target, train, n):
+    """[n, seq_len] int32: train-split prompts continued by the target's greedy output (eos does not
+    stop it: the target goes on into a new document), as EAGLE-3 drafts are trained on responses
+    the target itself wrote."""
+    rng = np.random.default_rng((FLAGS.seed, 1 << 20))
+    out, t0 = [], time.time()
+    for start in range(0, n, FLAGS.regenerate_batch):
+        b = min(FLAGS.regenerate_batch, n - start)
+        prompts = data.sample_windows(train, rng, b, FLAGS.prompt_len)
+        cont = generate(target, prompts.tolist(), FLAGS.seq_len - FLAGS.prompt_len, eos_ids=()).tokens
+        out.append(np.concatenate([prompts, np.asarray(cont, np.int32)], axis=1))
+    print(f"regenerated {n} sequences of {FLAGS.seq_len} tokens in {time.time() - t0:.1f} s", flush=True)
+    return np.concatenate(out)
 
 
 def main(argv):
@@ -63,8 +83,12 @@ def main(argv):
     def loss_fn(d, batch, t):
         return tdraft.ttt_loss(d, batch, t, ttt_length=FLAGS.ttt_length)
 
+    written = regenerate(target, train, FLAGS.regenerate) if FLAGS.regenerate else None
+
     def batch_fn(step):
         rng = np.random.default_rng((FLAGS.seed, step))
+        if written is not None:
+            return {"tokens": written[rng.integers(0, len(written), FLAGS.batch)]}
         return {"tokens": data.sample_windows(train, rng, FLAGS.batch, FLAGS.seq_len)}
 
     t0 = time.time()
@@ -80,7 +104,8 @@ def main(argv):
     eval_metrics = {k: float(np.mean([r[k] for r in recs])) for k in recs[0]}
     save_eagle3(out, FLAGS.out_dir)
     result = dict(**device_info(), draft_vocab=FLAGS.draft_vocab, coverage=frspec.coverage(counts, vocab),
-                  aux_layer_ids=cfg.aux_layer_ids, ttt_length=FLAGS.ttt_length, history=history,
+                  aux_layer_ids=cfg.aux_layer_ids, ttt_length=FLAGS.ttt_length, regenerate=FLAGS.regenerate,
+                  prompt_len=FLAGS.prompt_len, history=history,
                   train_seconds=train_seconds, eval_bf16=eval_metrics)
     with open(os.path.join(FLAGS.out_dir, "train_log.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -52,11 +52,15 @@ def config(vocab_size):
 
 def eval_loss(model, tokens, n):
     """Mean next-token loss over n fixed eval windows [batch, seq_len + 1]."""
-    fn = jax.jit(lambda m, b: ttarget.lm_loss(m, b)[0])
     rng = np.random.default_rng(1234)
-    return float(np.mean([fn(model, {"tokens": jnp.asarray(data.sample_windows(tokens, rng, FLAGS.batch,
-                                                                                FLAGS.seq_len + 1))})
+    return float(np.mean([_loss(model, {"tokens": jnp.asarray(data.sample_windows(tokens, rng, FLAGS.batch,
+                                                                                   FLAGS.seq_len + 1))})
                           for _ in range(n)]))
+
+
+@jax.jit
+def _loss(model, batch):
+    return ttarget.lm_loss(model, batch)[0]
 
 
 def main(argv):
@@ -77,7 +81,8 @@ def main(argv):
     history = loop.fit(model, ttarget.lm_loss, batch_fn, steps=FLAGS.steps,
                        tx=loop.adamw(FLAGS.lr, FLAGS.steps, FLAGS.warmup),
                        ckpt_dir=FLAGS.ckpt_dir or os.path.abspath(FLAGS.out_dir) + ".ckpt",
-                       save_every=FLAGS.save_every, log_every=FLAGS.log_every, log=lambda r: print(r, flush=True))
+                       save_every=FLAGS.save_every, log_every=FLAGS.log_every, log=lambda r: print(r, flush=True),
+                       eval_fn=lambda m: {"loss": eval_loss(m, evals, 2)})
     train_seconds = time.time() - t0
     packed = ttarget.to_mxfp4(model)
     result = dict(**device_info(), config=cfg.to_hf(), data=meta["splits"], history=history,

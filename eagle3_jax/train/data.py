@@ -158,7 +158,7 @@ def load_tokenizer(data_dir):
     try:
         from tokenizers import Tokenizer
     except ImportError as e:
-        raise ImportError('load_tokenizer needs HF tokenizers: pip install -e ".[train]"') from e
+        raise ImportError("load_tokenizer needs HF tokenizers: pip install tokenizers") from e
     path = Path(data_dir) / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: run experiments/make_data.py --out_dir {data_dir}")

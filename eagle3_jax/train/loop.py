@@ -35,14 +35,16 @@ def _checkpointer(ckpt_dir):
 
 def fit(model: nnx.Module, loss_fn: Callable, batch_fn: Callable[[int], dict], *, steps: int,
         tx: optax.GradientTransformation, extra: tuple = (), ckpt_dir: str | None = None, save_every: int = 500,
-        log_every: int = 50, log: Callable[[dict], None] = print) -> list[dict]:
+        log_every: int = 50, log: Callable[[dict], None] = print,
+        eval_fn: Callable[[nnx.Module], dict] | None = None) -> list[dict]:
     """Trains the `nnx.Param`s of `model` in place for `steps` optimizer steps.
 
     loss_fn(model, batch, *extra) -> (scalar loss, dict of scalar metrics); `extra` holds frozen
     modules (e.g. the target a draft learns from), passed as jit arguments rather than baked in as
     constants. With `ckpt_dir`, model and optimizer state are saved every `save_every` steps and at
     the end, and a call finding a checkpoint there resumes from its step. Returns the logged records
-    (step, loss, metrics, seconds since the start), one every `log_every` steps and at the end.
+    (step, loss, metrics, seconds since the start, and `eval_fn(model)`'s figures prefixed "eval_"),
+    one every `log_every` steps and at the end.
     """
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
@@ -70,6 +72,8 @@ def fit(model: nnx.Module, loss_fn: Callable, batch_fn: Callable[[int], dict], *
         if done % log_every == 0 or done == steps:
             rec = {"step": done, "loss": float(loss), **{k: float(v) for k, v in metrics.items()},
                    "seconds": time.perf_counter() - t0}
+            if eval_fn is not None:
+                rec.update({"eval_" + k: float(v) for k, v in eval_fn(model).items()})
             log(rec)
             history.append(rec)
         if mgr is not None and (done % save_every == 0 or done == steps):
