@@ -15,6 +15,8 @@ Scenarios: single (B=1, 1K), gates (B=1 32K and B=4 16K, chain3: what gates.py r
 stress (decode() end to end, B=16 ragged prompts, early eos).
 """
 
+import json
+
 import numpy as np
 from absl import app, flags
 
@@ -36,6 +38,7 @@ flags.DEFINE_integer("copy_bytes", 4 << 30, "buffer size of the copy-bandwidth m
 flags.DEFINE_float("tau_trained", None, "tau measured on a trained pair (projected alongside)")
 flags.DEFINE_string("out", None, "JSON output path")
 flags.DEFINE_string("plot", None, "PNG output path (needs matplotlib)")
+flags.DEFINE_string("plot_from", None, "only draw --plot from this results JSON (no benchmark)")
 FLAGS = flags.FLAGS
 
 PUBLISHED_TAU = (2.29, 2.68, 3.22)
@@ -121,18 +124,23 @@ def plot(rows, path):
 
 def main(argv):
     del argv
+    if FLAGS.plot_from:
+        with open(FLAGS.plot_from) as f:
+            plot([r for r in json.load(f)["scenarios"] if "step_seconds" in r], FLAGS.plot)
+        return
     cfg = GptOssConfig.preset(FLAGS.preset)
     target, draft = random_pair(cfg)
     bw = timing.copy_bandwidth(FLAGS.copy_bytes)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, base_cache = [], {}
+    result = dict(timing.device_info(), preset=FLAGS.preset, copy_bandwidth=bw, iters=FLAGS.iters,
+                  tau_published=PUBLISHED_TAU, tau_trained=FLAGS.tau_trained, scenarios=rows)
     for sc in FLAGS.scenarios:
         if sc == "stress":
             rows.append(stress(target, draft))
         for args in rows_for(sc):
             rows.append(measure(target, draft, bw, *args, base_cache))
-    result = dict(timing.device_info(), preset=FLAGS.preset, copy_bandwidth=bw, iters=FLAGS.iters,
-                  tau_published=PUBLISHED_TAU, tau_trained=FLAGS.tau_trained, scenarios=rows)
+            timing.write_json(FLAGS.out, result)  # after every row: a run cut short keeps what it measured
     timing.write_json(FLAGS.out, result)
     if FLAGS.plot:
         plot([r for r in rows if "step_seconds" in r], FLAGS.plot)
