@@ -89,6 +89,7 @@ def main(argv):
                    accept_rate_per_position=m["accept_rate_per_position"], frac_steps_ge2=m["frac_steps_ge2"],
                    identical=out.tokens == base.tokens, first_difference=first_differences(out.tokens, base.tokens))
         res["acceptance"].append(row)
+        write_json(FLAGS.out, res)  # after every row: a run cut short keeps what it measured
         print(f"{s:12s} tau {row['tau']:.3f}  accept rate {row['accept_rate']:.3f}  identical to generate "
               f"{row['identical']}", flush=True)
     for b in map(int, FLAGS.speed_batches):
@@ -101,6 +102,7 @@ def main(argv):
             row = dict(batch=b, shape=s, baseline_seconds=t_base, decode_seconds=t_spec, speedup=t_base / t_spec,
                        tau=last.metrics["mean_accept_length"], tokens=sum(map(len, last.tokens)))
             res["speed"].append(row)
+            write_json(FLAGS.out, res)
             print(f"B={b} {s:12s} generate {t_base * 1e3:8.1f} ms  decode {t_spec * 1e3:8.1f} ms  "
                   f"speedup {row['speedup']:.2f}x  (tau {row['tau']:.2f})", flush=True)
     if FLAGS.exact_check:

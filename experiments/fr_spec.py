@@ -11,7 +11,8 @@ share of corpus tokens they cover (frspec.coverage); the draft with its head res
 ids (frspec.restrict_head; `--source draft` re-ranks rows of the draft's own head, `--source
 target` takes rows of the target's lm_head); greedy `decode` on the prompts: tau (mean accept
 length, bonus counted), accept rate, per-position accept rates, and whether the output equals
-greedy `generate` (lossless); the draft head alone (`eagle3.logits` for h [batch, H]) and one
+greedy `generate` (`identical`: always in float32; in bf16 near-tied argmaxes may part, see
+eval_pair.py); the draft head alone (`eagle3.logits` for h [batch, H]) and one
 full speculative chain step at `--context` committed tokens (experiments/step_timing.py), timed
 on the current device, with a baseline decode step for the projected speedup tau * baseline /
 step. "full" uses the draft as it is, and so does k >= the draft's vocabulary with `--source
@@ -184,7 +185,7 @@ def main(argv):
     prompts, prompt_info = load_prompts(V)
     K = FLAGS.num_spec_tokens
 
-    _say("greedy generate (the lossless reference) ...")
+    _say("greedy generate (the reference output) ...")
     base = generate(target, prompts, FLAGS.max_new_tokens)
     if FLAGS.corpus:
         counts = frspec.token_frequencies(np.load(FLAGS.corpus, mmap_mode="r"), V)
@@ -224,12 +225,12 @@ def main(argv):
                    tau=m["mean_accept_length"], accept_rate=m["accept_rate"],
                    accept_rate_per_position=m["accept_rate_per_position"],
                    accept_length_histogram=m["accept_length_histogram"],
-                   lossless=out.tokens == base.tokens, decode_tokens_per_second=m["tokens_per_second"],
+                   identical=out.tokens == base.tokens, decode_tokens_per_second=m["tokens_per_second"],
                    decode_compile_seconds=m["compile_seconds"], head_seconds=head, head_bytes=int(head_bytes),
                    head_roofline_fraction=head_bytes / bw / head if bw else None,
                    step_seconds=step, projected_speedup=m["mean_accept_length"] * base_step / step)
         rows.append(row)
-        _say(f"k={name}: tau {row['tau']:.3f}, accept rate {row['accept_rate']:.3f}, lossless {row['lossless']}, "
+        _say(f"k={name}: tau {row['tau']:.3f}, accept rate {row['accept_rate']:.3f}, identical to generate {row['identical']}, "
              f"head {head * 1e6:.1f} us, step {step * 1e3:.3f} ms, projected speedup {row['projected_speedup']:.2f}")
 
     result = dict(timing.device_info(), target=os.path.abspath(FLAGS.target), draft=os.path.abspath(FLAGS.draft),

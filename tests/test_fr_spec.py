@@ -48,7 +48,7 @@ def test_fr_spec_writes_json(tmp_path):
     cov = [x["coverage"] for x in r["rows"]]
     assert all(a <= b for a, b in zip(cov, cov[1:])) and cov[0] < 1.0
     for x in r["rows"]:
-        assert x["lossless"] is True and x["tau"] >= 1.0 and 0.0 <= x["accept_rate"] <= 1.0
+        assert x["identical"] is True and x["tau"] >= 1.0 and 0.0 <= x["accept_rate"] <= 1.0
         assert len(x["accept_rate_per_position"]) == 3
         assert x["head_seconds"] > 0 and x["step_seconds"] > 0 and x["projected_speedup"] > 0
     assert png.exists() or "matplotlib is not installed" in out

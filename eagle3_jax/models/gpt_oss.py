@@ -162,7 +162,8 @@ class MoE(nnx.Module):
         "kernel" the Pallas kernel (GPU, MXFP4, bf16; few tokens), "gathered" each (token, expert)
         pair's weights, "grouped" tokens grouped into expert tiles, "dense" every expert on every
         token (training: batched, differentiable; compute grows with E / k). By size: the kernel
-        where it applies, else gathered up to GATHER_MAX_PAIRS pairs, else grouped."""
+        where it applies, else gathered up to GATHER_MAX_PAIRS pairs, else dense for few experts
+        (E <= 4k), else grouped."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         ids, w = self.route(x)
@@ -173,10 +174,15 @@ class MoE(nnx.Module):
         return out.astype(x.dtype).reshape(shape)
 
     def _path_for(self, x, ids):
+        E, k = self.router_w.shape[1], self.top_k
         if (isinstance(self.experts, Mxfp4Experts) and x.dtype == jnp.bfloat16
                 and x.shape[0] <= self.KERNEL_MAX_TOKENS and jax.default_backend() == "gpu"):
             return "kernel"
-        return "grouped" if ids.size > GATHER_MAX_PAIRS else "gathered"
+        if ids.size <= GATHER_MAX_PAIRS:
+            return "gathered"
+        # few experts (E <= 4k, small models): all of them are in use anyway and computing every one
+        # costs at most 4x the selected FLOPs in one batched matmul, far less than a scan over tiles
+        return "dense" if E <= 4 * k else "grouped"
 
     def _dense(self, x, ids, w):
         """Every expert on every token, combined with the top-k weights (zero elsewhere). f32 [N, H]."""
