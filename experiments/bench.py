@@ -38,7 +38,7 @@ flags.DEFINE_integer("copy_bytes", 4 << 30, "buffer size of the copy-bandwidth m
 flags.DEFINE_float("tau_trained", None, "tau measured on a trained pair (projected alongside)")
 flags.DEFINE_string("out", None, "JSON output path")
 flags.DEFINE_string("plot", None, "PNG output path (needs matplotlib)")
-flags.DEFINE_string("plot_from", None, "only draw --plot from this results JSON (no benchmark)")
+flags.DEFINE_list("plot_from", None, "only draw --plot from these results JSONs (no benchmark)")
 FLAGS = flags.FLAGS
 
 PUBLISHED_TAU = (2.29, 2.68, 3.22)
@@ -125,8 +125,11 @@ def plot(rows, path):
 def main(argv):
     del argv
     if FLAGS.plot_from:
-        with open(FLAGS.plot_from) as f:
-            plot([r for r in json.load(f)["scenarios"] if "step_seconds" in r], FLAGS.plot)
+        rows = []
+        for path in FLAGS.plot_from:
+            with open(path) as f:
+                rows += [r for r in json.load(f)["scenarios"] if "step_seconds" in r]
+        plot(rows, FLAGS.plot)
         return
     cfg = GptOssConfig.preset(FLAGS.preset)
     target, draft = random_pair(cfg)

@@ -49,8 +49,10 @@ def loop_time(graphdef, params, fn, carry, iters):
     return best / iters
 
 
-def once(graphdef, params, fn):
-    return jax.jit(lambda p: fn(nnx.merge(graphdef, p)))(params)
+def once(graphdef, params, fn, *args):
+    """fn(models, *args) once, jitted; arrays go in as arguments (a closed-over cache would be
+    baked into the program as a constant)."""
+    return jax.jit(lambda p, *a: fn(nnx.merge(graphdef, p), *a))(params, *args)
 
 
 def time_step(target, draft, B, shape, ctx, iters=10, parts=True):
@@ -87,7 +89,7 @@ def time_step(target, draft, B, shape, ctx, iters=10, parts=True):
 
     times["draft"] = loop_time(graphdef, params, part_draft,
                                dict(dcache=s["dcache"], root=s["root"], h_root=s["h_root"]), iters)
-    tokens, parents = once(graphdef, params, lambda m: make_tree(m, s))
+    tokens, parents = once(graphdef, params, make_tree, s)
     mask, _, positions, _, _ = tree_mask(parents, L)
 
     def verify(m, tcache, toks):
@@ -97,7 +99,7 @@ def time_step(target, draft, B, shape, ctx, iters=10, parts=True):
         logits, feats, tc = verify(m, c["tcache"], c["tokens"])
         return dict(tcache=tc, tokens=c["tokens"] + (jnp.argmax(logits[:, :1], -1) * 0).astype(jnp.int32))
 
-    logits, feats, _ = once(graphdef, params, lambda m: verify(m, s["tcache"], tokens))
+    logits, feats, _ = once(graphdef, params, lambda m, tc: verify(m, tc, tokens), s["tcache"])
     times["verify"] = loop_time(graphdef, params, part_verify, dict(tcache=s["tcache"], tokens=tokens), iters)
 
     def part_accept(m, c):

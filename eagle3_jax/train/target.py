@@ -24,7 +24,7 @@ def small_config(vocab_size: int, eos_id: int = 0, **overrides) -> GptOssConfig:
     cfg = dict(vocab_size=vocab_size, hidden_size=256, intermediate_size=256, num_hidden_layers=6,
                num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=8,
                num_experts_per_tok=4, sliding_window=128, max_position_embeddings=4096,
-               rope=RopeConfig(factor=4.0, original_max_position_embeddings=1024, truncate=False),
+               rope=RopeConfig(factor=4.0, original_max_position_embeddings=1024, truncate=True),
                eos_token_ids=(eos_id,), pad_token_id=eos_id, bos_token_id=None, experts_format="dense")
     cfg.update(overrides)
     return GptOssConfig(**cfg)
