@@ -70,6 +70,7 @@ flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights / activ
 flags.DEFINE_integer("seed", 0, "prompt sampling seed")
 flags.DEFINE_string("json_out", None, "JSON output path")
 flags.DEFINE_string("plot", None, "PNG output path (needs matplotlib)")
+flags.DEFINE_string("plot_from", None, "only draw --plot from this results JSON (no study)")
 FLAGS = flags.FLAGS
 
 
@@ -175,6 +176,9 @@ def plot(result, path):
 
 def main(argv):
     del argv
+    if FLAGS.plot_from:
+        with open(FLAGS.plot_from) as f:
+            return plot(json.load(f), FLAGS.plot)
     dtype = jnp.dtype(FLAGS.dtype)
     _say(f"loading target {os.path.abspath(FLAGS.target)} on {jax.devices()[0].device_kind}")
     target = load_gpt_oss(FLAGS.target, dtype=dtype)

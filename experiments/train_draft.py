@@ -25,25 +25,17 @@ from eagle3_jax.spec import generate
 from eagle3_jax.train import data, loop
 from eagle3_jax.train import draft as tdraft
 from eagle3_jax.train import target as ttarget
+import train_flags
 from timing import device_info
 
+train_flags.define("runs/draft", steps=6000, batch=32)
+
 flags.DEFINE_string("target", "runs/target", "HF GPT-OSS checkpoint folder (the frozen target)")
-flags.DEFINE_string("data_dir", "data/stdlib", "make_data.py output (train.npy, eval.npy)")
-flags.DEFINE_string("out_dir", "runs/draft", "HF EAGLE-3 checkpoint folder to write")
-flags.DEFINE_string("ckpt_dir", None, "orbax checkpoints (resume); default <out_dir>.ckpt")
 flags.DEFINE_integer("draft_vocab", 2048, "draft vocabulary size (most frequent train tokens)")
 flags.DEFINE_list("aux_layer_ids", ["1", "3", "5"], "target blocks whose outputs the draft reads")
 flags.DEFINE_integer("ttt_length", 7, "training-time-test steps")
-flags.DEFINE_integer("steps", 3000, "optimizer steps")
-flags.DEFINE_integer("batch", 32, "sequences per step")
-flags.DEFINE_integer("seq_len", 512, "tokens per sequence")
-flags.DEFINE_float("lr", 2e-3, "peak learning rate")
-flags.DEFINE_integer("warmup", 200, "warmup steps")
-flags.DEFINE_integer("seed", 0, "init and data seed")
-flags.DEFINE_integer("save_every", 500, "checkpoint period (steps)")
-flags.DEFINE_integer("log_every", 100, "log period (steps)")
 flags.DEFINE_integer("eval_batches", 4, "eval-split windows for the eval TTT figures")
-flags.DEFINE_integer("regenerate", 0, "train on this many target-written sequences (a train-split prompt of "
+flags.DEFINE_integer("regenerate", 8192, "train on this many target-written sequences (a train-split prompt of "
                      "--prompt_len tokens, then the target's greedy continuation to seq_len; 0: corpus windows)")
 flags.DEFINE_integer("prompt_len", 64, "prompt tokens of each regenerated sequence")
 flags.DEFINE_integer("regenerate_batch", 2048, "sequences per generate call")
@@ -68,7 +60,6 @@ def regenerate(target, train, n):
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    meta = json.load(open(os.path.join(FLAGS.data_dir, "meta.json")))
     train, evals = data.load_split(FLAGS.data_dir, "train"), data.load_split(FLAGS.data_dir, "eval")
     target = load_gpt_oss(FLAGS.target, dtype=jnp.bfloat16)
     ttarget.set_moe_path(target, "dense")  # whole windows at once: every expert dequantized once
@@ -92,9 +83,7 @@ def main(argv):
         return {"tokens": data.sample_windows(train, rng, FLAGS.batch, FLAGS.seq_len)}
 
     t0 = time.time()
-    history = loop.fit(draft, loss_fn, batch_fn, steps=FLAGS.steps, tx=loop.adamw(FLAGS.lr, FLAGS.steps, FLAGS.warmup),
-                       extra=(target,), ckpt_dir=FLAGS.ckpt_dir or os.path.abspath(FLAGS.out_dir) + ".ckpt",
-                       save_every=FLAGS.save_every, log_every=FLAGS.log_every, log=lambda r: print(r, flush=True))
+    history = loop.fit(draft, loss_fn, batch_fn, extra=(target,), **train_flags.fit_kwargs())
     train_seconds = time.time() - t0
     out = tdraft.export(draft, target)
     ev = jax.jit(loss_fn)

@@ -25,19 +25,11 @@ from eagle3_jax.convert import save_gpt_oss
 from eagle3_jax.models import gpt_oss
 from eagle3_jax.train import data, loop
 from eagle3_jax.train import target as ttarget
+import train_flags
 from timing import device_info
 
-flags.DEFINE_string("data_dir", "data/stdlib", "make_data.py output (train.npy, eval.npy, tokenizer.json)")
-flags.DEFINE_string("out_dir", "runs/target", "HF checkpoint folder to write")
-flags.DEFINE_string("ckpt_dir", None, "orbax checkpoints (resume); default <out_dir>.ckpt")
-flags.DEFINE_integer("steps", 3000, "optimizer steps")
-flags.DEFINE_integer("batch", 64, "sequences per step")
-flags.DEFINE_integer("seq_len", 512, "tokens per sequence")
-flags.DEFINE_float("lr", 2e-3, "peak learning rate")
-flags.DEFINE_integer("warmup", 200, "warmup steps")
-flags.DEFINE_integer("seed", 0, "init and data seed")
-flags.DEFINE_integer("save_every", 500, "checkpoint period (steps)")
-flags.DEFINE_integer("log_every", 100, "log period (steps)")
+train_flags.define("runs/target", steps=2500, batch=64)
+
 flags.DEFINE_integer("eval_batches", 8, "eval-split windows of batch x seq_len for the eval loss")
 flags.DEFINE_string("size", "small", "small (the shipped pair) or tiny (smoke tests)")
 FLAGS = flags.FLAGS
@@ -78,11 +70,8 @@ def main(argv):
         return {"tokens": data.sample_windows(train, rng, FLAGS.batch, FLAGS.seq_len + 1)}
 
     t0 = time.time()
-    history = loop.fit(model, ttarget.lm_loss, batch_fn, steps=FLAGS.steps,
-                       tx=loop.adamw(FLAGS.lr, FLAGS.steps, FLAGS.warmup),
-                       ckpt_dir=FLAGS.ckpt_dir or os.path.abspath(FLAGS.out_dir) + ".ckpt",
-                       save_every=FLAGS.save_every, log_every=FLAGS.log_every, log=lambda r: print(r, flush=True),
-                       eval_fn=lambda m: {"loss": eval_loss(m, evals, 2)})
+    history = loop.fit(model, ttarget.lm_loss, batch_fn, eval_fn=lambda m: {"loss": eval_loss(m, evals, 2)},
+                       **train_flags.fit_kwargs())
     train_seconds = time.time() - t0
     packed = ttarget.to_mxfp4(model)
     result = dict(**device_info(), config=cfg.to_hf(), data=meta["splits"], history=history,

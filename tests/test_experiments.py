@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
@@ -66,3 +68,67 @@ def test_bench_and_gates(tmp_path):
     assert g.returncode in (0, 1) and "single-32k chain3" in g.stdout and "byte roofline allows" in g.stdout
     passed = all(x["projected"] >= x["need"] for x in __import__("gates").evaluate(r) if not x.get("missing"))
     assert g.returncode == (0 if passed else 1)
+
+def test_eval_windows_avoid_eos():
+    from fr_spec import eval_windows
+
+    t = np.array([5, 6, 0, 7, 8, 9, 0, 3, 4, 5, 6, 0])
+    w = eval_windows(t, 3, 3, eos_id=0, seed=1)
+    assert len(w) == 3 and all(len(x) == 3 and 0 not in x for x in w)
+    assert sorted(map(tuple, w)) == [(3, 4, 5), (4, 5, 6), (7, 8, 9)]  # the only eos-free windows
+
+
+def test_fr_spec_writes_json(tmp_path):
+    # two ks keep it near 30 s on 2 CPU cores: each k compiles its own decode and step (~7 s each)
+    rng = np.random.default_rng(0)
+    corpus = tmp_path / "corpus.npy"
+    np.save(corpus, np.minimum(rng.zipf(1.3, 5000), 255).astype(np.int32))  # skewed: coverage grows with k
+    evald = tmp_path / "eval.npy"
+    np.save(evald, rng.integers(0, 256, 400).astype(np.int32))
+    path, png = tmp_path / "fr.json", tmp_path / "fr.png"
+    out = run("fr_spec.py", "--ks", "64,full", "--corpus", str(corpus), "--eval_data", str(evald),
+              "--num_prompts", "2", "--prompt_len", "8", "--max_new_tokens", "6", "--context", "16", "--iters", "2",
+              "--copy_bytes", "1000000", "--dtype", "float32", "--json_out", str(path), "--plot", str(png))
+    r = json.loads(path.read_text())
+    for k in ("command", "device", "jax_version", "date", "corpus", "prompts", "baseline_step_seconds", "rows"):
+        assert k in r
+    assert r["corpus"]["source"] == "corpus" and r["corpus"]["tokens"] == 5000
+    assert r["prompts"]["source"] == "eval_data" and r["prompts"]["lengths"] == [8, 8]
+    assert [x["k"] for x in r["rows"]] == [64, "full"]
+    assert [x["draft_vocab_size"] for x in r["rows"]] == [64, 2048]  # the embedded pair's draft vocab
+    cov = [x["coverage"] for x in r["rows"]]
+    assert all(a <= b for a, b in zip(cov, cov[1:])) and cov[0] < 1.0
+    for x in r["rows"]:
+        assert x["identical"] is True and x["tau"] >= 1.0 and 0.0 <= x["accept_rate"] <= 1.0
+        assert len(x["accept_rate_per_position"]) == 3
+        assert x["head_seconds"] > 0 and x["step_seconds"] > 0 and x["projected_speedup"] > 0
+    assert png.exists() or "matplotlib is not installed" in out
+
+
+def test_make_data_train_and_eval_pair(tmp_path):
+    # the whole recipe of the shipped pair at toy size: corpus -> tokenizer -> target -> draft -> eval
+    root = tmp_path / "lib"
+    root.mkdir()
+    for i in range(12):
+        (root / f"m{i}.py").write_text("".join(f"def f{j}(x):\n    return x * {j} + {i}\n\n" for j in range(40)))
+    d, t, dr = tmp_path / "data", tmp_path / "target", tmp_path / "draft"
+    run("make_data.py", "--root", str(root), "--out_dir", str(d), "--vocab_size", "300", "--eval_fraction", "0.2")
+    common = ["--data_dir", str(d), "--steps", "3", "--batch", "2", "--seq_len", "32", "--log_every", "1",
+              "--save_every", "2", "--warmup", "1"]
+    run("train_target.py", "--size", "tiny", "--out_dir", str(t), "--eval_batches", "1", *common)
+    log = json.loads((t / "train_log.json").read_text())
+    assert [r["step"] for r in log["history"]] == [1, 2, 3] and "eval_loss" in log["history"][-1]
+    assert json.loads((t / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+    run("train_draft.py", "--target", str(t), "--out_dir", str(dr), "--draft_vocab", "128", "--ttt_length", "2",
+        "--regenerate", "3", "--prompt_len", "8", "--regenerate_batch", "2", "--eval_batches", "1", *common)
+    assert json.loads((dr / "config.json").read_text())["draft_vocab_size"] == 128
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([[5, 6, 7, 8], [9, 10, 11]]))
+    out = tmp_path / "e.json"
+    run("eval_pair.py", "--target", str(t), "--draft", str(dr), "--prompts_file", str(prompts), "--max_new_tokens",
+        "6", "--shapes", "chain2", "--speed_batches", "1", "--speed_shapes", "chain2", "--repeats", "1",
+        "--dtype", "float32", "--exact_check", "chain2", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert [a["shape"] for a in r["acceptance"]] == ["chain2"]
+    assert all(a["identical"] and a["tau"] >= 1 for a in r["acceptance"]) and r["identical_float32"] == {"chain2": True}
+    assert r["speed"][0]["speedup"] > 0
