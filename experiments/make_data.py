@@ -3,7 +3,7 @@
   python experiments/make_data.py --out_dir data/stdlib --vocab_size 4096
 
 Writes tokenizer.json, train.npy, eval.npy and meta.json (eagle3_jax.train.data.build_dataset) and
-prints files, tokens and bytes per token of each split. Needs the [train] extra (HF tokenizers).
+prints files, tokens and bytes per token of each split.
 """
 
 import time

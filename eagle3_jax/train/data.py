@@ -4,7 +4,7 @@ Every machine (and the GPU image) has the standard library, so the corpus needs 
 
   stdlib_files()  -> [(relpath, text)] of every *.py (site-packages / dist-packages excluded)
   split_of(path)  -> "train" | "eval", from a sha256 of the relative path (stable everywhere)
-  train_tokenizer -> HF `tokenizers` byte-level BPE, `<|endoftext|>` = id 0 (extra [train])
+  train_tokenizer -> HF `tokenizers` byte-level BPE, `<|endoftext|>` = id 0
   build_dataset   -> out_dir/{tokenizer.json, train.npy, eval.npy, meta.json}
 
 Token arrays are 1-D: each document's ids followed by the eos id 0. `sample_windows` draws training
@@ -82,7 +82,7 @@ def train_tokenizer(texts, vocab_size=4096):
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError as e:
-        raise ImportError('train_tokenizer needs HF tokenizers: pip install -e ".[train]"') from e
+        raise ImportError("train_tokenizer needs HF tokenizers: pip install tokenizers") from e
     if vocab_size < 257:
         raise ValueError(f"vocab_size must be at least 257 (256 bytes + eos), got {vocab_size}")
     tok = Tokenizer(models.BPE())
