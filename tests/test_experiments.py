@@ -69,6 +69,7 @@ def test_bench_and_gates(tmp_path):
     passed = all(x["projected"] >= x["need"] for x in __import__("gates").evaluate(r) if not x.get("missing"))
     assert g.returncode == (0 if passed else 1)
 
+
 def test_eval_windows_avoid_eos():
     from fr_spec import eval_windows
 
