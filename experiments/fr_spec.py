@@ -1,6 +1,6 @@
 """FR-Spec study: for draft vocabulary sizes k, coverage, tau, draft head time and step time.
 
-  python experiments/fr_spec.py                                     # embedded tiny pair, smoke
+  python experiments/fr_spec.py                                     # the embedded trained pair
   python experiments/fr_spec.py --target /ckpt/gpt-oss-120b --draft /ckpt/gpt-oss-120b-eagle3 \
       --corpus train_tokens.npy --eval_data eval_tokens.npy --num_prompts 64 --prompt_len 256 \
       --ks 4096,8192,16384,full --max_new_tokens 256 --batch 1 \
@@ -23,8 +23,8 @@ Frequencies come from `--corpus` (a .npy of token ids), else from the target's o
 generations on the prompts (the JSON's `corpus.source` says which; the second is optimistic:
 coverage is then measured on the very text the study decodes). Prompts come from
 `--prompts_file` (JSON list of id lists), else `--eval_data` (.npy token ids: `--num_prompts`
-windows of `--prompt_len` tokens that contain no `--eval_eos_id`), else random ids.
-The embedded pair has random weights: its tau and coverage mean nothing; it shows the pipeline.
+windows of `--prompt_len` tokens that contain no `--eval_eos_id`, eagle3_jax.train.data.eval_prompts),
+else random ids.
 """
 
 import json
@@ -42,6 +42,7 @@ import eagle3_jax
 from eagle3_jax.convert import frspec, load_eagle3, load_gpt_oss
 from eagle3_jax.models import eagle3
 from eagle3_jax.spec import decode, generate
+from eagle3_jax.train import data
 
 import timing
 from step_timing import time_baseline, time_step
@@ -78,22 +79,6 @@ def _say(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def eval_windows(tokens, n, prompt_len, eos_id=0, seed=0):
-    """n windows of prompt_len tokens of the flattened `tokens`, none containing eos_id, starts
-    drawn without replacement (windows may overlap) and returned in ascending order."""
-    t = np.asarray(tokens).reshape(-1)
-    if prompt_len < 1 or n < 1:
-        raise ValueError(f"num_prompts {n} and prompt_len {prompt_len}: both must be >= 1")
-    if t.size < prompt_len:
-        raise ValueError(f"eval data: {t.size} tokens, fewer than prompt_len {prompt_len}")
-    eos = np.concatenate([[0], np.cumsum(t == eos_id)])
-    starts = np.flatnonzero(eos[prompt_len:] - eos[:-prompt_len] == 0)
-    if starts.size < n:
-        raise ValueError(f"eval data: {starts.size} windows of {prompt_len} tokens without eos {eos_id}, need {n}")
-    pick = np.sort(np.random.default_rng(seed).choice(starts, n, replace=False))
-    return [t[s:s + prompt_len].astype(np.int64).tolist() for s in pick]
-
-
 def load_prompts(vocab_size):
     if FLAGS.prompts_file:
         with open(FLAGS.prompts_file) as f:
@@ -103,7 +88,7 @@ def load_prompts(vocab_size):
         return prompts, dict(source="prompts_file", path=os.path.abspath(FLAGS.prompts_file))
     if FLAGS.eval_data:
         tokens = np.load(FLAGS.eval_data, mmap_mode="r")
-        return (eval_windows(tokens, FLAGS.num_prompts, FLAGS.prompt_len, FLAGS.eval_eos_id, FLAGS.seed),
+        return (data.eval_prompts(np.asarray(tokens).reshape(-1), FLAGS.num_prompts, FLAGS.prompt_len, FLAGS.eval_eos_id, FLAGS.seed),
                 dict(source="eval_data", path=os.path.abspath(FLAGS.eval_data), eos_id=FLAGS.eval_eos_id,
                      seed=FLAGS.seed))
     rng = np.random.default_rng(FLAGS.seed)

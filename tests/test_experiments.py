@@ -70,15 +70,6 @@ def test_bench_and_gates(tmp_path):
     assert g.returncode == (0 if passed else 1)
 
 
-def test_eval_windows_avoid_eos():
-    from fr_spec import eval_windows
-
-    t = np.array([5, 6, 0, 7, 8, 9, 0, 3, 4, 5, 6, 0])
-    w = eval_windows(t, 3, 3, eos_id=0, seed=1)
-    assert len(w) == 3 and all(len(x) == 3 and 0 not in x for x in w)
-    assert sorted(map(tuple, w)) == [(3, 4, 5), (4, 5, 6), (7, 8, 9)]  # the only eos-free windows
-
-
 def test_fr_spec_writes_json(tmp_path):
     # two ks keep it near 30 s on 2 CPU cores: each k compiles its own decode and step (~7 s each)
     rng = np.random.default_rng(0)
