@@ -78,12 +78,6 @@ def coverage(counts, ids) -> float:
     return float(counts[ids].sum() / total)
 
 
-def _get(module, path):
-    for p in path:
-        module = module[p] if isinstance(p, int) else getattr(module, p)
-    return module
-
-
 def restrict_head(draft: Eagle3, ids, source: str = "draft", target=None) -> Eagle3:
     """A new draft whose head scores only the target ids `ids` (k of them, sorted on the way in).
 
@@ -128,10 +122,10 @@ def restrict_head(draft: Eagle3, ids, source: str = "draft", target=None) -> Eag
     cfg = c.replace(draft_vocab_size=k, own_lm_head=True)
     new = nnx.eval_shape(lambda: Eagle3(cfg.replace(own_embed=True), dtype=draft.dtype, rngs=nnx.Rngs(0)))
     new.config = cfg
-    for path, var in nnx.to_flat_state(nnx.state(draft)):
-        if path[0] in ("embed", "lm_head", "d2t"):
-            continue
-        _get(new, path).set_value(var.get_value())
+    old = dict(nnx.to_flat_state(nnx.state(draft)))
+    for path, var in nnx.to_flat_state(nnx.state(new)):
+        if path[0] not in ("embed", "lm_head", "d2t"):
+            var.set_value(old[path].get_value())
     if c.own_embed:
         new.embed.set_value(draft.embed.get_value())
     else:
