@@ -15,7 +15,6 @@ Entry points (all take the module itself and are traceable under `jax.jit`):
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -186,12 +185,9 @@ class MoE(nnx.Module):
 
     def _dense(self, x, ids, w):
         """Every expert on every token, combined with the top-k weights (zero elsewhere). f32 [N, H]."""
-        E = self.router_w.shape[1]
-        combine = jnp.zeros((x.shape[0], E), F32).at[jnp.arange(x.shape[0])[:, None], ids].set(w)
-        w1, b1, w2, b2 = self.experts.weights(jnp.arange(E))
-        h = jnp.einsum("nh,eoh->neo", x, w1, preferred_element_type=F32) + b1.astype(F32)
-        act = self._swiglu(h).astype(x.dtype)
-        y = jnp.einsum("nei,eoi->neo", act, w2, preferred_element_type=F32) + b2.astype(F32)
+        (N, H), E = x.shape, self.router_w.shape[1]
+        combine = jnp.zeros((N, E), F32).at[jnp.arange(N)[:, None], ids].set(w)
+        y = self._ffn(jnp.broadcast_to(x[:, None], (N, E, H)), *self.experts.weights(jnp.arange(E)), "neh,eoh->neo")
         return jnp.einsum("neo,ne->no", y, combine)
 
     def _kernel(self, x, ids, w):
