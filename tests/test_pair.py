@@ -4,7 +4,6 @@ transformers reads, a real EAGLE-3 draft whose acceptance is real, and its token
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

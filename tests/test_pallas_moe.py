@@ -73,19 +73,39 @@ def test_decoders_match_dequantize():
         np.testing.assert_array_equal(got * 2.0 ** 32, ref[r].reshape(3, -1))
 
 
-@pytest.mark.parametrize("T,seed", [(1, 0), (3, 1), (16, 2), (21, 3)])
-def test_interpret_random_routing(T, seed):
+def test_fma_decoder_matches_dequantize():
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, (5, 3, 8, 16), dtype=np.uint8)
+    ref = np.asarray(moe.dequantize(jnp.asarray(blocks), jnp.full((5, 3, 8), 127, jnp.uint8), jnp.float32))
+    words = jax.lax.bitcast_convert_type(moe._as_words(jnp.asarray(blocks)), jnp.int32)
+    parts = np.stack([np.asarray(moe._raw_f16(words, i)) for i in range(8)], -1)  # [.., 4, 8]
+    np.testing.assert_array_equal(parts.reshape(ref.shape) * 2.0 ** 14, ref)
+
+
+@pytest.mark.parametrize("T,seed,fma", [(1, 0, 0), (1, 0, 2), (3, 1, 2), (16, 2, 0), (21, 3, 2)])
+def test_interpret_random_routing(T, seed, fma):
     # 12 experts, 4 per token: experts are shared between tokens; H = 96 is 3 scale groups (not a
     # multiple of the 2-group K step), I = 64 is 2; T = 21 is two token chunks, the second partial.
-    cfg = moe.MoeConfig(block_i=32, block_h=64, groups=2)
+    # fma = 0: every expert on the tensor-core path; 2: experts of one or two tokens on the FMA path.
+    cfg = moe.MoeConfig(block_i=32, block_h=64, groups=2, fma_tokens=fma, fma_groups=2)
     _check(_case(seed, T, E=12, H=96, I=64), cfg)
+
+
+@pytest.mark.parametrize("fma,groups", [(1, 4), (3, 2)])
+def test_interpret_fma_and_mma_experts_mixed(fma, groups):
+    # 16 tokens over 40 experts: experts of 1..5 tokens, so both paths run in one call and write the
+    # same output; H = 160 is 5 scale groups (a partial FMA K step)
+    args = _case(13, 16, E=40, H=160, I=64)
+    counts = np.bincount(np.asarray(args[1]).ravel(), minlength=40)
+    assert (counts[counts > 0] <= fma).any() and (counts > fma).any()
+    _check(args, moe.MoeConfig(block_i=32, block_h=32, groups=2, fma_tokens=fma, fma_groups=groups))
 
 
 @pytest.mark.parametrize("T,seed", [(2, 4), (19, 5)])
 def test_interpret_perm_layout(T, seed):
     # the 8 nibble planes multiplied with stride-8 slices of x / act (no interleave); H = 160 is
     # 5 scale groups, not a multiple of the 4-group K step
-    cfg = moe.MoeConfig(block_i=32, block_h=32, groups=4, layout="perm", prefetch=2)
+    cfg = moe.MoeConfig(block_i=32, block_h=32, groups=4, layout="perm", prefetch=2, fma_tokens=0)
     _check(_case(seed, T, E=10, H=160, I=128), cfg)
 
 
@@ -93,7 +113,7 @@ def test_interpret_all_tokens_same_experts():
     # every token picks the same 4 experts (in different orders): each expert has 20 tokens (two
     # chunks), 76 of the 80 pairs are duplicates that must not add their expert again.
     args = _case(7, 20, E=6, H=64, I=96, pool=4)
-    _check(args, moe.MoeConfig(block_i=64, block_h=32, groups=4, prefetch=1))
+    _check(args, moe.MoeConfig(block_i=64, block_h=32, groups=4, prefetch=1, fma_tokens=4))
 
 
 def test_interpret_fresh_inputs_same_executable():
@@ -116,12 +136,14 @@ def test_rejects_bad_input():
 # -- GPU ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("decode", ["ptx", "bits", "f16", "ptx/perm"])
+@pytest.mark.parametrize("decode", ["ptx", "bits", "f16", "ptx/perm", "ptx/fma0", "bits/fma16", "ptx/fma3"])
 @pytest.mark.parametrize("T", [1, 5, 16, 64])
 def test_gpu_matches_reference(decode, T):
-    # gpt-oss sizes (H = I = 2880), 16 experts so that tokens share them
-    dec, _, layout = decode.partition("/")
-    cfg = moe.MoeConfig(decode=dec, layout=layout or "interleave")
+    # gpt-oss sizes (H = I = 2880), 16 experts so that tokens share them; fma0: tensor cores only,
+    # fma16: every expert of up to 16 tokens on the FMA path
+    dec, _, variant = decode.partition("/")
+    cfg = moe.MoeConfig(decode=dec, layout="perm" if variant == "perm" else "interleave",
+                        fma_tokens=int(variant[3:]) if variant.startswith("fma") else 2)
     for seed in (T, T + 100):  # fresh inputs through the same executable
         _check(_case(seed, T, E=16, H=2880, I=2880), cfg, interpret=False)
 
@@ -142,7 +164,7 @@ def test_gpu_extreme_scales_and_tiles():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 7, 16])
+@pytest.mark.parametrize("T", [1, 7, 16, 40])
 def test_gpu_model_moe_uses_kernel(T):
     # the model's MoE (random MXFP4 experts, gpt-oss hidden sizes, 16 experts) routes few bf16
     # tokens through the kernel on a GPU; it agrees with its gathered jnp path

@@ -152,8 +152,9 @@ class MoE(nnx.Module):
         return jnp.einsum(in_spec, act, w2, preferred_element_type=F32) + b2.astype(F32)
 
     # Tokens up to which packed (MXFP4) bf16 experts run the Pallas kernel on a GPU when the path is
-    # chosen by size: the decode and verify sizes. experiments/results/moe_*.json.
-    KERNEL_MAX_TOKENS = 16
+    # chosen by size: every decode and verify size (pallas.moe.MAX_TOKENS). At 32 tokens the grouped
+    # path took 6.7x the kernel's time (experiments/results/step_midsize_h200.json, B=4 trees).
+    KERNEL_MAX_TOKENS = 64
     PATHS = ("kernel", "gathered", "grouped", "dense")
 
     def __call__(self, x, path: str | None = None):

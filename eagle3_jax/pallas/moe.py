@@ -13,27 +13,34 @@ Two Pallas (Triton) kernels, no routing glue in XLA:
 
   1. gate_up + SwiGLU. Grid (slot, token chunk, I tile). Slot s is the s-th (token, expert) pair;
      a slot whose expert already appeared in an earlier pair exits at once, so each selected
-     expert is handled by exactly one slot, which computes every token of the chunk that chose it
-     (tokens come in chunks of 16 rows, the smallest MMA tile; T <= 16 is one chunk). The program
-     streams its 2*BI packed gate/linear rows once, dequantizes them in registers and multiplies
-     with the chunk's activations on the tensor cores; bias and SwiGLU in f32; act bf16 to HBM
-     (a few MB at most, read back from L2).
-  2. down + combine. Same grid over H tiles: act @ W2^T + b2, times the routing weight of each
-     token, atomically added (f32) into the output, which kernel 1 zeroed.
+     expert is handled by exactly one slot. The program streams its 2*BI packed gate/linear rows
+     once and dequantizes them in registers, on one of two paths chosen per expert:
+     - FMA path (the expert was chosen by at most `fma_tokens` tokens, at decode nearly all of
+       them): CUDA cores, no layout conversions. Each word's 8 nibbles are decoded and multiplied
+       with the matching activations in one inline-PTX block (fma per weight); the activations
+       come pre-permuted ([g, i, q] for input 32g + 8q + i) as f32, so every operand of the loop
+       sits in the layout its words were loaded in.
+     - MMA path (more tokens): the chunk's 16 token rows on the tensor cores; the decoded tile is
+       interleaved into input order and converted to the dot-operand layout.
+     Bias and SwiGLU in f32; act to HBM (a few MB at most, read back from L2).
+  2. down + combine. Same grid over H tiles and the same two paths: act @ W2^T + b2, times the
+     routing weight of each token, atomically added (f32) into the output, which kernel 1 zeroed.
 
 Dequantization: the nibble's sign and three magnitude bits are moved into the sign, exponent-low
-and mantissa-high bits of an f32 (bf16x2 in the PTX variant), which is the E2M1 value times 2^-126
-(exact; subnormal for the magnitude 0.5), then multiplied by 2^(scale - 1 - 32): the weights enter
-the MMA as exact bf16 values times 2^-32, and the f32 accumulator is scaled back once. Exact for
-scale bytes 35..160 (real checkpoints use about 110..130); the subnormal step needs a GPU, which
-keeps f32/bf16 subnormals in these multiplies, so the interpreter (XLA:CPU flushes them) decodes
-through f16 instead (`decode="f16"`, the same values).
+and mantissa-high bits of an f32 (bf16x2 in the MMA path's PTX variant), which is the E2M1 value
+times 2^-126 (exact; subnormal for the magnitude 0.5). MMA path: multiplied by 2^(scale - 1 - 32),
+the weights enter the MMA as exact bf16 values times 2^-32 and the accumulator is scaled back once
+(exact for scale bytes 35..160). FMA path: the activations are prescaled by 2^96, so products stay
+normal, and each group's sum is multiplied by 2^(scale - 97) (exact for scale bytes 0..224 and
+|x| < 2^32). The subnormal step needs a GPU, which keeps f32/bf16 subnormals in these multiplies;
+the interpreter (XLA:CPU flushes them) decodes through f16 instead (`decode="f16"`, the same values).
 
-Status (H200, JAX 0.11.2, experiments/results/moe_h200.json): correct on the GPU for every decoder,
-5.7-10.7x faster than the jnp gathered path, but only 16-21% of the HBM roofline for T <= 16: the
-cost is instructions per weight (nearly constant time per expert from T = 1 to 16; loading ahead
-changed nothing), most likely the layout conversions of the decoded nibble planes. layout="perm"
-(no joins) is the next variant to time.
+Status (H200, JAX 0.11.2, experiments/results/moe_h200.json): correct on the GPU for every decoder
+and path; 21 / 28 / 30 / 30 / 21 / 12% of the HBM roofline at T = 1 / 4 / 8 / 16 / 32 / 64 (the
+MMA-only kernel before it: 15-21%, moe_mma_only_h200.json). Nsight Compute on the FMA path at T=1:
+about 5 instructions per weight (the decode's shift / shift / mask is 3 of them), issue slots
+half used, 17% occupancy (160+ registers), L1 half busy with the activation loads. The MMA path
+is bound by L1 / shared-memory traffic (the layout conversions, 75-85% busy).
 
 `mxfp4_moe_reference` is the plain-jnp function of the same signature (dequantize the selected
 experts per pair). CPU tests run the kernels with interpret=True.
@@ -75,7 +82,10 @@ class MoeConfig:
     prefetch: K steps whose loads are issued ahead of the math (>= 1). layout: "interleave" joins
     the 8 nibble planes of each word into input order before one dot per K step; "perm" keeps them
     apart and multiplies each with the matching stride-8 slice of the activations (8 dots of K =
-    4 * groups), which skips the joins (untimed as of the last GPU run)."""
+    4 * groups), which skips the joins (no faster, moe_layout_sweep_h200.json). fma_tokens: an
+    expert chosen by at most this many tokens takes the FMA path (0 turns it off), in K steps of
+    fma_groups scale groups; each further token adds registers to the whole kernel (2 tokens with
+    16 groups: 254 registers, slower at T=4 than 1), so the default keeps one."""
 
     block_i: int = 32
     block_h: int = 32
@@ -85,6 +95,8 @@ class MoeConfig:
     decode: str = "ptx"
     prefetch: int = 2
     layout: str = "interleave"
+    fma_tokens: int = 1
+    fma_groups: int = 16
 
 
 DEFAULT_CONFIG = MoeConfig()
@@ -216,13 +228,15 @@ _DECODERS = {"bits": _decode_bits, "ptx": _decode_ptx, "f16": _decode_f16}
 # -- routing inside the kernels -----------------------------------------------------------------
 
 def _slot_tokens(ids_ref, s, c, *, T, k):
-    """Expert of pair s, whether s is its first pair, and which tokens of chunk c chose it.
-    Returns (e, first, member bool [16], eq bool [16, kp], flat index int32 [16, kp] into [T * k])."""
+    """Expert of pair s, whether s is its first pair, which tokens of chunk c chose it, and all pairs.
+    Returns (e, first, member bool [16], eq bool [16, kp], flat index int32 [16, kp] into [T * k],
+    is_e bool [Pp]: pair q chose e, q int32 [Pp])."""
     P, Pp, kp = T * k, _pow2(T * k), _pow2(k)
     e = ids_ref[s]
     q = lax.broadcasted_iota(jnp.int32, (Pp,), 0)
     flat = _load(ids_ref, pl.ds(0, Pp), mask=q < P, other=-1)
-    first = jnp.sum(((flat == e) & (q < s)).astype(jnp.int32)) == 0
+    is_e = flat == e
+    first = jnp.sum((is_e & (q < s)).astype(jnp.int32)) == 0
     t = c * TOKEN_TILE + lax.broadcasted_iota(jnp.int32, (TOKEN_TILE, kp), 0)
     j = lax.broadcasted_iota(jnp.int32, (TOKEN_TILE, kp), 1)
     ok = (t < T) & (j < k)
@@ -230,7 +244,20 @@ def _slot_tokens(ids_ref, s, c, *, T, k):
     mine = _load(ids_ref, idx, mask=ok, other=-1)
     eq = (mine == e) & ok
     member = jnp.sum(eq.astype(jnp.int32), axis=1) > 0
-    return e, first, member, eq, idx
+    return e, first, member, eq, idx, is_e, q
+
+
+def _first_pairs(is_e, q, n):
+    """The first n pairs that chose the expert, in pair (so token) order: [(pair int32, valid bool)];
+    a missing one is pair 0, invalid."""
+    out, prev = [], jnp.int32(-1)
+    big = jnp.int32(q.shape[0])
+    for _ in range(n):
+        pair = jnp.min(jnp.where(is_e & (q > prev), q, big))
+        valid = pair < big
+        out.append((jnp.where(valid, pair, 0), valid))
+        prev = jnp.where(valid, pair, big)
+    return out
 
 
 def _expert_rows(x_ref, x_lead, wq_ref, sc_ref, e, row_sets, r_ok, c, *, K, BG, decode, x_rows, depth, perm):
@@ -291,8 +318,111 @@ def _expert_rows(x_ref, x_lead, wq_ref, sc_ref, e, row_sets, r_ok, c, *, K, BG, 
     return accs
 
 
-def _gate_up_kernel(ids_ref, x_ref, wq_ref, sc_ref, b_ref, act_ref, out_ref, *, T, k, H, I, BI, BG, limit, alpha,
-                    decode, zero_cols, depth, perm):
+# -- the FMA path: an expert chosen by few tokens, on the CUDA cores --------------------------------
+
+def _raw_bits(w, i):
+    """w int32 [...] (8 nibbles per word) -> f32: nibble i as E2M1 * 2^-126 (exact; the magnitude 0.5
+    is an f32 subnormal, so GPU only)."""
+    t = w if i == 7 else lax.shift_left(w, jnp.int32(28 - 4 * i))
+    return lax.bitcast_convert_type(lax.shift_right_arithmetic(t, jnp.int32(6)) & _MASK, F32)
+
+
+def _raw_f16(w, i):
+    """`_raw_bits` through f16: E2M1 * 2^-14, normal in f32 (exact where f32 subnormals flush)."""
+    t = w if i == 7 else lax.shift_left(w, jnp.int32(28 - 4 * i))
+    bits = lax.shift_right_arithmetic(lax.shift_right_arithmetic(t, jnp.int32(3)) & _MASK16, jnp.int32(16))
+    return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16).astype(F32)
+
+
+def _word_dot_asm() -> str:
+    """PTX for $0 = sum_i nibble_i($1) * $(2 + i): `_raw_bits` of each nibble of the word (shift it to
+    the top, arithmetic shift right 6, mask) and one fma each, about 3.9 instructions per weight
+    (Triton leaves the jnp products and sums as separate FMUL and FADD)."""
+    lines = ["{", ".reg .b32 t, s;"]
+    for i in range(8):
+        src = "$1"
+        if i < 7:
+            lines.append(f"shl.b32 t, $1, {28 - 4 * i};")
+            src = "t"
+        lines.append(f"shr.s32 t, {src}, 6;")
+        lines.append("and.b32 t, t, 0x81C00000;")
+        lines.append(f"mul.rn.f32 s, t, ${2 + i};" if i == 0 else f"fma.rn.f32 s, t, ${2 + i}, s;")
+    lines += ["mov.b32 $0, s;", "}"]
+    return "\n".join(lines)
+
+
+def _word_dot(w, xs):
+    """w int32 [n, BG, 4], xs 8 x f32 [BG, 4] -> f32 [n, BG, 4]: sum_i raw_i(w) * xs[i] (GPU only)."""
+    xb = [jnp.broadcast_to(x[None], w.shape) for x in xs]
+    [out] = _inline_asm_multi(_word_dot_asm(), [w, *xb], ",".join(["=f", "r"] + ["f"] * 8), 1, F32)
+    return out
+
+
+# decoder -> (raw nibble decoder, log2 of its unit, log2 of the activations' prescale): the products
+# raw * x * 2^pre stay normal f32 for |x| in [2^-90, 2^32) (bits, ptx) and any bf16 x (f16). "ptx"
+# decodes and multiplies in one inline-PTX block per word.
+_FMA_DECODERS = {"bits": (_raw_bits, -126, 96), "ptx": (None, -126, 96), "f16": (_raw_f16, -14, 0)}
+
+
+def _fma_rows(xp_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG, decoder, depth):
+    """[[f32 [n] per token] per row set]: W_e[rows] @ x[tok] (true values) for the tokens `toks`
+    (int32 scalars), streaming K inputs in steps of BG scale groups, loads `depth` steps ahead.
+    xp_ref[*x_lead, tok] is [>= K / 32, 8, 4] f32, x[32g + 8q + i] at [g, i, q] times 2^pre: part i
+    of a step's words meets xp[:, i, :] elementwise, so nothing changes layout inside the loop."""
+    raw, unit, pre = _FMA_DECODERS[decoder]
+    n = r_ok.shape[0]
+    K_groups = K // BLOCK
+    nk = -(-K_groups // BG)
+    g_iota = lax.broadcasted_iota(jnp.int32, (BG,), 0)
+
+    def load_step(kk):
+        live = kk < nk
+        g0 = jnp.minimum(kk, nk - 1) * BG
+        wmask = r_ok[:, None] & ((g0 + g_iota < K_groups) & live)[None, :]
+        ws = []
+        for rows in row_sets:
+            ws.append(_load(wq_ref, (e, *rows, pl.ds(g0, BG), slice(None)),
+                            mask=jnp.broadcast_to(wmask[:, :, None], (n, BG, 4)), other=0))
+            ws.append(_load(sc_ref, (e, *rows, pl.ds(g0, BG)), mask=wmask, other=0))
+        return tuple(ws)
+
+    def body(kk, carry):
+        accs, queue = carry
+        ahead = load_step(kk + depth)
+        g0 = kk * BG
+        xmask = jnp.broadcast_to((g0 + g_iota < K_groups)[:, None], (BG, 4))
+        xs = [[_load(xp_ref, (*x_lead, t, pl.ds(g0, BG), jnp.int32(i), slice(None)), mask=xmask, other=0)
+               for i in range(8)] for t in toks]  # L1 hits after the first row set of the CTA
+        new = []
+        for r, acc_r in enumerate(accs):
+            w = lax.bitcast_convert_type(queue[0][2 * r], jnp.int32)  # [n, BG, 4]
+            # 2^(scale - 127 - unit - pre): the scale byte, the decoder's unit and the prescale undone
+            f = lax.bitcast_convert_type((queue[0][2 * r + 1].astype(jnp.int32) - (unit + pre)) << 23, F32)
+            if raw is None:
+                prods = [_word_dot(w, xt) for xt in xs]
+            else:
+                prods = [None] * len(toks)
+                for i in range(8):  # one nibble plane at a time: few decoded values live at once
+                    part = raw(w, i)
+                    for ti, xt in enumerate(xs):
+                        term = part * xt[i][None]
+                        prods[ti] = term if prods[ti] is None else prods[ti] + term
+            new.append(tuple(acc + jnp.sum(prod, axis=2) * f for acc, prod in zip(acc_r, prods)))
+        return tuple(new), (*queue[1:], ahead)
+
+    zeros = tuple(tuple(jnp.zeros((n, BG), F32) for _ in toks) for _ in row_sets)
+    accs, _ = lax.fori_loop(0, nk, body, (zeros, tuple(load_step(d) for d in range(depth))))
+    return [[jnp.sum(a, axis=1) for a in acc_r] for acc_r in accs]
+
+
+def _swiglu(hg, hl, bg, bl, limit, alpha):
+    gate = jnp.minimum(hg + bg, limit)
+    lin = jnp.clip(hl + bl, -limit, limit)
+    return gate * (1.0 / (1.0 + jnp.exp(-alpha * gate))) * (lin + 1.0)
+
+
+def _gate_up_kernel(ids_ref, x_ref, xp_ref, wq_ref, sc_ref, b_ref, act_ref, actf_ref, out_ref, *, T, k, H, I, BI, BG,
+                    limit, alpha, decode, zero_cols, depth, perm, fma):
     s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     To, Ho = out_ref.shape
     Tz = _pow2(To)
@@ -304,49 +434,91 @@ def _gate_up_kernel(ids_ref, x_ref, wq_ref, sc_ref, b_ref, act_ref, out_ref, *, 
         _store(out_ref, (pl.ds(0, Tz), pl.ds(j * zero_cols, zero_cols)), jnp.zeros((Tz, zero_cols), F32),
                mask=(r < To) & (col < Ho))
 
-    e, first, member, _, _ = _slot_tokens(ids_ref, s, c, T=T, k=k)
+    e, first, member, _, _, is_e, q = _slot_tokens(ids_ref, s, c, T=T, k=k)
+    use_fma = jnp.sum(is_e.astype(jnp.int32)) <= fma.tokens
+    _GATE, _LIN = jnp.int32(0), jnp.int32(1)
+    # gate_up rows viewed as [I, 2]: row 2i (gate i) = [i, 0], row 2i + 1 (linear i) = [i, 1]
+    u = j * BI + lax.broadcasted_iota(jnp.int32, (BI,), 0)
+    i_ok = u < I
+    row_sets = [(pl.ds(j * BI, BI), _GATE), (pl.ds(j * BI, BI), _LIN)]
 
-    @pl.when(first & (jnp.sum(member.astype(jnp.int32)) > 0))
-    def _compute():
-        _GATE, _LIN = jnp.int32(0), jnp.int32(1)
-        # gate_up rows viewed as [I, 2]: row 2i (gate i) = [i, 0], row 2i + 1 (linear i) = [i, 1]
-        i_ok = j * BI + lax.broadcasted_iota(jnp.int32, (BI,), 0) < I
-        kw = dict(K=H, BG=BG, decode=decode, x_rows=T, depth=depth, perm=perm)
-        hg, hl = _expert_rows(x_ref, (), wq_ref, sc_ref, e, [(pl.ds(j * BI, BI), _GATE), (pl.ds(j * BI, BI), _LIN)],
-                              i_ok, c, **kw)
-        hg, hl = hg * _UNSCALE, hl * _UNSCALE
-        bg = _load(b_ref, (e, pl.ds(j * BI, BI), _GATE), mask=i_ok, other=0).astype(F32)
-        bl = _load(b_ref, (e, pl.ds(j * BI, BI), _LIN), mask=i_ok, other=0).astype(F32)
-        gate = jnp.minimum(hg + bg[:, None], limit)
-        lin = jnp.clip(hl + bl[:, None], -limit, limit)
-        act = gate * (1.0 / (1.0 + jnp.exp(-alpha * gate))) * (lin + 1.0)  # [BI, 16]
-        mask = jnp.broadcast_to(i_ok[None, :], (TOKEN_TILE, BI))
-        _store(act_ref, (s, pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(j * BI, BI)),
-                 act.T.astype(act_ref.dtype), mask=mask)
+    def bias(col):
+        return _load(b_ref, (e, pl.ds(j * BI, BI), col), mask=i_ok, other=0).astype(F32)
+
+    if T > fma.tokens:  # else every expert has few enough tokens for the FMA path
+        @pl.when(first & ~use_fma & (jnp.sum(member.astype(jnp.int32)) > 0))
+        def _mma():
+            hg, hl = _expert_rows(x_ref, (), wq_ref, sc_ref, e, row_sets, i_ok, c, K=H, BG=BG, decode=decode,
+                                  x_rows=T, depth=depth, perm=perm)
+            act = _swiglu(hg * _UNSCALE, hl * _UNSCALE, bias(_GATE)[:, None], bias(_LIN)[:, None], limit, alpha)
+            mask = jnp.broadcast_to(i_ok[None, :], (TOKEN_TILE, BI))
+            _store(act_ref, (s, pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(j * BI, BI)),
+                   act.T.astype(act_ref.dtype), mask=mask)
+
+    if not fma.tokens:
+        return
+
+    @pl.when(first & use_fma & (c == 0))
+    def _fma():
+        toks = [pair // k for pair, _ in _first_pairs(is_e, q, fma.tokens)]
+        hg, hl = _fma_rows(xp_ref, (), toks, wq_ref, sc_ref, e, row_sets, i_ok, K=H, BG=fma.groups,
+                           decoder=fma.decoder, depth=depth)
+        # act column i at [g, i % 8, (i % 32) // 8] of kernel 2's activations (i = 32g + 8q + p)
+        pos = (u // BLOCK) * BLOCK + (u % 8) * 4 + (u % BLOCK) // 8
+        bg, bl = bias(_GATE), bias(_LIN)
+        for r in range(fma.tokens):
+            act = _swiglu(hg[r], hl[r], bg, bl, limit, alpha).astype(act_ref.dtype).astype(F32)
+            _store(actf_ref, (s, jnp.int32(r), pos), act * fma.prescale, mask=i_ok)
 
 
-def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H, I, BN, BG, decode,
-                 interpret, depth, perm):
+def _down_kernel(ids_ref, w_ref, act_ref, actf_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H, I, BN,
+                 BG, decode, interpret, depth, perm, fma):
     del out_in_ref  # aliased with out_ref
     s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    e, first, member, eq, idx = _slot_tokens(ids_ref, s, c, T=T, k=k)
+    e, first, member, eq, idx, is_e, q = _slot_tokens(ids_ref, s, c, T=T, k=k)
+    use_fma = jnp.sum(is_e.astype(jnp.int32)) <= fma.tokens
+    cols = j * BN + lax.broadcasted_iota(jnp.int32, (BN,), 0)
+    n_ok = cols < H
+    b = _load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
 
-    @pl.when(first & (jnp.sum(member.astype(jnp.int32)) > 0))
-    def _compute():
-        n_ok = j * BN + lax.broadcasted_iota(jnp.int32, (BN,), 0) < H
-        [y] = _expert_rows(act_ref, (s,), wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, c, K=I, BG=BG,
-                           decode=decode, x_rows=act_ref.shape[1], depth=depth, perm=perm)
-        y = y * _UNSCALE
-        b = _load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
-        wt = _load(w_ref, idx, mask=eq, other=0.0)
-        wtok = jnp.sum(jnp.where(eq, wt, 0.0), axis=1)  # [16] routing weight of this expert per token
-        val = (y + b[:, None]) * wtok[None, :]  # [BN, 16]
-        rows = c * TOKEN_TILE + lax.broadcasted_iota(jnp.int32, (BN, TOKEN_TILE), 1)
-        cols = j * BN + lax.broadcasted_iota(jnp.int32, (BN, TOKEN_TILE), 0)
-        if interpret:  # the interpreter's atomics take no mask; out is padded so every index is valid
-            plgpu.atomic_add(out_ref, (rows, cols), jnp.where(member[None, :], val, 0.0))
-        else:
-            plgpu.atomic_add(out_ref, (rows, cols), val, mask=member[None, :] & n_ok[:, None])
+    if T > fma.tokens:  # else every expert has few enough tokens for the FMA path
+        @pl.when(first & ~use_fma & (jnp.sum(member.astype(jnp.int32)) > 0))
+        def _mma():
+            [y] = _expert_rows(act_ref, (s,), wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, c, K=I, BG=BG,
+                               decode=decode, x_rows=act_ref.shape[1], depth=depth, perm=perm)
+            wt = _load(w_ref, idx, mask=eq, other=0.0)
+            wtok = jnp.sum(jnp.where(eq, wt, 0.0), axis=1)  # [16] routing weight of this expert per token
+            val = (y * _UNSCALE + b[:, None]) * wtok[None, :]  # [BN, 16]
+            rows = c * TOKEN_TILE + lax.broadcasted_iota(jnp.int32, (BN, TOKEN_TILE), 1)
+            mask = member[None, :] & n_ok[:, None]
+            _combine(out_ref, rows, jnp.broadcast_to(cols[:, None], rows.shape), val, mask, interpret)
+
+    if not fma.tokens:
+        return
+
+    @pl.when(first & use_fma & (c == 0))
+    def _fma():
+        [ys] = _fma_rows(actf_ref, (s,), [jnp.int32(r) for r in range(fma.tokens)], wq_ref, sc_ref, e,
+                         [(pl.ds(j * BN, BN),)], n_ok, K=I, BG=fma.groups, decoder=fma.decoder, depth=depth)
+        for (pair, valid), y in zip(_first_pairs(is_e, q, fma.tokens), ys):
+            val = (y + b) * w_ref[pair]
+            _combine(out_ref, jnp.broadcast_to(pair // k, (BN,)), cols, val, n_ok & valid, interpret)
+
+
+def _combine(out_ref, rows, cols, val, mask, interpret):
+    """out[rows, cols] += val where mask (f32 atomics)."""
+    if interpret:  # the interpreter's atomics take no mask; out is padded so every index is valid
+        plgpu.atomic_add(out_ref, (rows, cols), jnp.where(mask, val, 0.0))
+    else:
+        plgpu.atomic_add(out_ref, (rows, cols), val, mask=mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fma:
+    tokens: int  # experts chosen by at most this many tokens take the FMA path
+    groups: int
+    decoder: str
+    prescale: float  # the activations' factor 2^pre
 
 
 def _as_words(blocks):
@@ -384,58 +556,69 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
             or tuple(down_blocks.shape) != (E, H, G2, 16) or tuple(ids.shape) != tuple(weights.shape)):
         raise ValueError(f"mxfp4_moe: shapes x {x.shape}, ids {ids.shape}, weights {weights.shape}, gate_up "
                          f"{gate_up_blocks.shape}, down {down_blocks.shape} do not fit together")
-    for bsz in (cfg.block_i, cfg.block_h, cfg.groups):
+    for bsz in (cfg.block_i, cfg.block_h, cfg.groups, cfg.fma_groups):
         if bsz != _pow2(bsz):
             raise ValueError(f"mxfp4_moe: tile sizes must be powers of two, got {cfg}")
-    if cfg.prefetch < 1:
-        raise ValueError(f"mxfp4_moe: prefetch must be >= 1, got {cfg}")
+    if cfg.prefetch < 1 or cfg.fma_tokens < 0:
+        raise ValueError(f"mxfp4_moe: prefetch must be >= 1 and fma_tokens >= 0, got {cfg}")
     if cfg.layout not in ("interleave", "perm") or (cfg.layout == "perm" and cfg.groups < 4):
         raise ValueError(f"mxfp4_moe: layout must be 'interleave' or 'perm' (perm: groups >= 4), got {cfg}")
     perm = cfg.layout == "perm"
     if cfg.decode not in _DECODERS:
         raise ValueError(f"mxfp4_moe: decode {cfg.decode!r}, expected one of {sorted(_DECODERS)}")
     decode = _decode_f16 if interpret else _DECODERS[cfg.decode]
+    fma_dec = "f16" if interpret or cfg.decode == "f16" else "bits" if cfg.decode == "bits" else "ptx"
+    fma = _Fma(tokens=min(cfg.fma_tokens, T), groups=cfg.fma_groups, decoder=fma_dec,
+               prescale=float(2.0 ** _FMA_DECODERS[fma_dec][2]))
     P, Pp = T * k, _pow2(T * k)
     nc = -(-T // TOKEN_TILE)
     Tp = nc * TOKEN_TILE
     BI, BN, BG = cfg.block_i, cfg.block_h, cfg.groups
     nj1, nj2 = -(-I // BI), -(-H // BN)
     Gp1, Gp2 = -(-G1 // BG) * BG, -(-G2 // BG) * BG
+    Gf1, Gf2 = -(-G1 // fma.groups) * fma.groups, -(-G2 // fma.groups) * fma.groups
     zero_cols = _pow2(-(-H // nj1))
     # out: exactly [T, H] on GPU (masked stores and atomics); the interpreter gets every index in bounds
     To, Ho = (max(Tp, _pow2(T)), max(nj2 * BN, nj1 * zero_cols)) if interpret else (T, H)
     Ia = max(Gp2 * BLOCK, nj1 * BI)  # act columns: every K step of kernel 2 and every store of kernel 1 in bounds
     ids_flat = ids.reshape(-1).astype(jnp.int32)
     w_flat = weights.reshape(-1).astype(F32)
+    # the FMA path's activations: x[t, 32g + 8q + i] at [t, g, i, q], times 2^pre
+    xp = (x.astype(F32) * fma.prescale).reshape(T, G1, 4, 8).swapaxes(2, 3)
     # gate_up rows as [I, 2] (gate, linear): free reshapes of the HF layout
     gu_w = _as_words(gate_up_blocks).reshape(E, I, 2, G1, 4)
     gu_s, gu_b = gate_up_scales.reshape(E, I, 2, G1), gate_up_bias.reshape(E, I, 2)
     dn_w, dn_s, dn_b = _as_words(down_blocks), down_scales, down_bias
     if interpret:
+        Gi1, Gi2 = max(Gp1, Gf1), max(Gp2, Gf2)
         ids_flat = _pad(ids_flat, (Pp,), -1)
         x = _pad(x, (Tp, Gp1 * BLOCK))
-        gu_w, gu_s, gu_b = (_pad(gu_w, (E, nj1 * BI, 2, Gp1, 4)), _pad(gu_s, (E, nj1 * BI, 2, Gp1)),
+        xp = _pad(xp, (T, Gf1, 8, 4))
+        gu_w, gu_s, gu_b = (_pad(gu_w, (E, nj1 * BI, 2, Gi1, 4)), _pad(gu_s, (E, nj1 * BI, 2, Gi1)),
                             _pad(gu_b, (E, nj1 * BI, 2)))
-        dn_w, dn_s, dn_b = (_pad(dn_w, (E, nj2 * BN, Gp2, 4)), _pad(dn_s, (E, nj2 * BN, Gp2)),
+        dn_w, dn_s, dn_b = (_pad(dn_w, (E, nj2 * BN, Gi2, 4)), _pad(dn_s, (E, nj2 * BN, Gi2)),
                             _pad(dn_b, (E, nj2 * BN)))
         params = None
     else:
         params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    act, out = pl.pallas_call(
+    Tf = max(fma.tokens, 1)
+    act, actf, out = pl.pallas_call(
         functools.partial(_gate_up_kernel, T=T, k=k, H=H, I=I, BI=BI, BG=BG, limit=float(limit), alpha=float(alpha),
-                          decode=decode, zero_cols=zero_cols, depth=cfg.prefetch, perm=perm),
+                          decode=decode, zero_cols=zero_cols, depth=cfg.prefetch, perm=perm, fma=fma),
         grid=(P, nc, nj1),
-        out_shape=(jax.ShapeDtypeStruct((P, Tp, Ia), x.dtype), jax.ShapeDtypeStruct((To, Ho), F32)),
+        out_shape=(jax.ShapeDtypeStruct((P, Tp, Ia), x.dtype), jax.ShapeDtypeStruct((P, Tf, Gf2 * BLOCK), F32),
+                   jax.ShapeDtypeStruct((To, Ho), F32)),
         compiler_params=params, interpret=interpret, name="mxfp4_moe_gate_up",
-    )(ids_flat, x.reshape(x.shape[0], -1, 8) if perm else x, gu_w, gu_s, gu_b)
+    )(ids_flat, x.reshape(x.shape[0], -1, 8) if perm else x, xp, gu_w, gu_s, gu_b)
     out = pl.pallas_call(
         functools.partial(_down_kernel, T=T, k=k, H=H, I=I, BN=BN, BG=BG, decode=decode, interpret=interpret,
-                          depth=cfg.prefetch, perm=perm),
+                          depth=cfg.prefetch, perm=perm, fma=fma),
         grid=(P, nc, nj2),
         out_shape=jax.ShapeDtypeStruct((To, Ho), F32),
-        input_output_aliases={6: 0},
+        input_output_aliases={7: 0},
         compiler_params=params, interpret=interpret, name="mxfp4_moe_down",
-    )(ids_flat, w_flat, act.reshape(P, Tp, -1, 8) if perm else act, dn_w, dn_s, dn_b, out)
+    )(ids_flat, w_flat, act.reshape(P, Tp, -1, 8) if perm else act, actf.reshape(P, Tf, Gf2, 8, 4), dn_w, dn_s, dn_b,
+      out)
     return out if (To, Ho) == (T, H) else out[:T, :H]
 
 
