@@ -116,36 +116,45 @@ def _pow2(n: int) -> int:
 
 # -- dequantization in registers ----------------------------------------------------------------
 
-def _decode_bits(w, sc):
+def _raw_bits(w, i):
+    """w int32 [...] (8 nibbles per word) -> f32: nibble i as E2M1 * 2^-126 (exact; the magnitude 0.5
+    is an f32 subnormal, so GPU only)."""
+    t = w if i == 7 else lax.shift_left(w, jnp.int32(28 - 4 * i))
+    return lax.bitcast_convert_type(lax.shift_right_arithmetic(t, jnp.int32(6)) & _MASK, F32)
+
+
+def _raw_f16(w, i):
+    """`_raw_bits` through f16: E2M1 * 2^-14, normal in f32 (exact where f32 subnormals flush)."""
+    t = w if i == 7 else lax.shift_left(w, jnp.int32(28 - 4 * i))
+    bits = lax.shift_right_arithmetic(lax.shift_right_arithmetic(t, jnp.int32(3)) & _MASK16, jnp.int32(16))
+    return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16).astype(F32)
+
+
+def _exp2(sc, k):
+    """2^(scale - 127 + k) as f32 for E8M0 scale bytes sc (normal for 1 <= scale + k <= 254)."""
+    return lax.bitcast_convert_type((sc.astype(jnp.int32) + k) << 23, F32)
+
+
+def _scaled_parts(w, sc, raw, unit):
     """w uint32 [R, G, 4] (8 nibbles each, input 8q + i in nibble i), sc uint8 [R, G] -> 8 parts
-    bf16 [R, G * 4] (part i: inputs 8m + i, m = 4g + q) equal to the dequantized weights times 2^-32
-    (exact for scale bytes 35..160). `_interleaved(parts)` is the [R, G * 32] tile in input order."""
+    bf16 [R, G * 4] (part i: inputs 8m + i, m = 4g + q) equal to the dequantized weights times 2^-32;
+    raw(w, i) decodes nibble i in units of 2^unit. `_interleaved(parts)` is the [R, G * 32] tile in
+    input order."""
     R, G, _ = w.shape
     wi = lax.bitcast_convert_type(w, jnp.int32)
-    f = lax.bitcast_convert_type((sc.astype(jnp.int32) + (126 - _SHIFT)) << 23, F32)[:, :, None]  # 2^(s-1-32)
-    vals = []
-    for i in range(8):
-        t = wi if i == 7 else lax.shift_left(wi, jnp.int32(28 - 4 * i))
-        bits = lax.shift_right_arithmetic(t, jnp.int32(6)) & _MASK  # E2M1 * 2^-126 as f32 bits
-        v = lax.bitcast_convert_type(bits, F32) * f
-        vals.append(v.astype(jnp.bfloat16).reshape(R, G * 4))
-    return vals
+    f = _exp2(sc, -unit - _SHIFT)[:, :, None]
+    return [(raw(wi, i) * f).astype(jnp.bfloat16).reshape(R, G * 4) for i in range(8)]
+
+
+def _decode_bits(w, sc):
+    """`_scaled_parts` through `_raw_bits` (exact for scale bytes 35..160; needs f32 subnormals)."""
+    return _scaled_parts(w, sc, _raw_bits, -126)
 
 
 def _decode_f16(w, sc):
-    """`_decode_bits` through f16: the nibble becomes an f16 (E2M1 * 2^-14, subnormal for the two
-    smallest magnitudes), converted exactly to f32. Needs no subnormal f32 arithmetic, so it is
-    exact where f32 subnormals are flushed (XLA:CPU, the interpreter); slower on GPUs."""
-    R, G, _ = w.shape
-    wi = lax.bitcast_convert_type(w, jnp.int32)
-    f = lax.bitcast_convert_type((sc.astype(jnp.int32) + (14 - _SHIFT)) << 23, F32)[:, :, None]  # 2^(s-113-32)
-    vals = []
-    for i in range(8):
-        t = wi if i == 7 else lax.shift_left(wi, jnp.int32(28 - 4 * i))
-        bits = lax.shift_right_arithmetic(lax.shift_right_arithmetic(t, jnp.int32(3)) & _MASK16, jnp.int32(16))
-        h = lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
-        vals.append((h.astype(F32) * f).astype(jnp.bfloat16).reshape(R, G * 4))
-    return vals
+    """`_scaled_parts` through `_raw_f16`: needs no subnormal f32 arithmetic, so it is exact where f32
+    subnormals are flushed (XLA:CPU, the interpreter); slower on GPUs."""
+    return _scaled_parts(w, sc, _raw_f16, -14)
 
 
 # Pair (i, i + 4) of each 32-bit word lands in one bf16x2: nibble i sits at bits 4i..4i+3 and
@@ -320,20 +329,6 @@ def _expert_rows(x_ref, x_lead, wq_ref, sc_ref, e, row_sets, r_ok, c, *, K, BG, 
 
 # -- the FMA path: an expert chosen by few tokens, on the CUDA cores --------------------------------
 
-def _raw_bits(w, i):
-    """w int32 [...] (8 nibbles per word) -> f32: nibble i as E2M1 * 2^-126 (exact; the magnitude 0.5
-    is an f32 subnormal, so GPU only)."""
-    t = w if i == 7 else lax.shift_left(w, jnp.int32(28 - 4 * i))
-    return lax.bitcast_convert_type(lax.shift_right_arithmetic(t, jnp.int32(6)) & _MASK, F32)
-
-
-def _raw_f16(w, i):
-    """`_raw_bits` through f16: E2M1 * 2^-14, normal in f32 (exact where f32 subnormals flush)."""
-    t = w if i == 7 else lax.shift_left(w, jnp.int32(28 - 4 * i))
-    bits = lax.shift_right_arithmetic(lax.shift_right_arithmetic(t, jnp.int32(3)) & _MASK16, jnp.int32(16))
-    return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16).astype(F32)
-
-
 def _word_dot_asm() -> str:
     """PTX for $0 = sum_i nibble_i($1) * $(2 + i): `_raw_bits` of each nibble of the word (shift it to
     the top, arithmetic shift right 6, mask) and one fma each, about 3.9 instructions per weight
@@ -397,7 +392,7 @@ def _fma_rows(xp_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG,
         for r, acc_r in enumerate(accs):
             w = lax.bitcast_convert_type(queue[0][2 * r], jnp.int32)  # [n, BG, 4]
             # 2^(scale - 127 - unit - pre): the scale byte, the decoder's unit and the prescale undone
-            f = lax.bitcast_convert_type((queue[0][2 * r + 1].astype(jnp.int32) - (unit + pre)) << 23, F32)
+            f = _exp2(queue[0][2 * r + 1], -(unit + pre))
             if raw is None:
                 prods = [_word_dot(w, xt) for xt in xs]
             else:
