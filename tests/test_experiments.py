@@ -53,11 +53,13 @@ def test_bench_step_writes_json(tmp_path):
 
 def test_bench_and_gates(tmp_path):
     path = tmp_path / "b.json"
-    run("bench.py", "--preset", "tiny", "--scenarios", "gates,sweep,stress", "--sweep_shapes", "tree2x2n4",
-        "--sweep_context", "48", "--iters", "1", "--copy_bytes", "1000000", "--out", str(path))
+    # gates and stress: the sweep / large / single rows go through the same `measure` as the gate rows
+    # (tree shapes through step_timing: test_bench_step_writes_json), so they are left out for time
+    run("bench.py", "--preset", "tiny", "--scenarios", "gates,stress", "--iters", "1", "--copy_bytes", "1000000",
+        "--out", str(path))
     r = json.loads(path.read_text())
     names = [x["name"] for x in r["scenarios"]]
-    assert names.count("sweep") == 1 and "single-32k" in names and "batch4-16k" in names and "stress" in names
+    assert names == ["single-32k", "batch4-16k", "stress"]
     gate = next(x for x in r["scenarios"] if x["name"] == "single-32k")
     assert set(gate["step_seconds"]) == {"step", "draft", "verify", "accept_rewind", "extend"}
     assert gate["bytes"]["step"] > gate["bytes"]["baseline"] > 0 and "3.22" in gate["projected_speedup"]
