@@ -499,7 +499,7 @@ def bench_attention():
                      f"{100 * best['kernel_roofline_fraction']:6.1f} {best['seconds'] * 1e6:8.1f} "
                      f"{best.get('sdpa_s', float('nan')) * 1e6:8.1f} {best.get('flex_s', float('nan')) * 1e6:8.1f} "
                      f"{best.get('rel_err', float('nan')):8.1e}  ns={c['num_splits']} bk={c['block_k']} "
-                     f"rb={c['block_rows']} w={c['num_warps']} st={c['num_stages']} {c.get('merge', '')}")
+                     f"rb={c['block_rows']} w={c['num_warps']} st={c['num_stages']}")
         print(table[-1], flush=True)
         return best
 
@@ -511,8 +511,7 @@ def bench_attention():
                     base = attention_config(B, Nq, Hq, Hkv, D, L + 64, None)
                     ns = base.num_splits
                     configs = [None, dict(num_splits=max(1, ns // 2)), dict(num_splits=2 * ns),
-                               dict(num_stages=4), dict(merge="rows"), dict(merge="rows", num_splits=2 * ns),
-                               dict(merge="rows", num_splits=4 * ns)]
+                               dict(num_stages=4)]
                     if base.block_rows <= 64:
                         configs += [dict(block_k=128)]
                     else:

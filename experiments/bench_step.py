@@ -28,6 +28,7 @@ flags.DEFINE_list("batch", ["1", "4"], "batch sizes")
 flags.DEFINE_integer("context", 2048, "committed tokens per sequence")
 flags.DEFINE_list("shapes", ["chain3", "tree3x4n8"], "chainK or treeDxKnN")
 flags.DEFINE_integer("iters", 10, "steps per timed loop")
+flags.DEFINE_bool("profile", True, "also record each timing's device kernel seconds by kernel family (GPU)")
 flags.DEFINE_string("preset", None, "use this GptOssConfig preset instead (e.g. tiny, for a smoke run)")
 flags.DEFINE_string("out", None, "JSON output path")
 FLAGS = flags.FLAGS
@@ -42,17 +43,37 @@ def models():
     return random_pair(tcfg)
 
 
+def kernel_diff(kernels):
+    """Per kernel family: step minus the sum over its parts, seconds per step (launches: count);
+    also the step's wall time not covered by its kernels is in the row's seconds vs kernel totals."""
+    fams = set().union(*kernels.values())
+    parts = {f: sum(v.get(f, 0.0) for k, v in kernels.items() if k != "step") for f in fams}
+    diff = {f: kernels["step"].get(f, 0.0) - parts[f] for f in fams}
+    totals = {k: sum(x for f, x in v.items() if f != "launches") for k, v in kernels.items()}
+    return dict(by_family=dict(sorted(diff.items(), key=lambda kv: -abs(kv[1]))),
+                kernel_seconds_step=totals["step"],
+                kernel_seconds_parts=sum(x for k, x in totals.items() if k != "step"))
+
+
 def main(argv):
     del argv
     target, draft = models()
     rows = []
     for B in map(int, FLAGS.batch):
         for name in FLAGS.shapes:
-            r = time_step(target, draft, B, parse_shape(name), FLAGS.context, FLAGS.iters)
+            r = time_step(target, draft, B, parse_shape(name), FLAGS.context, FLAGS.iters, profile=FLAGS.profile)
+            if r.get("kernels", {}).get("step"):
+                r["kernel_diff"] = kernel_diff(r["kernels"])
             rows.append(r)
             print(f"B={B} {name}: step {r['seconds']['step'] * 1e3:.3f} ms, parts {r['sum_of_parts'] * 1e3:.3f} ms, "
                   f"ratio {r['step_over_parts']:.3f}  " +
                   " ".join(f"{k}={v * 1e3:.3f}" for k, v in r["seconds"].items() if k != "step"), flush=True)
+            if "kernel_diff" in r:
+                kd = r["kernel_diff"]
+                print(f"  kernel time: step {kd['kernel_seconds_step'] * 1e3:.3f} ms, parts {kd['kernel_seconds_parts'] * 1e3:.3f}"
+                      " ms; step - parts by family: " + " ".join(
+                          f"{f}={v * 1e6:+.1f}us" if f != "launches" else f"launches={v:+.0f}"
+                          for f, v in list(kd["by_family"].items())[:10]), flush=True)
     rng = np.random.default_rng(0)
     V = target.config.vocab_size
     prompts = [rng.integers(0, V, 40).tolist(), rng.integers(0, V, 25).tolist()]

@@ -3,7 +3,9 @@
 Every timing runs its work `iters` times inside one jitted `fori_loop` with the caches carried
 (donated, updated in place) as decode's `while_loop` does, parameters passed as arguments. Parts:
 draft (tree + mask), verify (target over the N nodes), accept, rewind (trees only), extend (draft
-over the accepted tokens). Caches hold noise; the context is `ctx` committed tokens.
+over the accepted tokens). Caches hold noise; the context is `ctx` committed tokens. Verify
+(the target over the N nodes and the argmax at every node) runs over the step's own sequence of
+trees, recorded beforehand, so that its MoE routing is the step's; accept is the accept kernel.
 """
 
 import time
@@ -20,6 +22,8 @@ from eagle3_jax.pallas.tree_mask import tree_mask
 from eagle3_jax.spec import step as spec_step
 from eagle3_jax.spec.tree import draft_tree
 
+import timing
+
 
 def parse_shape(s):
     """'chain3' or 'tree3x4n8' (depth x topk, n nodes incl. the root) -> dict(depth, topk, num_nodes)."""
@@ -31,9 +35,11 @@ def parse_shape(s):
     return dict(depth=int(d), topk=int(k), num_nodes=int(n))
 
 
-def loop_time(graphdef, params, fn, carry, iters):
+def loop_time(graphdef, params, fn, carry, iters, profile=False):
     """Seconds per iteration of `carry = fn(models, carry)` run `iters` times in one jitted
-    fori_loop (parameters passed as arguments, the carry donated so caches update in place)."""
+    fori_loop (parameters passed as arguments, the carry donated so caches update in place).
+    With `profile`, also the device kernel seconds per iteration by kernel family
+    (`timing.kernel_group`, plus "launches": kernels per iteration); else {}."""
     def run(params, c):
         m = nnx.merge(graphdef, params)
         return jax.lax.fori_loop(0, iters, lambda i, c: fn(m, c), c)
@@ -46,7 +52,21 @@ def loop_time(graphdef, params, fn, carry, iters):
         t0 = time.perf_counter()
         carry = jax.block_until_ready(run(params, carry))
         best = min(best, time.perf_counter() - t0)
-    return best / iters
+    groups = {}
+    if profile:
+        box = [carry]
+
+        def again():
+            box[0] = run(params, box[0])
+            return box[0]
+
+        recs = timing.kernel_records(again, repeats=1)
+        for name, _, dur in recs:
+            g = timing.kernel_group(name)
+            groups[g] = groups.get(g, 0.0) + dur * 1e-9 / iters
+        if recs:
+            groups["launches"] = len(recs) / iters
+    return best / iters, groups
 
 
 def once(graphdef, params, fn, *args):
@@ -55,9 +75,10 @@ def once(graphdef, params, fn, *args):
     return jax.jit(lambda p, *a: fn(nnx.merge(graphdef, p), *a))(params, *args)
 
 
-def time_step(target, draft, B, shape, ctx, iters=10, parts=True):
+def time_step(target, draft, B, shape, ctx, iters=10, parts=True, profile=False):
     """Seconds of one speculative step over B sequences at context `ctx` (caches filled with noise),
-    and with `parts` each part alone: draft, verify, accept, rewind (trees), extend."""
+    and with `parts` each part alone: draft, verify, accept, rewind (trees), extend. With `profile`,
+    the result's "kernels" holds each one's device kernel seconds per iteration by kernel family."""
     depth, topk, N = shape["depth"], shape["topk"], shape["num_nodes"]
     cap = ctx + 2 * N + depth + 8
     fids = draft.config.feature_layers
@@ -69,15 +90,18 @@ def time_step(target, draft, B, shape, ctx, iters=10, parts=True):
              h_root=jax.random.normal(key, (B, draft.config.hidden_size), draft.dtype))
     L = s["lengths"]
     kw = dict(depth=depth, topk=topk, num_nodes=N, feature_ids=fids, greedy=True, temperature=1.0, key=key)
-    times = {}
+    times, kernels = {}, {}
+
+    def timed(name, fn, carry):
+        times[name], kernels[name] = loop_time(graphdef, params, fn, carry, iters, profile)
 
     def full(m, st):  # lengths stay put so every iteration sees the same context
         new, *_ = spec_step.step(*m, st, **kw)
         return dict(st, tcache=new["tcache"], dcache=new["dcache"], root=new["root"], h_root=new["h_root"])
 
-    times["step"] = loop_time(graphdef, params, full, s, iters)
+    timed("step", full, s)
     if not parts:
-        return dict(batch=B, context=ctx, **shape, seconds=times)
+        return dict(batch=B, context=ctx, **shape, seconds=times, **({"kernels": kernels} if profile else {}))
 
     def make_tree(m, c):
         return draft_tree(m[1], c["dcache"], L, c["root"], c["h_root"], depth=depth, topk=topk, num_nodes=N)
@@ -87,36 +111,44 @@ def time_step(target, draft, B, shape, ctx, iters=10, parts=True):
         bits, _, positions, _, _ = tree_mask(parents, L)
         return dict(c, root=tokens[:, -1] + positions[:, -1] + bits[:, -1, 0].astype(jnp.int32))
 
-    times["draft"] = loop_time(graphdef, params, part_draft,
-                               dict(dcache=s["dcache"], root=s["root"], h_root=s["h_root"]), iters)
-    tokens, parents = once(graphdef, params, make_tree, s)
-    mask, _, positions, _, _ = tree_mask(parents, L)
+    timed("draft", part_draft, dict(dcache=s["dcache"], root=s["root"], h_root=s["h_root"]))
+    # verify sees the step's own sequence of trees (the MoE kernel's time depends on the routing)
+    def step_trees(m, st):
+        def body(c, _):
+            return full(m, c), make_tree(m, c)
+        return jax.lax.scan(body, st, None, length=iters)[1]
 
-    def verify(m, tcache, toks):
-        return gpt_oss.step(m[0], tcache, toks, positions, L, mask, fids)
+    all_tokens, all_parents = once(graphdef, params, step_trees, s)  # [iters, B, N]
+    masks = [tree_mask(all_parents[i], L) for i in range(iters)]
+    all_mask = jnp.stack([t[0] for t in masks])
+    all_pos = jnp.stack([t[2] for t in masks])
 
-    def part_verify(m, c):
-        logits, feats, tc = verify(m, c["tcache"], c["tokens"])
-        return dict(tcache=tc, tokens=c["tokens"] + (jnp.argmax(logits[:, :1], -1) * 0).astype(jnp.int32))
+    def part_verify(m, c):  # the target over the N nodes and its greedy choice at every node
+        i = c["i"] % iters
+        logits, feats, tc = gpt_oss.step(m[0], c["tcache"], all_tokens[i], all_pos[i], L, all_mask[i], fids)
+        choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        used = jnp.sum(choice, -1) + (feats[:, 0, 0] > 1e30)  # so that no output is dead code
+        return dict(tcache=tc, i=c["i"] + 1, used=c["used"] + used)
 
-    logits, feats, _ = once(graphdef, params, lambda m, tc: verify(m, tc, tokens), s["tcache"])
-    times["verify"] = loop_time(graphdef, params, part_verify, dict(tcache=s["tcache"], tokens=tokens), iters)
+    timed("verify", part_verify, dict(tcache=s["tcache"], i=jnp.int32(0), used=jnp.zeros((B,), jnp.int32)))
+    tokens, parents, mask, positions = all_tokens[0], all_parents[0], all_mask[0], all_pos[0]
+    logits, feats, _ = once(graphdef, params, lambda m, tc: gpt_oss.step(m[0], tc, tokens, positions, L, mask, fids),
+                            s["tcache"])
+    choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def part_accept(m, c):
-        choice = jnp.argmax(c["logits"], axis=-1).astype(jnp.int32)
-        acc, path, bonus = accept_greedy(tokens, parents, choice, max_depth=depth)
-        return dict(logits=c["logits"], acc=c["acc"] + acc + path[:, 0] + bonus * 0)
+        acc, path, bonus = accept_greedy(tokens, parents, c["choice"], max_depth=depth)
+        return dict(choice=c["choice"], acc=c["acc"] + acc + path[:, 0] + bonus)
 
-    times["accept"] = loop_time(graphdef, params, part_accept, dict(logits=logits, acc=jnp.zeros((B,), jnp.int32)),
-                                iters)
-    acc, path, bonus = accept_greedy(tokens, parents, jnp.argmax(logits, -1).astype(jnp.int32), max_depth=depth)
+    timed("accept", part_accept, dict(choice=choice, acc=jnp.zeros((B,), jnp.int32)))
+    acc, path, bonus = accept_greedy(tokens, parents, choice, max_depth=depth)
     path = jnp.maximum(path, 0)
     if topk > 1:
         def part_rewind(m, c):
             k, v = kv_rewind(c["tcache"].k, c["tcache"].v, L, path, acc)
             return dict(tcache=kvc.KVCache(k=tuple(k), v=tuple(v)))
 
-        times["rewind"] = loop_time(graphdef, params, part_rewind, dict(tcache=s["tcache"]), iters)
+        timed("rewind", part_rewind, dict(tcache=s["tcache"]))
     W = depth + 1
     f = jnp.take_along_axis(feats, path[:, :, None], axis=1)
     nxt = jnp.take_along_axis(tokens, jnp.minimum(path, N - 1), axis=1)[:, :W]
@@ -126,9 +158,12 @@ def time_step(target, draft, B, shape, ctx, iters=10, parts=True):
         h, dc = eagle3.layer(d, nxt, eagle3.project(d, f), L[:, None] + jnp.arange(W)[None], L, None, c["dcache"])
         return dict(dcache=dc, h=c["h"] + h[:, 0])
 
-    times["extend"] = loop_time(graphdef, params, part_extend, dict(dcache=s["dcache"], h=s["h_root"]), iters)
+    timed("extend", part_extend, dict(dcache=s["dcache"], h=s["h_root"]))
     parts = sum(v for k, v in times.items() if k != "step")
-    return dict(batch=B, context=ctx, **shape, seconds=times, sum_of_parts=parts, step_over_parts=times["step"] / parts)
+    out = dict(batch=B, context=ctx, **shape, seconds=times, sum_of_parts=parts, step_over_parts=times["step"] / parts)
+    if profile:
+        out["kernels"] = kernels
+    return out
 
 
 def time_baseline(target, B, ctx, iters=10):
@@ -143,7 +178,7 @@ def time_baseline(target, B, ctx, iters=10):
         logits, _, tc = gpt_oss.step(m, c["cache"], c["tok"][:, None], L[:, None], L)
         return dict(cache=tc, tok=jnp.argmax(logits[:, 0], -1).astype(jnp.int32))
 
-    return loop_time(graphdef, params, one, dict(cache=cache, tok=jnp.zeros((B,), jnp.int32)), iters)
+    return loop_time(graphdef, params, one, dict(cache=cache, tok=jnp.zeros((B,), jnp.int32)), iters)[0]
 
 
 def random_pair(tcfg):

@@ -8,6 +8,7 @@ a large device-to-device copy measured in the same process: the denominator of e
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 
@@ -62,38 +63,57 @@ def time_calls(fn, arg_sets, *, repeats: int = 5, warmup: int = 2) -> float:
     return time_fn(many, list(arg_sets), calls=3, repeats=repeats, warmup=warmup) / n
 
 
+def kernel_records(thunk, repeats: int = 3) -> list[tuple[str, int, int]]:
+    """(name, start_ns, duration_ns) of every device kernel and device-side copy (MemcpyD2D, ...) run
+    by `repeats` calls of `thunk()` (blocked on each), from the profiler's CUPTI records; [] where
+    none exist (CPU). Call `thunk` once beforehand so that compilation stays out of the trace."""
+    from jax._src.lib import _profiler
+    from jax.profiler import ProfileData
+
+    sess = _profiler.ProfilerSession()
+    for _ in range(repeats):
+        jax.block_until_ready(thunk())
+    xspace = sess.stop()
+    out = []
+    for plane in ProfileData.from_serialized_xspace(xspace).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "stream" not in line.name.lower():
+                continue
+            out.extend((e.name, e.start_ns, e.duration_ns) for e in line.events)
+    return out
+
+
+def kernel_group(name: str) -> str:
+    """A kernel's family: cuBLAS/cuDNN GEMMs -> "gemm", XLA fusions without their numeric suffix
+    ("loop_fusion_12" -> "loop_fusion"), Pallas kernels by their name."""
+    low = name.lower()
+    if any(t in low for t in ("gemm", "nvjet", "cutlass", "xmma", "cublas")):
+        return "gemm"
+    if low.startswith(("memcpy", "memset")):
+        return name
+    return re.sub(r"(_\d+)+$", "", name.split(".")[0])
+
+
 def profile_calls(fn, arg_sets, *, repeats: int = 3) -> dict:
     """Device kernel time per call of `fn` from the profiler (CUPTI kernel records), same program
     as `time_calls`. Returns {"kernel_seconds": summed kernel time per call, "kernels": {name:
     seconds per call}, "span_seconds": first kernel start to last kernel end per call (launch gaps
     included, host gaps between the `repeats` programs excluded)}; {} where no device records exist
     (CPU)."""
-    from jax._src.lib import _profiler
-    from jax.profiler import ProfileData
-
     n = len(arg_sets)
     many = jax.jit(lambda sets: [fn(*a) for a in sets])
     sets = list(arg_sets)
     jax.block_until_ready(many(sets))
-    sess = _profiler.ProfilerSession()
-    spans = []
-    for _ in range(repeats):
-        jax.block_until_ready(many(sets))
-    xspace = sess.stop()
-    kernels, total, starts, ends = {}, 0.0, [], []
-    for plane in ProfileData.from_serialized_xspace(xspace).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if "stream" not in line.name.lower() or "memcpy" in line.name.lower():
-                continue
-            for e in line.events:
-                kernels[e.name] = kernels.get(e.name, 0.0) + e.duration_ns * 1e-9
-                total += e.duration_ns * 1e-9
-                starts.append(e.start_ns)
-                ends.append(e.start_ns + e.duration_ns)
-    if not kernels:
+    recs = kernel_records(lambda: many(sets), repeats)
+    if not recs:
         return {}
+    kernels, spans = {}, []
+    for name, _, dur in recs:
+        kernels[name] = kernels.get(name, 0.0) + dur * 1e-9
+    starts = [r[1] for r in recs]
+    ends = [r[1] + r[2] for r in recs]
     # spans: split the records into the `repeats` programs by the largest gaps between kernels
     order = sorted(range(len(starts)), key=lambda i: starts[i])
     gaps = sorted(((starts[order[j + 1]] - ends[order[j]], j) for j in range(len(order) - 1)), reverse=True)
@@ -104,7 +124,7 @@ def profile_calls(fn, arg_sets, *, repeats: int = 3) -> dict:
         spans.append((max(ends[i] for i in idx) - min(starts[i] for i in idx)) * 1e-9)
         lo = c + 1
     per = n * repeats
-    return dict(kernel_seconds=total / per, span_seconds=float(sorted(spans)[len(spans) // 2]) / n,
+    return dict(kernel_seconds=sum(kernels.values()) / per, span_seconds=float(sorted(spans)[len(spans) // 2]) / n,
                 kernels={k: v / per for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:6]})
 
 

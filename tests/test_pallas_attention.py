@@ -67,11 +67,11 @@ def rel_err(a, b):
 CPU_CASES = [
     # id, B, Nq, Hq, Hkv, D, S, kind, window, overrides, lengths
     ("decode_splitk_len0", 2, 1, 8, 2, 16, 150, "causal", None, dict(num_splits=3, block_k=16), [0, 130]),
-    ("tree_siblings_N40", 2, 40, 8, 2, 16, 200, "tree", None, dict(num_splits=2, block_k=32, block_new=16, merge="rows"), None),
+    ("tree_siblings_N40", 2, 40, 8, 2, 16, 200, "tree", None, dict(num_splits=2, block_k=32, block_new=16), None),
     ("window_tree_default_config", 3, 12, 8, 2, 16, 200, "tree", 8, {}, [0, 5, 170]),
     ("causal_chunk_window", 2, 37, 4, 2, 16, 120, "causal", 8, dict(block_rows=32, block_new=16, block_k=16), None),
     ("causal_chunk_full_splitk", 1, 50, 2, 1, 16, 90, "causal", None, dict(block_rows=32, block_new=16, num_splits=2), [30]),
-    ("random_mask_N33_D24_mha", 1, 33, 2, 2, 24, 64, "random_mask", None, dict(num_splits=3, block_k=16, merge="rows"), None),
+    ("random_mask_N33_D24_mha", 1, 33, 2, 2, 24, 64, "random_mask", None, dict(num_splits=3, block_k=16), None),
 ]
 
 
@@ -121,7 +121,7 @@ GPU_CASES = [
     (1, 256, "causal", None, 2048, [1024]),
     (2, 256, "causal", 128, 2048, [0, 1500]),
 ]
-GPU_OVERRIDES = [{}, dict(merge="rows"), dict(merge="rows", num_splits=7)]
+GPU_OVERRIDES = [dict(num_splits=7), dict(num_splits=40, block_k=32)]
 
 
 @pytest.mark.gpu
@@ -136,9 +136,9 @@ def test_kernel_matches_reference_gpu(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ov", GPU_OVERRIDES[1:], ids=["rows", "rows_ns7"])
+@pytest.mark.parametrize("ov", GPU_OVERRIDES, ids=["ns7", "ns40_bk32"])
 @pytest.mark.parametrize("case", GPU_CASES[:4], ids=lambda c: f"B{c[0]}_Nq{c[1]}")
-def test_merge_variants_gpu(case, ov):
+def test_split_counts_gpu(case, ov):
     B, Nq, kind, window, S, lengths = case
     args = make_inputs(zlib.crc32(repr(case).encode()), B, Nq, 64, 8, 64, S, kind=kind, lengths=lengths)
     kw = dict(window=window, scale=0.125)

@@ -119,10 +119,11 @@ def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache
         kc = vc = jnp.zeros((B, Hkv, 0, D), k.dtype)
     else:
         kc, vc = cache.k[0], cache.v[0]
+    kc, vc = kvc.write_before_read(kc, vc, k, v, lengths)
     o = attention(q, k, v, kc, vc, lengths, positions, mask, jnp.full((Hq,), NO_SINK, F32),
                   window=c.sliding_window, scale=D ** -0.5)
     if cache is not None:
-        cache = kvc.KVCache(k=(kvc.write(kc, k, lengths),), v=(kvc.write(vc, v, lengths),))
+        cache = kvc.KVCache(k=(kc,), v=(vc,))
     return layer_outputs(draft, residual, o), cache
 
 

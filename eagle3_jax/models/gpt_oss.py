@@ -69,15 +69,17 @@ class Attention(nnx.Module):
         return y if b is None else y + b[...]
 
     def __call__(self, x, cos, sin, k_cache, v_cache, lengths, positions, mask):
-        """x [B, T, H] -> (out [B, T, H], k [B, T, Hkv, D], v [B, T, Hkv, D]) for the new tokens."""
+        """x [B, T, H] -> (out [B, T, H], k_cache, v_cache with the new tokens' K/V written at slots
+        lengths .. lengths + T - 1; caches of length 0 (no cache) are returned as they are)."""
         B, T, _ = x.shape
         q = self._proj(x, self.wq, self.bq).reshape(B, T, self.num_heads, self.head_dim)
         k = self._proj(x, self.wk, self.bk).reshape(B, T, self.num_kv_heads, self.head_dim)
         v = self._proj(x, self.wv, self.bv).reshape(B, T, self.num_kv_heads, self.head_dim)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        k_cache, v_cache = kvc.write_before_read(k_cache, v_cache, k, v, lengths)
         o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, self.sinks[...],
                       window=self.window, scale=self.head_dim ** -0.5)
-        return self._proj(o.reshape(B, T, -1), self.wo, self.bo), k, v
+        return self._proj(o.reshape(B, T, -1), self.wo, self.bo), k_cache, v_cache
 
 
 class Mxfp4Experts(nnx.Module):
@@ -251,9 +253,10 @@ class Block(nnx.Module):
         self.mlp = MoE(cfg, dtype, rngs)
 
     def __call__(self, x, cos, sin, k_cache, v_cache, lengths, positions, mask):
-        a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths, positions, mask)
+        a, k_cache, v_cache = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths,
+                                             positions, mask)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
 
 
 class GptOss(nnx.Module):
@@ -316,10 +319,9 @@ def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCac
                 kc = vc = empty
             else:
                 kc, vc = cache.k[i], cache.v[i]
-            x, k, v = block(x, cos, sin, kc, vc, lengths, positions, mask)
-            if cache is not None:
-                new_k.append(kvc.write(kc, k, lengths))
-                new_v.append(kvc.write(vc, v, lengths))
+            x, kc, vc = block(x, cos, sin, kc, vc, lengths, positions, mask)
+            new_k.append(kc)
+            new_v.append(vc)
         hidden.append(x)
     feats = jnp.concatenate([hidden[j] for j in feature_ids], axis=-1) if feature_ids else None
     cache = None if cache is None else kvc.KVCache(k=tuple(new_k), v=tuple(new_v))

@@ -128,18 +128,16 @@ class AttnConfig:
     num_splits: int      # split-K ranges over the prefix
     num_warps: int
     num_stages: int
-    merge: str = "serial"  # split-K merge: "serial" (loop over splits; measured) or "rows" (one row a step)
 
 
 def attention_config(batch, nq, hq, hkv, head_dim, cache_len, window, *, num_sms: int = 132,
                      **overrides) -> AttnConfig:
     """Launch parameters; any field can be overridden by keyword.
 
-    Chosen from a sweep on an H200 (experiments/results/kernels_h200.json, JAX 0.11.2, 32K prefix,
-    B in {1, 4}, Nq in {1, 4, 8, 16}; split counts 0.5x/1x/2x, block_k 32-256, warps, stages): 64-key
-    blocks, 3 stages, 4 warps (8 for 128-row blocks), and about 1 program per SM for 128-row blocks or
-    2.2 per SM otherwise, at most 16 splits (the serial merge's cost grows with the splits). The
-    best measured split counts were 16 at B=1 and 9 (4 for Nq=16) at B=4, which this reproduces.
+    From sweeps on an H200 (experiments/results/kernels_h200.json, JAX 0.11.2, 32K prefix, B in
+    {1, 4}, Nq in {1, 4, 8, 16}): 64-key blocks, 3 stages, 4 warps (8 for 128-row blocks), and as
+    many splits as give about 2 programs per SM (4 for blocks of <= 32 rows while each split keeps
+    >= 1024 keys: B=4 Nq=4 ran at 82% of the roofline with 18 splits, 72% with 9).
     """
     G = hq // hkv
     R = nq * G
@@ -149,8 +147,9 @@ def attention_config(batch, nq, hq, hkv, head_dim, cache_len, window, *, num_sms
     block_new = min(64, _pow2(max(16, nq)))
     max_keys = cache_len if window is None else min(cache_len, window)
     programs = batch * hkv * n_rb
-    target = (num_sms * 97) // 100 if RB >= 128 else (num_sms * 218) // 100  # 128 / 287 on 132 SMs
-    want = min(16, max(1, -(-target // programs)))
+    want = 4 * num_sms // programs
+    if RB > 32 or max_keys < 1024 * want:
+        want = 2 * num_sms // programs
     num_splits = max(1, min(want, max_keys // (4 * block_k)))
     cfg = dict(block_rows=RB, block_k=block_k, block_new=block_new, num_splits=num_splits,
                num_warps=4 if RB <= 64 else 8, num_stages=3)
@@ -277,64 +276,30 @@ def _attn_kernel(len_ref, pos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, mask_ref
         o = acc / l[:, None]
         plgpu.store(out_ref.at[b, i_st[:, None], hq_r[:, None], d[None, :]], o.astype(out_ref.dtype),
                     mask=dmask(row_ok))
-    else:
-        o_ref, m_ref, l_ref = outs
-        plgpu.store(o_ref.at[bh, rb, s, pl.ds(0, RB), pl.ds(0, Dp)], acc)
-        plgpu.store(m_ref.at[bh, rb, s, pl.ds(0, RB)], m)
-        plgpu.store(l_ref.at[bh, rb, s, pl.ds(0, RB)], l)
+        return
+    o_ref, m_ref, l_ref = outs
+    plgpu.store(o_ref.at[bh, rb, s, pl.ds(0, RB), pl.ds(0, Dp)], acc)
+    plgpu.store(m_ref.at[bh, rb, s, pl.ds(0, RB)], m)
+    plgpu.store(l_ref.at[bh, rb, s, pl.ds(0, RB)], l)
 
 
-def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, Nq, G, Hkv, D, Dp, RB, NS):
-    f32 = jnp.float32
-    rb, bh = pl.program_id(0), pl.program_id(1)
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, Nq, G, Hkv, D, Dp, RB, NS, NSp):
+    """Split-K merge of one kernel row (query token x group head) per program: all its splits in one
+    [NSp, Dp] tile, weights exp2(m_s - max m), out = sum_s w_s acc_s / sum_s w_s l_s."""
+    r, bh = pl.program_id(0), pl.program_id(1)
     b, h = bh // Hkv, bh % Hkv
-    r = rb * RB + jnp.arange(RB, dtype=jnp.int32)
-    row_ok = r < Nq * G
-    i_st = jnp.where(row_ok, r // G, Nq)
-    hq_r = h * G + r % G
-    d = jnp.arange(Dp, dtype=jnp.int32)
-
-    def step(s, carry):
-        m, l, acc = carry
-        ms = plgpu.load(m_ref.at[bh, rb, s, pl.ds(0, RB)])
-        ls = plgpu.load(l_ref.at[bh, rb, s, pl.ds(0, RB)])
-        os_ = plgpu.load(o_ref.at[bh, rb, s, pl.ds(0, RB), pl.ds(0, Dp)])
-        m_new = jnp.maximum(m, ms)
-        a, w = jnp.exp2(m - m_new), jnp.exp2(ms - m_new)
-        return m_new, l * a + ls * w, acc * a[:, None] + os_ * w[:, None]
-
-    init = (jnp.full((RB,), _M_INIT, f32), jnp.zeros((RB,), f32), jnp.zeros((RB, Dp), f32))
-    m, l, acc = jax.lax.fori_loop(0, NS, step, init)
-    o = acc / l[:, None]
-    mask = jnp.broadcast_to(row_ok[:, None] if Dp == D else row_ok[:, None] & (d < D)[None, :], (RB, Dp))
-    plgpu.store(out_ref.at[b, i_st[:, None], hq_r[:, None], d[None, :]], o.astype(out_ref.dtype), mask=mask)
-
-
-def _merge_rows_kernel(o_ref, m_ref, l_ref, out_ref, *, Nq, G, Hkv, D, Dp, RB, NS, NSp, MR):
-    """Split-K merge, MR kernel rows per program, all splits of a row in one [NSp, Dp] tile (no serial
-    chain of dependent loads over the splits)."""
-    p, bh = pl.program_id(0), pl.program_id(1)
-    b, h = bh // Hkv, bh % Hkv
-    R = Nq * G
+    rb, rr = r // RB, r % RB
     sp = jnp.arange(NSp, dtype=jnp.int32)
     s_ok = sp < NS
     s_c = jnp.minimum(sp, NS - 1)
     d = jnp.arange(Dp, dtype=jnp.int32)
-    for j in range(MR):
-        r = p * MR + j
-        ok = r < R
-        rc = jnp.minimum(r, R - 1)
-        rb, rr = rc // RB, rc % RB
-        m = jnp.where(s_ok, plgpu.load(m_ref.at[bh, rb, s_c, rr]), _M_INIT)
-        lv = jnp.where(s_ok, plgpu.load(l_ref.at[bh, rb, s_c, rr]), 0.0)
-        o = plgpu.load(o_ref.at[bh, rb, s_c[:, None], rr, d[None, :]])
-        w = jnp.where(s_ok, jnp.exp2(m - jnp.max(m)), 0.0)
-        row = jnp.sum(w[:, None] * o, axis=0) / jnp.sum(w * lv)
-        i_st = jnp.where(ok, rc // G, Nq)
-        hq = h * G + rc % G
-        dm = (d < D) & ok
-        plgpu.store(out_ref.at[b, jnp.full((Dp,), i_st, jnp.int32), jnp.full((Dp,), hq, jnp.int32), d],
-                    row.astype(out_ref.dtype), mask=dm)
+    m = jnp.where(s_ok, plgpu.load(m_ref.at[bh, rb, s_c, rr]), _M_INIT)
+    lv = jnp.where(s_ok, plgpu.load(l_ref.at[bh, rb, s_c, rr]), 0.0)
+    o = plgpu.load(o_ref.at[bh, rb, s_c[:, None], rr, d[None, :]])
+    w = jnp.where(s_ok, jnp.exp2(m - jnp.max(m)), 0.0)
+    row = jnp.sum(w[:, None] * o, axis=0) / jnp.sum(w * lv)
+    at = lambda x: jnp.full((Dp,), x, jnp.int32)  # noqa: E731
+    plgpu.store(out_ref.at[b, at(r // G), at(h * G + r % G), d], row.astype(out_ref.dtype), mask=d < D)
 
 
 def attention_pallas(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale,
@@ -366,10 +331,10 @@ def attention_pallas(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
                              BKn=config.block_new, NS=NS, window=window, scale=float(scale), causal=causal)
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     out_final = jax.ShapeDtypeStruct((B, Nq, Hq, D), q.dtype)
+    f32 = jnp.float32
     if NS == 1:
         out_shape = out_final
     else:
-        f32 = jnp.float32
         out_shape = (jax.ShapeDtypeStruct((B * Hkv, n_rb, NS, RB, Dp), f32),
                      jax.ShapeDtypeStruct((B * Hkv, n_rb, NS, RB), f32),
                      jax.ShapeDtypeStruct((B * Hkv, n_rb, NS, RB), f32))
@@ -378,18 +343,9 @@ def attention_pallas(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
         lengths, positions, q, k, v, k_cache, v_cache, mask_arg, sinks)
     if NS == 1:
         return res
-    if config.merge == "rows":
-        MR = 4
-        merge = functools.partial(_merge_rows_kernel, Nq=Nq, G=G, Hkv=Hkv, D=D, Dp=Dp, RB=RB, NS=NS,
-                                  NSp=_pow2(NS), MR=MR)
-        return pl.pallas_call(merge, out_shape=out_final, grid=(-(-R // MR), B * Hkv), interpret=interpret,
-                              compiler_params=plgpu.CompilerParams(num_warps=2, num_stages=1),
-                              name="tree_attention_merge_rows")(*res)
-    if config.merge != "serial":
-        raise ValueError(f"attention: merge must be 'serial' or 'rows', got {config.merge!r}")
-    merge = functools.partial(_merge_kernel, Nq=Nq, G=G, Hkv=Hkv, D=D, Dp=Dp, RB=RB, NS=NS)
-    return pl.pallas_call(merge, out_shape=out_final, grid=(n_rb, B * Hkv), interpret=interpret,
-                          compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+    kmerge = functools.partial(_merge_kernel, Nq=Nq, G=G, Hkv=Hkv, D=D, Dp=Dp, RB=RB, NS=NS, NSp=_pow2(NS))
+    return pl.pallas_call(kmerge, out_shape=out_final, grid=(R, B * Hkv), interpret=interpret,
+                          compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
                           name="tree_attention_merge")(*res)
 
 
