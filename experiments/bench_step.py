@@ -44,8 +44,8 @@ def models():
 
 
 def kernel_diff(kernels):
-    """Per kernel family: step minus the sum over its parts, seconds per step (launches: count);
-    also the step's wall time not covered by its kernels is in the row's seconds vs kernel totals."""
+    """Per kernel family, the step's device seconds minus the sum over its parts (for "launches": the
+    kernel count), largest first; and the summed kernel seconds of the step and of its parts."""
     fams = set().union(*kernels.values())
     parts = {f: sum(v.get(f, 0.0) for k, v in kernels.items() if k != "step") for f in fams}
     diff = {f: kernels["step"].get(f, 0.0) - parts[f] for f in fams}

@@ -10,12 +10,12 @@ the [B, Hkv, S, D] cache, per-sequence lengths, split-K over the prefix with a l
 sliding layers reading only the keys inside the window. `attention` (the model's entry point)
 dispatches to the kernel when the default backend is a GPU, to the reference otherwise.
 
-Measured on an H200 (experiments/results/kernels_h200.json; device kernel time, K/V bytes over the
-copy bandwidth of the same run, 4.02 TB/s): 32K prefix, 64/8 heads, D 64: B=1 Nq=1 29 us (57% of the
-roofline), B=4 Nq=1 73 us (91%), B=4 Nq=8 86 us (77%), B=4 Nq=16 136 us (49%); 128K: B=1 Nq=1 77 us
-(86%), B=4 Nq=1 273 us (98%); sliding layers 4-7 us at 32K and 128K alike. torch in the same run:
-SDPA 45 / 527 / 101 / 1035 us and flex_attention 99 / 293 / 154 / 1257 us for (B, Nq) = (1, 1),
-(1, 16), (4, 1), (4, 16).
+Measured on an H200 (experiments/results/kernels_h200.json; device kernel time incl. the split-K
+merge, K/V bytes over the copy bandwidth of the same run, 4.11 TB/s): 32K prefix, 64/8 heads, D 64:
+B=1 Nq=1/4/8/16: 23.8/26.7/26.9/37.7 us (69/61/61/43% of the roofline); B=4: 68.8/73.9/73.1/112.9 us
+(95/88/89/58%); 128K B=1 Nq=1 69.9 us (94%); sliding layers 4-7 us at 32K and 128K alike. torch in the
+same run: SDPA 77 / 529 / 98 / 1034 us and flex_attention 152 / 288 / 155 / 1243 us for (B, Nq) =
+(1, 1), (1, 16), (4, 1), (4, 16).
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def attention_reference(q, k, v, k_cache, v_cache, lengths, positions, mask, sin
 # prefix length), cut into `num_splits` contiguous ranges (split-K), then the Nq new tokens (in the
 # last split only) under the packed mask / causal order. Online softmax in base 2, float32; the sink
 # is the initial state of split 0 (m = sink, l = 1). With one split the program normalizes and writes
-# the output; otherwise each split writes (acc, m, l) and a small merge kernel combines them with a
-# log-sum-exp merge.
+# the output; otherwise each split writes (acc, m, l) and a merge kernel (one kernel row per program)
+# combines them with a log-sum-exp merge.
 
 _LOG2E = 1.4426950408889634
 _M_INIT = -1e30  # finite "minus infinity" for the running max (masked logits use -inf)
@@ -283,7 +283,7 @@ def _attn_kernel(len_ref, pos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, mask_ref
     plgpu.store(l_ref.at[bh, rb, s, pl.ds(0, RB)], l)
 
 
-def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, Nq, G, Hkv, D, Dp, RB, NS, NSp):
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, G, Hkv, D, Dp, RB, NS, NSp):
     """Split-K merge of one kernel row (query token x group head) per program: all its splits in one
     [NSp, Dp] tile, weights exp2(m_s - max m), out = sum_s w_s acc_s / sum_s w_s l_s."""
     r, bh = pl.program_id(0), pl.program_id(1)
@@ -331,10 +331,10 @@ def attention_pallas(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
                              BKn=config.block_new, NS=NS, window=window, scale=float(scale), causal=causal)
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     out_final = jax.ShapeDtypeStruct((B, Nq, Hq, D), q.dtype)
-    f32 = jnp.float32
     if NS == 1:
         out_shape = out_final
     else:
+        f32 = jnp.float32
         out_shape = (jax.ShapeDtypeStruct((B * Hkv, n_rb, NS, RB, Dp), f32),
                      jax.ShapeDtypeStruct((B * Hkv, n_rb, NS, RB), f32),
                      jax.ShapeDtypeStruct((B * Hkv, n_rb, NS, RB), f32))
@@ -343,8 +343,8 @@ def attention_pallas(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
         lengths, positions, q, k, v, k_cache, v_cache, mask_arg, sinks)
     if NS == 1:
         return res
-    kmerge = functools.partial(_merge_kernel, Nq=Nq, G=G, Hkv=Hkv, D=D, Dp=Dp, RB=RB, NS=NS, NSp=_pow2(NS))
-    return pl.pallas_call(kmerge, out_shape=out_final, grid=(R, B * Hkv), interpret=interpret,
+    merge = functools.partial(_merge_kernel, G=G, Hkv=Hkv, D=D, Dp=Dp, RB=RB, NS=NS, NSp=_pow2(NS))
+    return pl.pallas_call(merge, out_shape=out_final, grid=(R, B * Hkv), interpret=interpret,
                           compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
                           name="tree_attention_merge")(*res)
 
