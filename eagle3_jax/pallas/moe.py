@@ -36,8 +36,9 @@ normal, and each group's sum is multiplied by 2^(scale - 97) (exact for scale by
 the interpreter (XLA:CPU flushes them) decodes through f16 instead (`decode="f16"`, the same values).
 
 Status (H200, JAX 0.11.2, experiments/results/moe_h200.json): correct on the GPU for every decoder
-and path; 21 / 28 / 30 / 30 / 21 / 12% of the HBM roofline at T = 1 / 4 / 8 / 16 / 32 / 64 (the
-MMA-only kernel before it: 15-21%, moe_mma_only_h200.json). Nsight Compute on the FMA path at T=1:
+and path; 17 / 28 / 30 / 30 / 20 / 12% of the HBM roofline at T = 1 / 4 / 8 / 16 / 32 / 64 (T=1:
+21% in an earlier run of the same kernel; the MMA-only kernel before it: 15-21%,
+moe_mma_only_h200.json). Nsight Compute on the FMA path at T=1:
 about 5 instructions per weight (the decode's shift / shift / mask is 3 of them), issue slots
 half used, 17% occupancy (160+ registers), L1 half busy with the activation loads. The MMA path
 is bound by L1 / shared-memory traffic (the layout conversions, 75-85% busy).
