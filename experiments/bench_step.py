@@ -44,15 +44,15 @@ def models():
 
 
 def kernel_diff(kernels):
-    """Per kernel family, the step's device seconds minus the sum over its parts (for "launches": the
-    kernel count), largest first; and the summed kernel seconds of the step and of its parts."""
-    fams = set().union(*kernels.values())
-    parts = {f: sum(v.get(f, 0.0) for k, v in kernels.items() if k != "step") for f in fams}
-    diff = {f: kernels["step"].get(f, 0.0) - parts[f] for f in fams}
-    totals = {k: sum(x for f, x in v.items() if f != "launches") for k, v in kernels.items()}
-    return dict(by_family=dict(sorted(diff.items(), key=lambda kv: -abs(kv[1]))),
-                kernel_seconds_step=totals["step"],
-                kernel_seconds_parts=sum(x for k, x in totals.items() if k != "step"))
+    """The step minus the sum over its parts: device seconds per kernel family (largest change first),
+    kernel launches, and the summed kernel seconds of the step and of its parts."""
+    parts = [v for k, v in kernels.items() if k != "step"]
+    minus = lambda f: kernels["step"].get(f, 0.0) - sum(v.get(f, 0.0) for v in parts)  # noqa: E731
+    fams = set().union(*kernels.values()) - {"launches"}
+    total = lambda v: sum(x for f, x in v.items() if f != "launches")  # noqa: E731
+    return dict(by_family=dict(sorted(((f, minus(f)) for f in fams), key=lambda kv: -abs(kv[1]))),
+                launches=minus("launches"), kernel_seconds_step=total(kernels["step"]),
+                kernel_seconds_parts=sum(total(v) for v in parts))
 
 
 def main(argv):
@@ -71,9 +71,8 @@ def main(argv):
             if "kernel_diff" in r:
                 kd = r["kernel_diff"]
                 print(f"  kernel time: step {kd['kernel_seconds_step'] * 1e3:.3f} ms, parts {kd['kernel_seconds_parts'] * 1e3:.3f}"
-                      " ms; step - parts by family: " + " ".join(
-                          f"{f}={v * 1e6:+.1f}us" if f != "launches" else f"launches={v:+.0f}"
-                          for f, v in list(kd["by_family"].items())[:10]), flush=True)
+                      f" ms; step - parts: launches {kd['launches']:+.0f}, " + " ".join(
+                          f"{f}={v * 1e6:+.1f}us" for f, v in list(kd["by_family"].items())[:10]), flush=True)
     rng = np.random.default_rng(0)
     V = target.config.vocab_size
     prompts = [rng.integers(0, V, 40).tolist(), rng.integers(0, V, 25).tolist()]

@@ -51,6 +51,22 @@ def test_bench_step_writes_json(tmp_path):
     assert set(row["seconds"]) == {"step", "draft", "verify", "accept", "rewind", "extend"}
 
 
+def test_kernel_families_and_step_minus_parts():
+    import bench_step
+    import timing
+    g = timing.kernel_group
+    assert g("loop_fusion_12") == g("loop_fusion") == "loop_fusion" and g("input_reduce_fusion.3") == "input_reduce_fusion"
+    assert g("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == g("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert g("mxfp4_moe_gate_up") == "mxfp4_moe_gate_up" and g("MemcpyD2D") == "MemcpyD2D"
+    kernels = {"step": {"gemm": 5e-4, "mxfp4_moe_down": 3e-4, "launches": 30.0},
+               "verify": {"gemm": 2e-4, "mxfp4_moe_down": 3e-4, "launches": 20.0},
+               "draft": {"gemm": 1e-4, "tree_attention": 1e-5, "launches": 6.0}}
+    d = bench_step.kernel_diff(kernels)
+    assert np.isclose(d["by_family"]["gemm"], 2e-4) and np.isclose(d["by_family"]["tree_attention"], -1e-5)
+    assert d["launches"] == 4.0 and list(d["by_family"])[0] == "gemm" and "launches" not in d["by_family"]
+    assert np.isclose(d["kernel_seconds_step"], 8e-4) and np.isclose(d["kernel_seconds_parts"], 6.1e-4)
+
+
 def test_bench_and_gates(tmp_path):
     path = tmp_path / "b.json"
     # gates and stress: the sweep / large / single rows go through the same `measure` as the gate rows
