@@ -359,7 +359,8 @@ def test_greedy_matches_transformers_generate(cfg, weights, tmp_path):
     gen_cfg.eos_token_id = None  # do not stop early; pure argmax
     gen_cfg.pad_token_id = cfg["pad_token_id"]
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), generation_config=gen_cfg, max_new_tokens=n,
+        ids = torch.tensor([prompt])  # an explicit mask: without one, transformers masks pad ids in the prompt
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg, max_new_tokens=n,
                              do_sample=False)
     theirs = out[0, len(prompt):].tolist()
     assert theirs == ours

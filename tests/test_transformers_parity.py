@@ -38,6 +38,7 @@ def test_matches_transformers(tmp_path, experts, shards):
 
     prompt = tokens[0, :5].tolist()
     with torch.no_grad():
-        g = hf.generate(torch.as_tensor([prompt]), max_new_tokens=14, do_sample=False, eos_token_id=None,
-                        pad_token_id=0)
+        ids = torch.as_tensor([prompt])  # an explicit mask: without one, transformers masks every id 0 as padding
+        g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=14, do_sample=False,
+                        eos_token_id=None, pad_token_id=0)
     assert generate(ours, [prompt], 14, eos_ids=(), prefill_chunk=4).tokens[0] == g[0, 5:].tolist()
