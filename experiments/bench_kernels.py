@@ -315,19 +315,11 @@ def _guard(fn):
 def _profile_program(run, calls):
     """Device kernel time per call of one profiled `run()` holding `calls` calls (CUPTI records)."""
     try:
-        from jax._src.lib import _profiler
-        from jax.profiler import ProfileData
-        sess = _profiler.ProfilerSession()
-        jax.block_until_ready(run())
-        total, names = 0.0, {}
-        for plane in ProfileData.from_serialized_xspace(sess.stop()).planes:
-            if plane.name.startswith("/device:GPU"):
-                for line in plane.lines:
-                    if "stream" in line.name.lower():
-                        for e in line.events:
-                            total += e.duration_ns * 1e-9
-                            names[e.name] = names.get(e.name, 0) + 1
-        return dict(kernel_seconds=total / calls, kernels=names)
+        recs = timing.kernel_records(run, repeats=1)
+        names = {}
+        for name, _, _ in recs:
+            names[name] = names.get(name, 0) + 1
+        return dict(kernel_seconds=sum(r[2] for r in recs) * 1e-9 / calls, kernels=names)
     except Exception as e:  # noqa: BLE001
         return dict(profile_error=repr(e)[:300])
 
