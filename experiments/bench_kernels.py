@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step_timing  # noqa: E402
 import timing  # noqa: E402
 
 flags.DEFINE_list("only", None, "sections to run (default: all)")
@@ -152,6 +153,11 @@ def bench_moe():
         row = dict(tokens=T, distinct_experts=distinct, bytes=nbytes, roofline_us=t_roof * 1e6)
         t = _loop_time(kernel_loop(best), xs, ids, ws, *packed) / R
         row.update(kernel_us=t * 1e6, kernel_roofline_fraction=t_roof / t)
+        prof = _safe_profile(lambda x, i, w, *p: mk.mxfp4_moe(x, i, w, *p, limit=lim, alpha=alpha, config=best,
+                                                              interpret=interp),
+                             [(xs[r], ids[r], ws[r], *packed) for r in range(R)])
+        if "kernels" in prof:  # device time per call of each kernel of the call (the two Pallas kernels, XLA glue)
+            row["kernels_us"] = {n: v * 1e6 for n, v in prof["kernels"].items()}
 
         # the layer as the model runs it (router included): default path, and the jnp paths
         def layer_loop(path):
@@ -206,20 +212,8 @@ def _bench_moe_e2e(bw):
     P, iters = FLAGS.moe_e2e_prompt, FLAGS.moe_e2e_new
     graphdef, state = nnx.split(model)
 
-    def loop(body, carry):
-        def run(st, c):
-            m = nnx.merge(graphdef, st)
-            return jax.lax.fori_loop(0, iters, lambda i, c: body(m, c), c)
-        f = jax.jit(run, donate_argnums=1)
-        t1 = time.perf_counter()
-        carry = jax.block_until_ready(f(state, carry))
-        compile_s = time.perf_counter() - t1
-        best = float("inf")
-        for _ in range(3):
-            t1 = time.perf_counter()
-            carry = jax.block_until_ready(f(state, carry))
-            best = min(best, time.perf_counter() - t1)
-        return best / iters, compile_s
+    def loop(body, carry):  # (seconds per iteration, device kernel seconds per iteration by family)
+        return step_timing.loop_time(graphdef, state, body, carry, iters, profile=True)
 
     key = jax.random.key(0)
     cache = jax.tree.map(lambda a: (jax.random.normal(key, a.shape, jnp.float32) * 0.5).astype(a.dtype),
@@ -229,8 +223,9 @@ def _bench_moe_e2e(bw):
         lg, _, cache = gpt_oss.step(m, c["cache"], c["tok"][:, None], c["len"][:, None], c["len"])
         return dict(cache=cache, tok=jnp.argmax(lg[:, 0], axis=-1).astype(jnp.int32), len=c["len"])
 
-    per_tok, compile_s = loop(decode_step, dict(cache=cache, tok=jnp.array([7], jnp.int32),
-                                                len=jnp.array([P], jnp.int32)))
+    per_tok, step_kernels = loop(decode_step, dict(cache=cache, tok=jnp.array([7], jnp.int32),
+                                                   len=jnp.array([P], jnp.int32)))
+    del cache
     L, H, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
     lay = model.layers[0]
     attn_bytes = sum(int(np.prod(getattr(lay.self_attn, nm)[...].shape)) * 2 for nm in ("wq", "wk", "wv", "wo")) * L
@@ -242,7 +237,7 @@ def _bench_moe_e2e(bw):
     head_bytes = V * H * 2
     kv_bytes = 2 * L * cfg.num_key_value_heads * cfg.head_dim * 2 * P  # upper bound: every layer reads P slots
     total = attn_bytes + expert_bytes + router_bytes + head_bytes + kv_bytes
-    out.update(context=P, iters=iters, step_compile_seconds=compile_s, seconds_per_token=per_tok,
+    out.update(context=P, iters=iters, seconds_per_token=per_tok,
                tokens_per_second=1 / per_tok,
                step_bytes=dict(attention_weights=attn_bytes, experts=expert_bytes, routers=router_bytes,
                                lm_head=head_bytes, kv_cache=kv_bytes, total=total),
@@ -259,14 +254,15 @@ def _bench_moe_e2e(bw):
         tok = jnp.argmax(gpt_oss.logits(m, m.norm(x)), axis=-1)
         return x + m.embed[...][tok] * 1e-3
 
-    t_moe, _ = loop(moe_all, jnp.copy(x0))  # the loop donates its carry
-    t_head, _ = loop(head, jnp.copy(x0))
+    t_moe, moe_kernels = loop(moe_all, x0)
+    t_head, head_kernels = loop(head, x0)
     rest = per_tok - t_moe - t_head
     uses_attn_kernel = "attention_pallas" in inspect.getsource(attn_mod.attention)
     out["parts_seconds_per_token"] = dict(moe_layers=t_moe, lm_head_and_pick=t_head, rest=rest)
     out["parts_roofline_fraction"] = dict(
         moe_layers=(expert_bytes + router_bytes) / bw / t_moe, lm_head_and_pick=head_bytes / bw / t_head,
         rest=(attn_bytes + kv_bytes) / bw / max(rest, 1e-9))
+    out["kernels_by_family"] = dict(step=step_kernels, moe_layers=moe_kernels, lm_head_and_pick=head_kernels)
     out["notes"] = (
         "seconds_per_token: one decode step (gpt_oss.step on 1 token + argmax), the body of generate()'s "
         f"while_loop, {iters} steps in one jitted fori_loop over a random-filled KV cache of {P} committed tokens. "
@@ -274,7 +270,9 @@ def _bench_moe_e2e(bw):
         "lm_head_and_pick: final norm, lm_head, argmax, embedding; rest = step - both: the 36 attention halves "
         f"(norm, q/k/v/o projections, RoPE, {'Pallas' if uses_attn_kernel else 'jnp reference'} attention "
         "(pallas/attention.py dispatch on GPU at the time of the run), KV-cache writes) and the embedding. "
-        "Roofline bytes: REFERENCE.md 4 (weights read once per token, 4 experts per layer) plus the KV cache.")
+        "Roofline bytes: REFERENCE.md 4 (weights read once per token, 4 experts per layer) plus the KV cache. "
+        "kernels_by_family: device kernel seconds per iteration of each loop by kernel family "
+        "(timing.kernel_group; 'launches': kernels per iteration); wall time minus their sum is launch gaps.")
     del model, state
     return out
 

@@ -82,6 +82,32 @@ def test_fma_decoder_matches_dequantize():
     np.testing.assert_array_equal(parts.reshape(ref.shape) * 2.0 ** 14, ref)
 
 
+def test_f16_pairs_layout_round_trips():
+    # the FMA path's activation layout: word [g, k, q] = (x[32g + 8q + 3 - k], x[32g + 8q + 7 - k]) as
+    # f16 times 2^(14 - e_g), factor bits 2^e_g at [g, 4, 0]; bf16 groups from 2^-90 to 2^100 and a
+    # zero group come back exactly
+    rng = np.random.default_rng(3)
+    scales = 2.0 ** np.array([-90, -3, 0, 7, 100, 0])
+    x = rng.normal(size=(2, 6, 32)) * scales[None, :, None]
+    x[:, 5] = 0.0
+    x = np.asarray(jnp.asarray(x.reshape(2, 192), jnp.bfloat16).astype(jnp.float32), np.float64)
+    words = np.asarray(moe._f16_pairs(jnp.asarray(x, jnp.float32)))  # [2, 6, 5, 4] uint32
+    assert words.shape == (2, 6, 5, 4) and words.dtype == np.uint32
+    factor = words[:, :, 4, 0].view(np.float32).astype(np.float64)
+    assert (words[:, :, 4, 1:] == 0).all()
+    halves = words[:, :, :4, :].astype(np.uint32)
+    lo = (halves & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float64)
+    hi = (halves >> 16).astype(np.uint16).view(np.float16).astype(np.float64)
+    back = np.zeros((2, 6, 32))
+    for k in range(4):
+        for q in range(4):
+            back[:, :, 8 * q + 3 - k] = lo[:, :, k, q]
+            back[:, :, 8 * q + 7 - k] = hi[:, :, k, q]
+    back = back * factor[..., None] * 2.0 ** -14
+    np.testing.assert_array_equal(back.reshape(2, 192), x)
+    assert (np.abs(lo) < 2 ** 14).all() and (np.abs(hi) < 2 ** 14).all()
+
+
 @pytest.mark.parametrize("T,seed,fma", [(1, 0, 0), (1, 0, 2), (3, 1, 2), (16, 2, 0), (21, 3, 2)])
 def test_interpret_random_routing(T, seed, fma):
     # 12 experts, 4 per token: experts are shared between tokens; H = 96 is 3 scale groups (not a
@@ -131,6 +157,8 @@ def test_rejects_bad_input():
         moe.mxfp4_moe(args[0][:, :32], *args[1:], limit=LIMIT, alpha=ALPHA, interpret=True)
     with pytest.raises(ValueError, match="decode"):
         moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(decode="nope"), interpret=True)
+    with pytest.raises(ValueError, match="block_i >= 32"):  # FMA act words are written a scale group at a time
+        moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(block_i=16), interpret=True)
 
 
 # -- GPU ------------------------------------------------------------------------------------------

@@ -9,17 +9,17 @@ stay packed exactly as the HF checkpoint stores them (MXFP4: E2M1 nibbles, one E
   gate_up_blocks u8 [E, 2I, H/32, 16], gate_up_scales u8 [E, 2I, H/32], gate_up_bias [E, 2I]
   down_blocks    u8 [E, H, I/32, 16],  down_scales    u8 [E, H, I/32],  down_bias    [E, H]
 
-Two Pallas (Triton) kernels, no routing glue in XLA:
+Two Pallas (Triton) kernels, no routing glue in XLA (one XLA fusion lays x out for the FMA path):
 
   1. gate_up + SwiGLU. Grid (slot, token chunk, I tile). Slot s is the s-th (token, expert) pair;
      a slot whose expert already appeared in an earlier pair exits at once, so each selected
      expert is handled by exactly one slot. The program streams its 2*BI packed gate/linear rows
      once and dequantizes them in registers, on one of two paths chosen per expert:
      - FMA path (the expert was chosen by at most `fma_tokens` tokens, at decode nearly all of
-       them): CUDA cores, no layout conversions. Each word's 8 nibbles are decoded and multiplied
-       with the matching activations in one inline-PTX block (fma per weight); the activations
-       come pre-permuted ([g, i, q] for input 32g + 8q + i) as f32, so every operand of the loop
-       sits in the layout its words were loaded in.
+       them): CUDA cores, no layout conversions. The activations come as f16 pairs with one
+       power-of-two factor per 32-input scale group (`_f16_pairs`); each weight word is decoded
+       into four f16x2 (sign bits kept in place, magnitude bits shifted once) and multiplied with
+       the matching pairs by f16x2 fma in one inline-PTX block, about 2.3 instructions per weight.
      - MMA path (more tokens): the chunk's 16 token rows on the tensor cores; the decoded tile is
        interleaved into input order and converted to the dot-operand layout.
      Bias and SwiGLU in f32; act to HBM (a few MB at most, read back from L2).
@@ -27,21 +27,24 @@ Two Pallas (Triton) kernels, no routing glue in XLA:
      routing weight of each token, atomically added (f32) into the output, which kernel 1 zeroed.
 
 Dequantization: the nibble's sign and three magnitude bits are moved into the sign, exponent-low
-and mantissa-high bits of an f32 (bf16x2 in the MMA path's PTX variant), which is the E2M1 value
-times 2^-126 (exact; subnormal for the magnitude 0.5). MMA path: multiplied by 2^(scale - 1 - 32),
-the weights enter the MMA as exact bf16 values times 2^-32 and the accumulator is scaled back once
-(exact for scale bytes 35..160). FMA path: the activations are prescaled by 2^96, so products stay
-normal, and each group's sum is multiplied by 2^(scale - 97) (exact for scale bytes 0..224 and
-|x| < 2^32). The subnormal step needs a GPU, which keeps f32/bf16 subnormals in these multiplies;
-the interpreter (XLA:CPU flushes them) decodes through f16 instead (`decode="f16"`, the same values).
+and mantissa-high bits of a float: bf16x2 times 2^(scale - 1 - 32) in the MMA path (the weights enter
+the MMA as exact bf16 values times 2^-32 and the accumulator is scaled back once; exact for scale
+bytes 35..160), f16x2 E2M1 * 2^-14 in the FMA path (0.5 an f16 subnormal, which GPUs keep). FMA path
+numerics: activations are scaled per group so that |x'| < 2^14 (values below 2^-24 of their group's
+maximum flush), each word's eight products are summed in f16 (at most 24 in magnitude) and then in
+f32, and each (row, group) sum is multiplied by 2^(scale - 127) and the group's factor (scale byte 0
+reads as 0). Kernel 1 writes the FMA experts' act in this pair layout, one exponent per block_i
+columns. The interpreter (XLA:CPU flushes f32 subnormals) decodes through f16 with f32 products
+(`decode="f16"`).
 
 Status (H200, JAX 0.11.2, experiments/results/moe_h200.json): correct on the GPU for every decoder
-and path; 17 / 28 / 30 / 30 / 20 / 12% of the HBM roofline at T = 1 / 4 / 8 / 16 / 32 / 64 (T=1:
-21% in an earlier run of the same kernel; the MMA-only kernel before it: 15-21%,
-moe_mma_only_h200.json). Nsight Compute on the FMA path at T=1:
-about 5 instructions per weight (the decode's shift / shift / mask is 3 of them), issue slots
-half used, 17% occupancy (160+ registers), L1 half busy with the activation loads. The MMA path
-is bound by L1 / shared-memory traffic (the layout conversions, 75-85% busy).
+and path; 26 / 35 / 40 / 34 / 13% of the HBM roofline at T = 1 / 4 / 8 / 16 / 64 (wall time of
+back-to-back calls; by device kernel time at T=1: gate_up 21.2 + down 12.7 + the pair-layout fusion
+1.6 us = 36%). The f32 FMA path before it: 17 / 28 / 30 / 30 / 12%. Nsight Compute at T=1: about
+4.5 instructions per weight in both kernels (2.3 in the PTX block), 0.4-0.5 instructions issued per
+scheduler cycle with 2.7 warps each (gate_up: 166 registers, 3 blocks per SM; the grid of 360
+programs fills one wave). The MMA path is bound by L1 / shared-memory traffic (the layout
+conversions, 75-85% busy).
 
 `mxfp4_moe_reference` is the plain-jnp function of the same signature (dequantize the selected
 experts per pair). CPU tests run the kernels with interpret=True.
@@ -78,15 +81,17 @@ _MASK16 = np.int32(np.uint32(0x8E000000).view(np.int32))  # the same fields of a
 class MoeConfig:
     """Tile sizes. block_i: SwiGLU outputs per kernel-1 program (it reads 2*block_i gate_up rows);
     block_h: outputs per kernel-2 program; groups: 32-input scale groups per K step (power of 2);
-    decode: "bits" (f32 integer ops; needs subnormal f32 multiplies), "ptx" (bf16x2 inline PTX) or
-    "f16" (through f16 conversions). The interpreter always uses "f16" (XLA:CPU flushes subnormals).
+    decode: the MMA path's decoder, "bits" (f32 integer ops; needs subnormal f32 multiplies), "ptx"
+    (bf16x2 inline PTX) or "f16" (through f16 conversions); "ptx" also runs the FMA path in f16x2
+    inline PTX, the others run it in jnp (f16 decode, f32 products). The interpreter always uses
+    "f16" (XLA:CPU flushes subnormals).
     prefetch: K steps whose loads are issued ahead of the math (>= 1). layout: "interleave" joins
     the 8 nibble planes of each word into input order before one dot per K step; "perm" keeps them
     apart and multiplies each with the matching stride-8 slice of the activations (8 dots of K =
     4 * groups), which skips the joins (no faster, moe_layout_sweep_h200.json). fma_tokens: an
-    expert chosen by at most this many tokens takes the FMA path (0 turns it off), in K steps of
-    fma_groups scale groups; each further token adds registers to the whole kernel (2 tokens with
-    16 groups: 254 registers, slower at T=4 than 1), so the default keeps one."""
+    expert chosen by at most this many tokens takes the FMA path (0 turns it off; else block_i >= 32),
+    in K steps of fma_groups scale groups; each further token adds registers to the whole kernel
+    (fma_tokens=2 was slower at T=4 and T=16 than 1; fma_groups 8 and 32 slower than 16 at T=1)."""
 
     block_i: int = 32
     block_h: int = 32
@@ -329,43 +334,122 @@ def _expert_rows(x_ref, x_lead, wq_ref, sc_ref, e, row_sets, r_ok, c, *, K, BG, 
 
 
 # -- the FMA path: an expert chosen by few tokens, on the CUDA cores --------------------------------
+# Its activations come as f16 pairs, u32 [.., G, 5, 4] (20 words a scale group): word [g, k, q] for
+# k < 4 = (x'[32g + 8q + 3 - k] low half, x'[32g + 8q + 7 - k] high half), with x' = x * 2^(14 - e_g)
+# for a per-group exponent e_g (|x| < 2^e_g in the group, so |x'| < 2^14); word [g, 4, 0] holds the
+# f32 bits of the group's factor 2^e_g (the rest of row 4 is 0). Pair k meets nibbles 3 - k and 7 - k
+# of each weight word: the nibbles at the top of the word's two halves after a left shift by 4k.
+_PAIR_ROWS = 5  # rows of 4 words per scale group: 4 of pairs, 1 for the factor
 
-def _word_dot_asm() -> str:
-    """PTX for $0 = sum_i nibble_i($1) * $(2 + i): `_raw_bits` of each nibble of the word (shift it to
-    the top, arithmetic shift right 6, mask) and one fma each, about 3.9 instructions per weight
-    (Triton leaves the jnp products and sums as separate FMUL and FADD)."""
-    lines = ["{", ".reg .b32 t, s;"]
-    for i in range(8):
-        src = "$1"
-        if i < 7:
-            lines.append(f"shl.b32 t, $1, {28 - 4 * i};")
-            src = "t"
-        lines.append(f"shr.s32 t, {src}, 6;")
-        lines.append("and.b32 t, t, 0x81C00000;")
-        lines.append(f"mul.rn.f32 s, t, ${2 + i};" if i == 0 else f"fma.rn.f32 s, t, ${2 + i}, s;")
-    lines += ["mov.b32 $0, s;", "}"]
+_E_MIN, _E_MAX = -100, 127  # clamp of the groups' exponents (f32-normal factors 2^e and 2^(14 - e))
+
+
+def _group_exponent(m):
+    """m f32 >= 0 -> int32 e with m < 2^e (m = 0: the floor), clamped to [_E_MIN, _E_MAX]."""
+    biased = lax.shift_right_logical(lax.bitcast_convert_type(m, jnp.int32), jnp.int32(23)) & 0xFF
+    return jnp.clip(biased - 126, _E_MIN, _E_MAX)
+
+
+def _pow2_f32(e):
+    """2^e as f32 for int32 e in [-126, 127]."""
+    return lax.bitcast_convert_type(lax.shift_left(e + 127, jnp.int32(23)), F32)
+
+
+def _pack_f16x2(lo, hi):
+    """f32 arrays -> u32 f16 pairs (lo in the low half), rounded to nearest."""
+    def bits(v):
+        return lax.bitcast_convert_type(v.astype(jnp.float16), jnp.int16).astype(jnp.int32) & 0xFFFF
+    return lax.bitcast_convert_type(bits(lo) | lax.shift_left(bits(hi), jnp.int32(16)), jnp.uint32)
+
+
+def _pair_inputs(n):
+    """For the first n / 16 groups of the pair layout: the inputs (low, high) of its n pair words
+    ([g, k, q] order) and the words' flat indices (int32 [n] each)."""
+    m = lax.broadcasted_iota(jnp.int32, (n,), 0)
+    lo = (m // 16) * BLOCK + (m % 4) * 8 + 3 - (m // 4) % 4
+    return lo, lo + 4, (m // 16) * (4 * _PAIR_ROWS) + m % 16
+
+
+def _f16_pairs(v):
+    """v f32 [T, G * 32] -> u32 [T, G, 5, 4]: the FMA path's pair layout (XLA side, for the gate_up
+    activations; the group maxima as elementwise maxima, so that all of it is one fusion)."""
+    T, K = v.shape
+    vg = v.reshape(T, K // BLOCK, BLOCK)
+    m = functools.reduce(jnp.maximum, [jnp.abs(vg[..., i]) for i in range(BLOCK)])
+    e = _group_exponent(m)
+    h = (vg * _pow2_f32(14 - e)[..., None]).reshape(T, K // BLOCK, 4, 2, 4)  # [t, g, q, half, i]
+    h = h[..., ::-1].transpose(0, 1, 4, 2, 3)  # [t, g, k, q, half]: input 32g + 8q + 4 half + 3 - k
+    factor = lax.bitcast_convert_type(_pow2_f32(e), jnp.uint32)[:, :, None, None]
+    trailer = jnp.concatenate([factor, jnp.zeros((T, K // BLOCK, 1, 3), jnp.uint32)], axis=-1)
+    return jnp.concatenate([_pack_f16x2(h[..., 0], h[..., 1]), trailer], axis=2)
+
+
+def _pair_dot_asm(nt: int) -> str:
+    """PTX: $t (t < nt) = sum over the 8 nibbles of word $nt of E2M1 * 2^-14 times the token's matching
+    f16 activation, pairs $(nt + 1 + 4t + k). Each pair k: shift the word left by 4k, keep the sign
+    bits 15 / 31 and move the magnitude bits 12-14 / 28-30 to 9-11 / 25-27 (an f16x2 of E2M1 * 2^-14,
+    0.5 a subnormal), then one f16x2 multiply-add per token; the f16x2 sums (4 products a half, at
+    most 24 in magnitude) go to f32 once per word. About 2.3 instructions per weight at one token."""
+    w = f"${nt}"
+    lines = ["{", ".reg .b32 q, m, p;", ".reg .b32 " + ", ".join(f"a{t}" for t in range(nt)) + ";",
+             ".reg .f16 lo, hi;", ".reg .f32 fl, fh;"]
+    for k in range(4):
+        if k:
+            lines.append(f"shl.b32 q, {w if k == 1 else 'q'}, 4;")
+        lines += ["and.b32 m, q, 0x70007000;" if k else f"and.b32 m, {w}, 0x70007000;", "shr.b32 m, m, 3;",
+                  "and.b32 p, q, 0x80008000;" if k else f"and.b32 p, {w}, 0x80008000;", "or.b32 p, p, m;"]
+        for t in range(nt):
+            x = f"${nt + 1 + 4 * t + k}"
+            lines.append(f"mul.rn.f16x2 a{t}, p, {x};" if k == 0 else f"fma.rn.f16x2 a{t}, p, {x}, a{t};")
+    for t in range(nt):
+        lines += [f"mov.b32 {{lo, hi}}, a{t};", "cvt.f32.f16 fl, lo;", "cvt.f32.f16 fh, hi;", f"add.f32 ${t}, fl, fh;"]
+    lines.append("}")
     return "\n".join(lines)
 
 
-def _word_dot(w, xs):
-    """w int32 [n, BG, 4], xs 8 x f32 [BG, 4] -> f32 [n, BG, 4]: sum_i raw_i(w) * xs[i] (GPU only)."""
-    xb = [jnp.broadcast_to(x[None], w.shape) for x in xs]
-    [out] = _inline_asm_multi(_word_dot_asm(), [w, *xb], ",".join(["=f", "r"] + ["f"] * 8), 1, F32)
+def _f16_half(x, high):
+    """u32 f16 pairs -> f32 of the low or high half."""
+    xi = lax.bitcast_convert_type(x, jnp.int32)
+    bits = lax.shift_right_logical(xi, jnp.int32(16)) if high else xi & 0xFFFF
+    return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16).astype(F32)
+
+
+def _pair_dots(w, xs, decoder):
+    """w int32 [n, BG, 4]; xs: per token 4 x u32 [BG, 4] (pair k) -> per token f32 [n, BG, 4]: each
+    word's sum of E2M1 * 2^-14 * x'. "ptx": `_pair_dot_asm` (GPU only); "f16": jnp, products in f32."""
+    if decoder == "ptx":
+        args = [jnp.broadcast_to(x[None], w.shape) for xt in xs for x in xt]
+        nt = len(xs)
+        cons = ",".join(["=f"] * nt + ["r"] * (1 + 4 * nt))
+        return _inline_asm_multi(_pair_dot_asm(nt), [w, *args], cons, nt, F32)
+    out = []
+    for xt in xs:
+        acc = None
+        for k, x in enumerate(xt):
+            term = (_raw_f16(w, 3 - k) * _f16_half(x, False)[None] + _raw_f16(w, 7 - k) * _f16_half(x, True)[None])
+            acc = term if acc is None else acc + term
+        out.append(acc)
     return out
 
 
-# decoder -> (raw nibble decoder, log2 of its unit, log2 of the activations' prescale): the products
-# raw * x * 2^pre stay normal f32 for |x| in [2^-90, 2^32) (bits, ptx) and any bf16 x (f16). "ptx"
-# decodes and multiplies in one inline-PTX block per word.
-_FMA_DECODERS = {"bits": (_raw_bits, -126, 96), "ptx": (None, -126, 96), "f16": (_raw_f16, -14, 0)}
+def _tile_index(e, rows, g0, BG, words):
+    """Index of expert e's tile [n, BG] of scale groups g0.. (words: [n, BG, 4] of their words) in the
+    rows `rows`: (pl.ds, maybe an int) or (int32 [n] array, maybe an int), the latter as full array
+    indices (the interpreter takes no mix of arrays and slices)."""
+    if not isinstance(rows[0], jax.Array):
+        return (e, *rows, pl.ds(g0, BG)) + ((slice(None),) if words else ())
+    g = g0 + lax.broadcasted_iota(jnp.int32, (BG,), 0)
+    if not words:
+        return (e, *(r[:, None] if r.ndim else r for r in rows), g[None, :])
+    q = lax.broadcasted_iota(jnp.int32, (4,), 0)
+    return (e, *(r[:, None, None] if r.ndim else r for r in rows), g[None, :, None], q[None, None, :])
 
 
-def _fma_rows(xp_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG, decoder, depth):
+def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG, decoder, depth):
     """[[f32 [n] per token] per row set]: W_e[rows] @ x[tok] (true values) for the tokens `toks`
     (int32 scalars), streaming K inputs in steps of BG scale groups, loads `depth` steps ahead.
-    xp_ref[*x_lead, tok] is [>= K / 32, 8, 4] f32, x[32g + 8q + i] at [g, i, q] times 2^pre: part i
-    of a step's words meets xp[:, i, :] elementwise, so nothing changes layout inside the loop."""
-    raw, unit, pre = _FMA_DECODERS[decoder]
+    xq_ref[*x_lead, tok]: u32 [>= K / 32, 5, 4] (the pair layout above); each (row, group) sum is scaled once by
+    2^(scale - 127) * 2^e_g (scale byte 0, 2^-127, reads as 0)."""
     n = r_ok.shape[0]
     K_groups = K // BLOCK
     nk = -(-K_groups // BG)
@@ -377,33 +461,28 @@ def _fma_rows(xp_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG,
         wmask = r_ok[:, None] & ((g0 + g_iota < K_groups) & live)[None, :]
         ws = []
         for rows in row_sets:
-            ws.append(_load(wq_ref, (e, *rows, pl.ds(g0, BG), slice(None)),
+            ws.append(_load(wq_ref, _tile_index(e, rows, g0, BG, True),
                             mask=jnp.broadcast_to(wmask[:, :, None], (n, BG, 4)), other=0))
-            ws.append(_load(sc_ref, (e, *rows, pl.ds(g0, BG)), mask=wmask, other=0))
+            ws.append(_load(sc_ref, _tile_index(e, rows, g0, BG, False), mask=wmask, other=0))
         return tuple(ws)
 
     def body(kk, carry):
         accs, queue = carry
         ahead = load_step(kk + depth)
         g0 = kk * BG
-        xmask = jnp.broadcast_to((g0 + g_iota < K_groups)[:, None], (BG, 4))
-        xs = [[_load(xp_ref, (*x_lead, t, pl.ds(g0, BG), jnp.int32(i), slice(None)), mask=xmask, other=0)
-               for i in range(8)] for t in toks]  # L1 hits after the first row set of the CTA
+        gmask = g0 + g_iota < K_groups
+        xmask = jnp.broadcast_to(gmask[:, None], (BG, 4))
+        xs = [[_load(xq_ref, (*x_lead, t, pl.ds(g0, BG), jnp.int32(k), slice(None)), mask=xmask, other=0)
+               for k in range(4)] for t in toks]  # L1 hits after the first row set of the CTA
+        xf = [lax.bitcast_convert_type(_load(xq_ref, (*x_lead, t, pl.ds(g0, BG), jnp.int32(4), jnp.int32(0)),
+                                             mask=gmask, other=0), F32) for t in toks]
         new = []
         for r, acc_r in enumerate(accs):
             w = lax.bitcast_convert_type(queue[0][2 * r], jnp.int32)  # [n, BG, 4]
-            # 2^(scale - 127 - unit - pre): the scale byte, the decoder's unit and the prescale undone
-            f = _exp2(queue[0][2 * r + 1], -(unit + pre))
-            if raw is None:
-                prods = [_word_dot(w, xt) for xt in xs]
-            else:
-                prods = [None] * len(toks)
-                for i in range(8):  # one nibble plane at a time: few decoded values live at once
-                    part = raw(w, i)
-                    for ti, xt in enumerate(xs):
-                        term = part * xt[i][None]
-                        prods[ti] = term if prods[ti] is None else prods[ti] + term
-            new.append(tuple(acc + jnp.sum(prod, axis=2) * f for acc, prod in zip(acc_r, prods)))
+            f = _exp2(queue[0][2 * r + 1], 0)  # 2^(scale - 127)
+            prods = _pair_dots(w, xs, decoder)
+            new.append(tuple(acc + jnp.sum(prod, axis=2) * (f * xft[None, :])
+                             for acc, prod, xft in zip(acc_r, prods, xf)))
         return tuple(new), (*queue[1:], ahead)
 
     zeros = tuple(tuple(jnp.zeros((n, BG), F32) for _ in toks) for _ in row_sets)
@@ -417,7 +496,8 @@ def _swiglu(hg, hl, bg, bl, limit, alpha):
     return gate * (1.0 / (1.0 + jnp.exp(-alpha * gate))) * (lin + 1.0)
 
 
-def _gate_up_kernel(ids_ref, x_ref, xp_ref, wq_ref, sc_ref, b_ref, act_ref, actf_ref, out_ref, *, T, k, H, I, BI, BG,
+def _gate_up_kernel(ids_ref, x_ref, xq_ref, wq_ref, sc_ref, b_ref, act_ref, actq_ref, out_ref, *,
+                    T, k, H, I, BI, BG,
                     limit, alpha, decode, zero_cols, depth, perm, fma):
     s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     To, Ho = out_ref.shape
@@ -456,18 +536,30 @@ def _gate_up_kernel(ids_ref, x_ref, xp_ref, wq_ref, sc_ref, b_ref, act_ref, actf
 
     @pl.when(first & use_fma & (c == 0))
     def _fma():
+        # rows in kernel 2's pair layout: this program's BI act columns as BI / 2 (low, high) pairs
+        # (BI / 32 whole scale groups), so the act words are stored as they are formed
         toks = [pair // k for pair, _ in _first_pairs(is_e, q, fma.tokens)]
-        hg, hl = _fma_rows(xp_ref, (), toks, wq_ref, sc_ref, e, row_sets, i_ok, K=H, BG=fma.groups,
-                           decoder=fma.decoder, depth=depth)
-        # act column i at [g, i % 8, (i % 32) // 8] of kernel 2's activations (i = 32g + 8q + p)
-        pos = (u // BLOCK) * BLOCK + (u % 8) * 4 + (u % BLOCK) // 8
-        bg, bl = bias(_GATE), bias(_LIN)
+        lo, hi, at = _pair_inputs(BI // 2)
+        ng = BI // BLOCK
+        lo, hi, at = lo + j * BI, hi + j * BI, at + j * ng * (4 * _PAIR_ROWS)
+        p_ok = lo < I  # (I is a multiple of 32: lo and hi exist together)
+        sets = [(lo, _GATE), (hi, _GATE), (lo, _LIN), (hi, _LIN)]
+        hs = _fma_rows(xq_ref, (), toks, wq_ref, sc_ref, e, sets, p_ok, K=H, BG=fma.groups,
+                       decoder=fma.decoder, depth=depth)
+        b = [_load(b_ref, (e, *rows), mask=p_ok, other=0).astype(F32) for rows in sets]
+        gs = j * ng + lax.broadcasted_iota(jnp.int32, (ng,), 0)
         for r in range(fma.tokens):
-            act = _swiglu(hg[r], hl[r], bg, bl, limit, alpha).astype(act_ref.dtype).astype(F32)
-            _store(actf_ref, (s, jnp.int32(r), pos), act * fma.prescale, mask=i_ok)
+            a_lo, a_hi = (_swiglu(hs[h][r], hs[2 + h][r], b[h], b[2 + h], limit, alpha).astype(act_ref.dtype).astype(F32)
+                          for h in (0, 1))
+            ex = _group_exponent(jnp.max(jnp.where(p_ok, jnp.maximum(jnp.abs(a_lo), jnp.abs(a_hi)), 0.0)))
+            sc = _pow2_f32(14 - ex)
+            _store(actq_ref, (s, jnp.int32(r), at), _pack_f16x2(a_lo * sc, a_hi * sc), mask=p_ok)
+            factor = lax.bitcast_convert_type(jnp.broadcast_to(_pow2_f32(ex), (ng,)), jnp.uint32)
+            _store(actq_ref, (s, jnp.int32(r), gs * (4 * _PAIR_ROWS) + 16), factor, mask=gs < I // BLOCK)
 
 
-def _down_kernel(ids_ref, w_ref, act_ref, actf_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H, I, BN,
+def _down_kernel(ids_ref, w_ref, act_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H,
+                 I, BN,
                  BG, decode, interpret, depth, perm, fma):
     del out_in_ref  # aliased with out_ref
     s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -494,7 +586,7 @@ def _down_kernel(ids_ref, w_ref, act_ref, actf_ref, wq_ref, sc_ref, b_ref, out_i
 
     @pl.when(first & use_fma & (c == 0))
     def _fma():
-        [ys] = _fma_rows(actf_ref, (s,), [jnp.int32(r) for r in range(fma.tokens)], wq_ref, sc_ref, e,
+        [ys] = _fma_rows(actq_ref, (s,), [jnp.int32(r) for r in range(fma.tokens)], wq_ref, sc_ref, e,
                          [(pl.ds(j * BN, BN),)], n_ok, K=I, BG=fma.groups, decoder=fma.decoder, depth=depth)
         for (pair, valid), y in zip(_first_pairs(is_e, q, fma.tokens), ys):
             val = (y + b) * w_ref[pair]
@@ -514,7 +606,6 @@ class _Fma:
     tokens: int  # experts chosen by at most this many tokens take the FMA path
     groups: int
     decoder: str
-    prescale: float  # the activations' factor 2^pre
 
 
 def _as_words(blocks):
@@ -555,17 +646,17 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     for bsz in (cfg.block_i, cfg.block_h, cfg.groups, cfg.fma_groups):
         if bsz != _pow2(bsz):
             raise ValueError(f"mxfp4_moe: tile sizes must be powers of two, got {cfg}")
-    if cfg.prefetch < 1 or cfg.fma_tokens < 0:
-        raise ValueError(f"mxfp4_moe: prefetch must be >= 1 and fma_tokens >= 0, got {cfg}")
+    if cfg.prefetch < 1 or cfg.fma_tokens < 0 or (cfg.fma_tokens and cfg.block_i < BLOCK):
+        raise ValueError(f"mxfp4_moe: prefetch must be >= 1, fma_tokens >= 0, and block_i >= 32 when fma_tokens > 0, "
+                         f"got {cfg}")
     if cfg.layout not in ("interleave", "perm") or (cfg.layout == "perm" and cfg.groups < 4):
         raise ValueError(f"mxfp4_moe: layout must be 'interleave' or 'perm' (perm: groups >= 4), got {cfg}")
     perm = cfg.layout == "perm"
     if cfg.decode not in _DECODERS:
         raise ValueError(f"mxfp4_moe: decode {cfg.decode!r}, expected one of {sorted(_DECODERS)}")
     decode = _decode_f16 if interpret else _DECODERS[cfg.decode]
-    fma_dec = "f16" if interpret or cfg.decode == "f16" else "bits" if cfg.decode == "bits" else "ptx"
-    fma = _Fma(tokens=min(cfg.fma_tokens, T), groups=cfg.fma_groups, decoder=fma_dec,
-               prescale=float(2.0 ** _FMA_DECODERS[fma_dec][2]))
+    fma = _Fma(tokens=min(cfg.fma_tokens, T), groups=cfg.fma_groups,
+               decoder="ptx" if cfg.decode == "ptx" and not interpret else "f16")
     P, Pp = T * k, _pow2(T * k)
     nc = -(-T // TOKEN_TILE)
     Tp = nc * TOKEN_TILE
@@ -573,14 +664,14 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     nj1, nj2 = -(-I // BI), -(-H // BN)
     Gp1, Gp2 = -(-G1 // BG) * BG, -(-G2 // BG) * BG
     Gf1, Gf2 = -(-G1 // fma.groups) * fma.groups, -(-G2 // fma.groups) * fma.groups
+    Ga = max(Gf2, nj1 * BI // BLOCK)  # groups of kernel 2's FMA activations: every load and store in bounds
     zero_cols = _pow2(-(-H // nj1))
     # out: exactly [T, H] on GPU (masked stores and atomics); the interpreter gets every index in bounds
     To, Ho = (max(Tp, _pow2(T)), max(nj2 * BN, nj1 * zero_cols)) if interpret else (T, H)
     Ia = max(Gp2 * BLOCK, nj1 * BI)  # act columns: every K step of kernel 2 and every store of kernel 1 in bounds
     ids_flat = ids.reshape(-1).astype(jnp.int32)
     w_flat = weights.reshape(-1).astype(F32)
-    # the FMA path's activations: x[t, 32g + 8q + i] at [t, g, i, q], times 2^pre
-    xp = (x.astype(F32) * fma.prescale).reshape(T, G1, 4, 8).swapaxes(2, 3)
+    xq = _f16_pairs(x.astype(F32))  # the FMA path's activations
     # gate_up rows as [I, 2] (gate, linear): free reshapes of the HF layout
     gu_w = _as_words(gate_up_blocks).reshape(E, I, 2, G1, 4)
     gu_s, gu_b = gate_up_scales.reshape(E, I, 2, G1), gate_up_bias.reshape(E, I, 2)
@@ -589,7 +680,7 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
         Gi1, Gi2 = max(Gp1, Gf1), max(Gp2, Gf2)
         ids_flat = _pad(ids_flat, (Pp,), -1)
         x = _pad(x, (Tp, Gp1 * BLOCK))
-        xp = _pad(xp, (T, Gf1, 8, 4))
+        xq = _pad(xq, (T, Gf1, _PAIR_ROWS, 4))
         gu_w, gu_s, gu_b = (_pad(gu_w, (E, nj1 * BI, 2, Gi1, 4)), _pad(gu_s, (E, nj1 * BI, 2, Gi1)),
                             _pad(gu_b, (E, nj1 * BI, 2)))
         dn_w, dn_s, dn_b = (_pad(dn_w, (E, nj2 * BN, Gi2, 4)), _pad(dn_s, (E, nj2 * BN, Gi2)),
@@ -598,14 +689,14 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     else:
         params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     Tf = max(fma.tokens, 1)
-    act, actf, out = pl.pallas_call(
+    act, actq, out = pl.pallas_call(
         functools.partial(_gate_up_kernel, T=T, k=k, H=H, I=I, BI=BI, BG=BG, limit=float(limit), alpha=float(alpha),
                           decode=decode, zero_cols=zero_cols, depth=cfg.prefetch, perm=perm, fma=fma),
         grid=(P, nc, nj1),
-        out_shape=(jax.ShapeDtypeStruct((P, Tp, Ia), x.dtype), jax.ShapeDtypeStruct((P, Tf, Gf2 * BLOCK), F32),
+        out_shape=(jax.ShapeDtypeStruct((P, Tp, Ia), x.dtype), jax.ShapeDtypeStruct((P, Tf, Ga * 4 * _PAIR_ROWS), jnp.uint32),
                    jax.ShapeDtypeStruct((To, Ho), F32)),
         compiler_params=params, interpret=interpret, name="mxfp4_moe_gate_up",
-    )(ids_flat, x.reshape(x.shape[0], -1, 8) if perm else x, xp, gu_w, gu_s, gu_b)
+    )(ids_flat, x.reshape(x.shape[0], -1, 8) if perm else x, xq, gu_w, gu_s, gu_b)
     out = pl.pallas_call(
         functools.partial(_down_kernel, T=T, k=k, H=H, I=I, BN=BN, BG=BG, decode=decode, interpret=interpret,
                           depth=cfg.prefetch, perm=perm, fma=fma),
@@ -613,7 +704,8 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
         out_shape=jax.ShapeDtypeStruct((To, Ho), F32),
         input_output_aliases={7: 0},
         compiler_params=params, interpret=interpret, name="mxfp4_moe_down",
-    )(ids_flat, w_flat, act.reshape(P, Tp, -1, 8) if perm else act, actf.reshape(P, Tf, Gf2, 8, 4), dn_w, dn_s, dn_b,
+    )(ids_flat, w_flat, act.reshape(P, Tp, -1, 8) if perm else act,
+      actq.reshape(P, Tf, Ga, _PAIR_ROWS, 4), dn_w, dn_s, dn_b,
       out)
     return out if (To, Ho) == (T, H) else out[:T, :H]
 
