@@ -340,6 +340,7 @@ def _expert_rows(x_ref, x_lead, wq_ref, sc_ref, e, row_sets, r_ok, c, *, K, BG, 
 # f32 bits of the group's factor 2^e_g (the rest of row 4 is 0). Pair k meets nibbles 3 - k and 7 - k
 # of each weight word: the nibbles at the top of the word's two halves after a left shift by 4k.
 _PAIR_ROWS = 5  # rows of 4 words per scale group: 4 of pairs, 1 for the factor
+_PAIR_WORDS, _GROUP_WORDS = 16, 4 * _PAIR_ROWS  # a group's pair words; all its words (the factor at 16)
 
 _E_MIN, _E_MAX = -100, 127  # clamp of the groups' exponents (f32-normal factors 2^e and 2^(14 - e))
 
@@ -366,8 +367,8 @@ def _pair_inputs(n):
     """For the first n / 16 groups of the pair layout: the inputs (low, high) of its n pair words
     ([g, k, q] order) and the words' flat indices (int32 [n] each)."""
     m = lax.broadcasted_iota(jnp.int32, (n,), 0)
-    lo = (m // 16) * BLOCK + (m % 4) * 8 + 3 - (m // 4) % 4
-    return lo, lo + 4, (m // 16) * (4 * _PAIR_ROWS) + m % 16
+    lo = (m // _PAIR_WORDS) * BLOCK + (m % 4) * 8 + 3 - (m // 4) % 4
+    return lo, lo + 4, (m // _PAIR_WORDS) * _GROUP_WORDS + m % _PAIR_WORDS
 
 
 def _f16_pairs(v):
@@ -496,8 +497,7 @@ def _swiglu(hg, hl, bg, bl, limit, alpha):
     return gate * (1.0 / (1.0 + jnp.exp(-alpha * gate))) * (lin + 1.0)
 
 
-def _gate_up_kernel(ids_ref, x_ref, xq_ref, wq_ref, sc_ref, b_ref, act_ref, actq_ref, out_ref, *,
-                    T, k, H, I, BI, BG,
+def _gate_up_kernel(ids_ref, x_ref, xq_ref, wq_ref, sc_ref, b_ref, act_ref, actq_ref, out_ref, *, T, k, H, I, BI, BG,
                     limit, alpha, decode, zero_cols, depth, perm, fma):
     s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     To, Ho = out_ref.shape
@@ -541,7 +541,7 @@ def _gate_up_kernel(ids_ref, x_ref, xq_ref, wq_ref, sc_ref, b_ref, act_ref, actq
         toks = [pair // k for pair, _ in _first_pairs(is_e, q, fma.tokens)]
         lo, hi, at = _pair_inputs(BI // 2)
         ng = BI // BLOCK
-        lo, hi, at = lo + j * BI, hi + j * BI, at + j * ng * (4 * _PAIR_ROWS)
+        lo, hi, at = lo + j * BI, hi + j * BI, at + j * ng * _GROUP_WORDS
         p_ok = lo < I  # (I is a multiple of 32: lo and hi exist together)
         sets = [(lo, _GATE), (hi, _GATE), (lo, _LIN), (hi, _LIN)]
         hs = _fma_rows(xq_ref, (), toks, wq_ref, sc_ref, e, sets, p_ok, K=H, BG=fma.groups,
@@ -555,11 +555,10 @@ def _gate_up_kernel(ids_ref, x_ref, xq_ref, wq_ref, sc_ref, b_ref, act_ref, actq
             sc = _pow2_f32(14 - ex)
             _store(actq_ref, (s, jnp.int32(r), at), _pack_f16x2(a_lo * sc, a_hi * sc), mask=p_ok)
             factor = lax.bitcast_convert_type(jnp.broadcast_to(_pow2_f32(ex), (ng,)), jnp.uint32)
-            _store(actq_ref, (s, jnp.int32(r), gs * (4 * _PAIR_ROWS) + 16), factor, mask=gs < I // BLOCK)
+            _store(actq_ref, (s, jnp.int32(r), gs * _GROUP_WORDS + _PAIR_WORDS), factor, mask=gs < I // BLOCK)
 
 
-def _down_kernel(ids_ref, w_ref, act_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H,
-                 I, BN,
+def _down_kernel(ids_ref, w_ref, act_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H, I, BN,
                  BG, decode, interpret, depth, perm, fma):
     del out_in_ref  # aliased with out_ref
     s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -693,7 +692,7 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
         functools.partial(_gate_up_kernel, T=T, k=k, H=H, I=I, BI=BI, BG=BG, limit=float(limit), alpha=float(alpha),
                           decode=decode, zero_cols=zero_cols, depth=cfg.prefetch, perm=perm, fma=fma),
         grid=(P, nc, nj1),
-        out_shape=(jax.ShapeDtypeStruct((P, Tp, Ia), x.dtype), jax.ShapeDtypeStruct((P, Tf, Ga * 4 * _PAIR_ROWS), jnp.uint32),
+        out_shape=(jax.ShapeDtypeStruct((P, Tp, Ia), x.dtype), jax.ShapeDtypeStruct((P, Tf, Ga * _GROUP_WORDS), jnp.uint32),
                    jax.ShapeDtypeStruct((To, Ho), F32)),
         compiler_params=params, interpret=interpret, name="mxfp4_moe_gate_up",
     )(ids_flat, x.reshape(x.shape[0], -1, 8) if perm else x, xq, gu_w, gu_s, gu_b)
