@@ -136,9 +136,14 @@ def _raw_f16(w, i):
     return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16).astype(F32)
 
 
+def _pow2_f32(e):
+    """2^e as f32 for int32 e in [-126, 127]."""
+    return lax.bitcast_convert_type(lax.shift_left(e + 127, jnp.int32(23)), F32)
+
+
 def _exp2(sc, k):
     """2^(scale - 127 + k) as f32 for E8M0 scale bytes sc (normal for 1 <= scale + k <= 254)."""
-    return lax.bitcast_convert_type((sc.astype(jnp.int32) + k) << 23, F32)
+    return _pow2_f32(sc.astype(jnp.int32) + (k - SCALE_BIAS))
 
 
 def _scaled_parts(w, sc, raw, unit):
@@ -349,11 +354,6 @@ def _group_exponent(m):
     """m f32 >= 0 -> int32 e with m < 2^e (m = 0: the floor), clamped to [_E_MIN, _E_MAX]."""
     biased = lax.shift_right_logical(lax.bitcast_convert_type(m, jnp.int32), jnp.int32(23)) & 0xFF
     return jnp.clip(biased - 126, _E_MIN, _E_MAX)
-
-
-def _pow2_f32(e):
-    """2^e as f32 for int32 e in [-126, 127]."""
-    return lax.bitcast_convert_type(lax.shift_left(e + 127, jnp.int32(23)), F32)
 
 
 def _pack_f16x2(lo, hi):
