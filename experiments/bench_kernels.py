@@ -228,7 +228,7 @@ def _bench_moe_e2e(bw):
     del cache
     L, H, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
     lay = model.layers[0]
-    attn_bytes = sum(int(np.prod(getattr(lay.self_attn, nm)[...].shape)) * 2 for nm in ("wq", "wk", "wv", "wo")) * L
+    attn_bytes = sum(int(np.prod(getattr(lay.self_attn, nm)[...].shape)) * 2 for nm in ("wqkv", "wo")) * L
     ex = lay.mlp.experts
     per_expert = mk.expert_bytes(ex.gate_up_blocks[...], ex.gate_up_scales[...], ex.gate_up_bias[...],
                                  ex.down_blocks[...], ex.down_scales[...], ex.down_bias[...])

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from hf_fixtures import dense_from_mxfp4, random_hf_weights, tiny_hf_config, write_hf_checkpoint
 
+from eagle3_jax.convert import params
 from eagle3_jax.convert import load_gpt_oss, restore_checkpoint, save_checkpoint, save_gpt_oss
 from eagle3_jax.models import GptOssConfig, gpt_oss
 
@@ -36,6 +37,30 @@ def test_packed_experts_stay_packed(hf):
     assert ex.gate_up_blocks[...].dtype == jnp.uint8 and ex.gate_up_blocks[...].shape == (8, 128, 2, 16)
     np.testing.assert_array_equal(ex.down_scales[...], w["model.layers.0.mlp.experts.down_proj_scales"])
     assert m.embed[...].dtype == jnp.bfloat16 and m.norm.scale[...].dtype == jnp.float32
+
+
+def test_qkv_fill_the_fused_projection_in_order(hf):
+    """q, k, v (weights and biases) land side by side in wqkv / bqkv, each in its own columns."""
+    cfg, w, path = hf
+    write_hf_checkpoint(path, cfg, w)
+    att = load_gpt_oss(path, dtype=jnp.float32).layers[1].self_attn
+    p = "model.layers.1.self_attn."
+    np.testing.assert_array_equal(np.asarray(att.wqkv[...]), np.concatenate(
+        [w[p + f"{n}_proj.weight"].astype(np.float32).T for n in "qkv"], axis=1))
+    np.testing.assert_array_equal(np.asarray(att.bqkv[...]), np.concatenate(
+        [w[p + f"{n}_proj.bias"].astype(np.float32) for n in "qkv"]))
+
+
+def test_filler_rejects_a_partly_filled_param():
+    var = nnx.Param(jnp.zeros((3, 6)))
+    fill = params.Filler()
+    fill.put(var, np.ones((3, 2)), (0, 2))
+    fill.put(var, np.full((3, 2), 2.0), (4, 6))
+    with pytest.raises(RuntimeError, match="left with columns unset"):
+        fill.finish()
+    fill.put(var, np.full((3, 2), 3.0), (2, 4))
+    fill.finish()
+    np.testing.assert_array_equal(np.asarray(var[...]), np.repeat([[1.0, 1, 3, 3, 2, 2]], 3, axis=0))
 
 
 @pytest.mark.parametrize("experts", ["mxfp4", "dense"])

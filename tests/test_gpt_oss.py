@@ -122,3 +122,29 @@ def test_moe_paths_agree(ckpt):
             moe(x, path="nope")
     finally:
         moe.path = None
+
+
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_top_k_by_rank_is_lax_top_k(k):
+    # coarse values: many ties, which both must order by index; rows of several shapes
+    key = jax.random.key(np.random.randint(1 << 30))
+    x = jnp.round(jax.random.normal(key, (3, 5, 40)) * 2) / 2
+    x = x.at[0, 0].set(0.0)  # a row of equal values
+    vals, ids = gpt_oss.top_k_by_rank(x, k)
+    want_vals, want_ids = jax.lax.top_k(x, k)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_vals))
+    assert ids.dtype == jnp.int32 and vals.dtype == x.dtype
+
+
+def test_route_one_token_and_many_agree(ckpt):
+    # one token takes the padded two-row router dot and the rank top-k; many tokens lax.top_k
+    _, _, model = ckpt
+    moe = model.layers[0].mlp
+    n = gpt_oss.RANK_TOP_K_ROWS + 3
+    x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)), (n, moe.router_w[...].shape[0]))
+    ids, w = moe.route(x)
+    for i in (0, n - 1):
+        ids1, w1 = moe.route(x[i:i + 1])
+        np.testing.assert_array_equal(np.asarray(ids1[0]), np.asarray(ids[i]))
+        np.testing.assert_allclose(np.asarray(w1[0]), np.asarray(w[i]), rtol=1e-6)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 from flax import nnx
 
+from eagle3_jax.convert import params
 from eagle3_jax.convert import safetensors_io as stio
 from eagle3_jax.models.config import Eagle3Config, GptOssConfig, rope_from_hf, rope_to_hf
 from eagle3_jax.models.eagle3 import Eagle3
@@ -80,16 +80,16 @@ def config_from_hf(cfg: dict, target_config: GptOssConfig, where: str = "config.
 
 
 def _entries(c: Eagle3Config, p: str):
-    """(HF key, attribute path, HF shape, transpose?) for every float tensor of the draft."""
+    """(HF key, attribute path, HF shape, transpose?, columns of the fused param or None) for every
+    float tensor of the draft."""
     H, Ht, I = c.hidden_size, c.target_hidden_size, c.intermediate_size
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    q = c.num_attention_heads * c.head_dim
+    qkv = params.qkv_columns(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
     out = [("fc.weight", ("fc",), (H, 3 * Ht), True), ("norm.weight", ("norm", "scale"), (H,), False),
            (p + "input_layernorm.weight", ("input_layernorm", "scale"), (H,), False),
            (p + "hidden_norm.weight", ("hidden_norm", "scale"), (H,), False),
            (p + "post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), (H,), False),
-           (p + "self_attn.q_proj.weight", ("wq",), (q, 2 * H), True),
-           (p + "self_attn.k_proj.weight", ("wk",), (kv, 2 * H), True),
-           (p + "self_attn.v_proj.weight", ("wv",), (kv, 2 * H), True),
+           *((p + f"self_attn.{n}_proj.weight", ("wqkv",), (b - a, 2 * H), True, (a, b)) for n, (a, b) in qkv.items()),
            (p + "self_attn.o_proj.weight", ("wo",), (H, q), True),
            (p + "mlp.gate_proj.weight", ("gate",), (I, H), True), (p + "mlp.up_proj.weight", ("up",), (I, H), True),
            (p + "mlp.down_proj.weight", ("down",), (H, I), True)]
@@ -101,7 +101,7 @@ def _entries(c: Eagle3Config, p: str):
         out.append(("embed_tokens.weight", ("embed",), (c.vocab_size, H), False))
     if c.own_lm_head:
         out.append(("lm_head.weight", ("lm_head",), (c.draft_vocab_size, H), False))
-    return out
+    return [e if len(e) == 5 else (*e, None) for e in out]
 
 
 def _get_attr(module, path):
@@ -169,11 +169,11 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
         abstract.embed = target.embed
     if not cfg.own_lm_head:
         abstract.lm_head = target.lm_head
-    for key, attr, shape, transpose in _entries(cfg, prefix):
-        var = _get_attr(abstract, attr)
+    fill = params.Filler()
+    for key, attr, shape, transpose, cols in _entries(cfg, prefix):
         a = stio.get(tensors, key, shape, path)
-        a = np.ascontiguousarray(a.T if transpose else a).astype(var.get_value().dtype, copy=False)
-        var.set_value(jax.device_put(a))
+        fill.put(_get_attr(abstract, attr), a.T if transpose else a, cols)
+    fill.finish()
     if cfg.own_lm_head:
         d2t = stio.get(tensors, "d2t", (cfg.draft_vocab_size,), path, "i") if "d2t" in tensors else \
             np.zeros(cfg.draft_vocab_size, np.int64)
@@ -197,8 +197,8 @@ def save_eagle3(draft: Eagle3, path: str | os.PathLike) -> None:
     c = draft.config
     os.makedirs(path, exist_ok=True)
     tensors = {}
-    for key, attr, _, transpose in _entries(c, "midlayer."):
-        a = np.asarray(jax.device_get(_get_attr(draft, attr).get_value()))
+    for key, attr, _, transpose, cols in _entries(c, "midlayer."):
+        a = params.columns(_get_attr(draft, attr).get_value(), cols)
         a = a.T if transpose else a
         tensors[key] = np.ascontiguousarray(a.astype(np.float32) if a.ndim == 1 else a)  # matrices keep their dtype
     d2t = np.asarray(draft.d2t[...]).astype(np.int64)

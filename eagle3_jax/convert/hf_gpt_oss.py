@@ -19,6 +19,7 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
+from eagle3_jax.convert import params
 from eagle3_jax.convert import safetensors_io as stio
 from eagle3_jax.models.config import GptOssConfig, RopeConfig
 from eagle3_jax.models.gpt_oss import GptOss
@@ -31,6 +32,7 @@ class Entry(NamedTuple):
     to_param: Callable            # HF array -> our layout
     to_hf: Callable               # our layout -> HF array
     kinds: str = "f"              # allowed dtype kinds
+    cols: tuple | None = None     # (start, stop) of the param's last axis it fills (fused qkv), None: all
 
 
 def _same(a):
@@ -55,7 +57,7 @@ def layout(path_or_keys) -> str:
 def entries(cfg: GptOssConfig) -> list[Entry]:
     """Every checkpoint tensor with its parameter path and HF shape; the one table both directions use."""
     H, V, E, I = cfg.hidden_size, cfg.vocab_size, cfg.num_local_experts, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    q = cfg.num_attention_heads * cfg.head_dim
     out = [Entry("model.embed_tokens.weight", ("embed",), (V, H), _same, _same),
            Entry("model.norm.weight", ("norm", "scale"), (H,), _same, _same),
            Entry("lm_head.weight", ("lm_head",), (V, H), _same, _same)]
@@ -67,11 +69,14 @@ def entries(cfg: GptOssConfig) -> list[Entry]:
                 Entry(p + "self_attn.sinks", L + ("self_attn", "sinks"), (cfg.num_attention_heads,), _same, _same),
                 Entry(p + "mlp.router.weight", L + ("mlp", "router_w"), (E, H), _t, _t),
                 Entry(p + "mlp.router.bias", L + ("mlp", "router_b"), (E,), _same, _same)]
-        for name, w, n_out, n_in in (("q", "wq", q, H), ("k", "wk", kv, H), ("v", "wv", kv, H), ("o", "wo", H, q)):
-            out.append(Entry(p + f"self_attn.{name}_proj.weight", L + ("self_attn", w), (n_out, n_in), _t, _t))
+        qkv = params.qkv_columns(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        for name, w, cols, n_in in (*((n, "qkv", c, H) for n, c in qkv.items()), ("o", "o", None, q)):
+            n_out = H if cols is None else cols[1] - cols[0]
+            out.append(Entry(p + f"self_attn.{name}_proj.weight", L + ("self_attn", "w" + w), (n_out, n_in), _t, _t,
+                             cols=cols))
             if cfg.attention_bias:
-                out.append(Entry(p + f"self_attn.{name}_proj.bias", L + ("self_attn", "b" + w[1]), (n_out,),
-                                 _same, _same))
+                out.append(Entry(p + f"self_attn.{name}_proj.bias", L + ("self_attn", "b" + w), (n_out,),
+                                 _same, _same, cols=cols))
         x = p + "mlp.experts."
         X = L + ("mlp", "experts")
         out += [Entry(x + "gate_up_proj_bias", X + ("gate_up_bias",), (E, 2 * I), _same, _same),
@@ -108,11 +113,10 @@ def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConf
     config = config.replace(experts_format=layout(tensors))
     abstract = nnx.eval_shape(lambda: GptOss(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
+    fill = params.Filler()
     for e in entries(config):
-        var = _param(state, e.path)
-        arr = stio.get(tensors, e.key, e.shape, path, e.kinds)
-        arr = np.ascontiguousarray(e.to_param(arr)).astype(var.get_value().dtype, copy=False)
-        var.set_value(jax.device_put(arr))
+        fill.put(_param(state, e.path), e.to_param(stio.get(tensors, e.key, e.shape, path, e.kinds)), e.cols)
+    fill.finish()
     return nnx.merge(graphdef, state)
 
 
@@ -124,7 +128,7 @@ def save_gpt_oss(model: GptOss, path: str | os.PathLike, max_shard_bytes: int = 
     state = nnx.state(model)
     shards, cur, size = [], {}, 0
     for e in entries(cfg):
-        a = np.asarray(jax.device_get(_param(state, e.path).get_value()))
+        a = params.columns(_param(state, e.path).get_value(), e.cols)
         if a.dtype.kind == "f" and "layernorm" not in e.key and e.key != "model.norm.weight":
             a = a.astype(ml_dtypes.bfloat16)
         a = np.ascontiguousarray(e.to_hf(a))

@@ -23,7 +23,7 @@ from flax import nnx
 from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.models import rope
 from eagle3_jax.models.config import Eagle3Config
-from eagle3_jax.models.gpt_oss import F32, RMSNorm, _normal
+from eagle3_jax.models.gpt_oss import F32, RMSNorm, _normal, split_qkv
 from eagle3_jax.pallas.attention import attention
 
 NO_SINK = -1e30  # the draft has no attention sinks: a sink logit that never gets weight
@@ -34,8 +34,9 @@ class Buffer(nnx.Variable):
 
 
 class Eagle3(nnx.Module):
-    """Weights in [in, out] layout; lm_head [Vd, H] and embed [V, H] as rows. `embed` / `lm_head`
-    may be the target's own Params (shared, not copied) when the draft has none of its own."""
+    """Weights in [in, out] layout, q, k and v fused as in gpt_oss.Attention (wqkv [2H, (Hq + 2 Hkv) * D]);
+    lm_head [Vd, H] and embed [V, H] as rows. `embed` / `lm_head` may be the target's own Params
+    (shared, not copied) when the draft has none of its own."""
 
     def __init__(self, config: Eagle3Config, *, dtype=jnp.bfloat16, rngs: nnx.Rngs, embed=None, lm_head=None):
         c = config
@@ -59,9 +60,7 @@ class Eagle3(nnx.Module):
         self.input_layernorm = RMSNorm(H, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(H, c.rms_norm_eps)
-        self.wq = nnx.Param(_normal(rngs, (2 * H, Hq * D), (2 * H) ** -0.5, dtype))
-        self.wk = nnx.Param(_normal(rngs, (2 * H, Hkv * D), (2 * H) ** -0.5, dtype))
-        self.wv = nnx.Param(_normal(rngs, (2 * H, Hkv * D), (2 * H) ** -0.5, dtype))
+        self.wqkv = nnx.Param(_normal(rngs, (2 * H, (Hq + 2 * Hkv) * D), (2 * H) ** -0.5, dtype))
         self.wo = nnx.Param(_normal(rngs, (Hq * D, H), (Hq * D) ** -0.5, dtype))
         self.gate = nnx.Param(_normal(rngs, (H, c.intermediate_size), H ** -0.5, dtype))
         self.up = nnx.Param(_normal(rngs, (H, c.intermediate_size), H ** -0.5, dtype))
@@ -90,9 +89,7 @@ def layer_inputs(draft: Eagle3, tokens, g, positions):
     gn = draft.hidden_norm(g)
     residual = gn if c.norm_before_residual else g
     x = jnp.concatenate([draft.input_layernorm(draft.embed[...][tokens]), gn], axis=-1)
-    q = (x @ draft.wq[...]).reshape(B, T, Hq, D)
-    k = (x @ draft.wk[...]).reshape(B, T, Hkv, D)
-    v = (x @ draft.wv[...]).reshape(B, T, Hkv, D)
+    q, k, v = split_qkv(x @ draft.wqkv[...], Hq, Hkv, D)
     inv_freq, scale = rope.inv_freq_and_scale(c.rope, D, c.max_position_embeddings)
     cos, sin = rope.cos_sin(positions, inv_freq, scale)
     return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v, residual
