@@ -148,3 +148,19 @@ def test_route_one_token_and_many_agree(ckpt):
         ids1, w1 = moe.route(x[i:i + 1])
         np.testing.assert_array_equal(np.asarray(ids1[0]), np.asarray(ids[i]))
         np.testing.assert_allclose(np.asarray(w1[0]), np.asarray(w[i]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_kv_cache_write_puts_tokens_at_each_start(B):
+    from eagle3_jax.models import kv_cache as kvc
+
+    rng = np.random.default_rng(np.random.randint(1 << 30))
+    H, S, D, N = 2, 11, 4, 3
+    buf = rng.standard_normal((B, H, S, D)).astype(np.float32)
+    new = rng.standard_normal((B, N, H, D)).astype(np.float32)
+    start = rng.integers(0, S - N + 1, B).astype(np.int32)
+    want = buf.copy()
+    for b in range(B):
+        want[b, :, start[b]:start[b] + N] = new[b].transpose(1, 0, 2)
+    got = jax.jit(kvc.write)(jnp.asarray(buf), jnp.asarray(new), jnp.asarray(start))
+    np.testing.assert_array_equal(np.asarray(got), want)

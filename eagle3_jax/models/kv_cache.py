@@ -41,4 +41,6 @@ def write_before_read(k_cache, v_cache, k, v, lengths):
 def write(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """buf [B, H, S, D] <- new [B, N, H, D] at slots start[b] .. start[b] + N - 1 (start must be <= S - N)."""
     new = jnp.swapaxes(new, 1, 2).astype(buf.dtype)
+    if buf.shape[0] == 1:  # one in-place update; vmap would make a scatter (on GPUs a select kernel + the update)
+        return jax.lax.dynamic_update_slice(buf, new, (0, 0, start[0], 0))
     return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (0, s, 0)))(buf, new, start)
