@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -79,9 +80,16 @@ def config_from_hf(cfg: dict, target_config: GptOssConfig, where: str = "config.
         raise ValueError(f"{where}: {e}") from None
 
 
-def _entries(c: Eagle3Config, p: str):
-    """(HF key, attribute path, HF shape, transpose?, columns of the fused param or None) for every
-    float tensor of the draft."""
+class _Entry(NamedTuple):
+    key: str                  # HF tensor name (after the layer prefix)
+    attr: tuple               # attribute path in Eagle3
+    shape: tuple              # HF shape
+    transpose: bool           # HF [out, in] -> our [in, out]
+    cols: tuple | None = None  # (start, stop) of the fused param's last axis it fills (wqkv), None: all
+
+
+def _entries(c: Eagle3Config, p: str) -> list[_Entry]:
+    """Every float tensor of the draft."""
     H, Ht, I = c.hidden_size, c.target_hidden_size, c.intermediate_size
     q = c.num_attention_heads * c.head_dim
     qkv = params.qkv_columns(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
@@ -101,7 +109,7 @@ def _entries(c: Eagle3Config, p: str):
         out.append(("embed_tokens.weight", ("embed",), (c.vocab_size, H), False))
     if c.own_lm_head:
         out.append(("lm_head.weight", ("lm_head",), (c.draft_vocab_size, H), False))
-    return [e if len(e) == 5 else (*e, None) for e in out]
+    return [_Entry(*e) for e in out]
 
 
 def _get_attr(module, path):
