@@ -85,6 +85,12 @@ def test_orbax_round_trip(hf, tmp_path):
     r = restore_checkpoint(tmp_path / "orbax")
     assert r.config == m.config and r.dtype == m.dtype
     assert_same_params(m, r)
+    meta_file = tmp_path / "orbax" / "eagle3_jax.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["layout"]  # written before the layout field (separate wq / wk / wv)
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="parameter layout 1, this version reads layout 2"):
+        restore_checkpoint(tmp_path / "orbax")
 
 
 def test_missing_key(hf):

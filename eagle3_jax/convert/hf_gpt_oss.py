@@ -153,13 +153,18 @@ def save_gpt_oss(model: GptOss, path: str | os.PathLike, max_shard_bytes: int = 
 
 # -- orbax ---------------------------------------------------------------------------------------
 
+# Version of the parameter tree orbax checkpoints store; bumped when it changes (2: q/k/v fused into wqkv).
+CHECKPOINT_LAYOUT = 2
+
+
 def save_checkpoint(model: GptOss, directory: str | os.PathLike) -> None:
     """Orbax checkpoint of a converted model: `directory/state` plus `directory/eagle3_jax.json`."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(os.fspath(directory))
     os.makedirs(directory, exist_ok=True)
-    meta = {"kind": "gpt_oss", "config": dataclasses.asdict(model.config), "dtype": jnp.dtype(model.dtype).name}
+    meta = {"kind": "gpt_oss", "layout": CHECKPOINT_LAYOUT, "config": dataclasses.asdict(model.config),
+            "dtype": jnp.dtype(model.dtype).name}
     with open(os.path.join(directory, "eagle3_jax.json"), "w") as f:
         json.dump(meta, f, indent=1)
     with ocp.StandardCheckpointer() as ckpt:
@@ -175,6 +180,9 @@ def restore_checkpoint(directory: str | os.PathLike) -> GptOss:
         raise ValueError(f"{meta_file}: not found (not an eagle3_jax checkpoint)")
     with open(meta_file) as f:
         meta = json.load(f)
+    if meta.get("layout", 1) != CHECKPOINT_LAYOUT:
+        raise ValueError(f"{meta_file}: parameter layout {meta.get('layout', 1)}, this version reads layout "
+                         f"{CHECKPOINT_LAYOUT} (q/k/v fused into wqkv); convert the HF checkpoint again")
     c = dict(meta["config"])
     c["rope"] = RopeConfig(**c["rope"])
     config = GptOssConfig(**c)
