@@ -143,7 +143,8 @@ def test_interpret_all_tokens_same_experts():
 
 
 def test_interpret_fresh_inputs_same_executable():
-    cfg = moe.MoeConfig(block_i=32, block_h=32, groups=2, prefetch=5)  # loads reach past the last K step
+    # loads reach past the last K step on both paths
+    cfg = moe.MoeConfig(block_i=32, block_h=32, groups=2, prefetch=5, fma_groups=2, fma_prefetch=3)
     errs = [_check(_case(seed, 5, E=8, H=64, I=64), cfg) for seed in (10, 11, 12)]
     assert max(errs) < 2e-3
 
@@ -157,6 +158,8 @@ def test_rejects_bad_input():
         moe.mxfp4_moe(args[0][:, :32], *args[1:], limit=LIMIT, alpha=ALPHA, interpret=True)
     with pytest.raises(ValueError, match="decode"):
         moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(decode="nope"), interpret=True)
+    with pytest.raises(ValueError, match="fma_prefetch must be >= 1"):
+        moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(fma_prefetch=0), interpret=True)
     with pytest.raises(ValueError, match="block_i >= 32"):  # FMA act words are written a scale group at a time
         moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(block_i=16), interpret=True)
 

@@ -16,10 +16,11 @@ Two Pallas (Triton) kernels, no routing glue in XLA (one XLA fusion lays x out f
      expert is handled by exactly one slot. The program streams its 2*BI packed gate/linear rows
      once and dequantizes them in registers, on one of two paths chosen per expert:
      - FMA path (the expert was chosen by at most `fma_tokens` tokens, at decode nearly all of
-       them): CUDA cores, no layout conversions. The activations come as f16 pairs with one
-       power-of-two factor per 32-input scale group (`_f16_pairs`); each weight word is decoded
-       into four f16x2 (sign bits kept in place, magnitude bits shifted once) and multiplied with
-       the matching pairs by f16x2 fma in one inline-PTX block, about 2.3 instructions per weight.
+       them): CUDA cores, no tensor-core layout conversions. The activations come as f16 pairs
+       with one power-of-two factor per 32-input scale group (`_f16_pairs`); each scale group's
+       four weight words are decoded into sixteen f16x2 (sign bits kept in place, magnitude bits
+       shifted once) and multiplied with the matching pairs by f16x2 fma in one inline-PTX block
+       (`_group_dot_asm`), about 2.5 instructions per weight at one token.
      - MMA path (more tokens): the chunk's 16 token rows on the tensor cores; the decoded tile is
        interleaved into input order and converted to the dot-operand layout.
      Bias and SwiGLU in f32; act to HBM (a few MB at most, read back from L2).
@@ -31,20 +32,22 @@ and mantissa-high bits of a float: bf16x2 times 2^(scale - 1 - 32) in the MMA pa
 the MMA as exact bf16 values times 2^-32 and the accumulator is scaled back once; exact for scale
 bytes 35..160), f16x2 E2M1 * 2^-14 in the FMA path (0.5 an f16 subnormal, which GPUs keep). FMA path
 numerics: activations are scaled per group so that |x'| < 2^14 (values below 2^-24 of their group's
-maximum flush), each word's eight products are summed in f16 (at most 24 in magnitude) and then in
-f32, and each (row, group) sum is multiplied by 2^(scale - 127) and the group's factor (scale byte 0
+maximum flush), each group's 32 products are summed in f16 (16 a half, at most 96 in magnitude) and
+then in f32, and each (row, group) sum is multiplied by 2^(scale - 127) and the group's factor (scale byte 0
 reads as 0). Kernel 1 writes the FMA experts' act in this pair layout, one exponent per block_i
 columns. The interpreter (XLA:CPU flushes f32 subnormals) decodes through f16 with f32 products
 (`decode="f16"`).
 
 Status (H200, JAX 0.11.2, experiments/results/moe_h200.json): correct on the GPU for every decoder
-and path; 26 / 35 / 40 / 34 / 13% of the HBM roofline at T = 1 / 4 / 8 / 16 / 64 (wall time of
-back-to-back calls; by device kernel time at T=1: gate_up 21.2 + down 12.7 + the pair-layout fusion
-1.6 us = 36%). The f32 FMA path before it: 17 / 28 / 30 / 30 / 12%. Nsight Compute at T=1: about
-4.5 instructions per weight in both kernels (2.3 in the PTX block), 0.4-0.5 instructions issued per
-scheduler cycle with 2.7 warps each (gate_up: 166 registers, 3 blocks per SM; the grid of 360
-programs fills one wave). The MMA path is bound by L1 / shared-memory traffic (the layout
-conversions, 75-85% busy).
+and path; 29 / 38 / 39 / 35 / 13% of the HBM roofline at T = 1 / 4 / 8 / 16 / 64 (wall time of
+back-to-back calls; by device kernel time at T=1: gate_up 19.5 + down 11.2 + the pair-layout fusion
+1.5 us = 41%). With one PTX block per word before: 26 / 35 / 40 / 34 / 13%; the f32 FMA path before
+that: 17 / 28 / 30 / 30 / 12%. Nsight Compute, gate_up at T=1: 851 instructions per thread per K step
+(32 words; the decode 15 a word, the f16x2 fma 4), 0.47 instructions issued per scheduler cycle with
+2.6 warps each (168 registers, 3 blocks per SM; the grid of 360 programs fills one wave); stalls:
+waiting on global loads 21%, fixed-latency dependencies 16%, the activations' register-layout
+conversion through shared memory 13% + 6% at its barriers. The MMA path is bound by L1 /
+shared-memory traffic (the layout conversions, 75-85% busy).
 
 `mxfp4_moe_reference` is the plain-jnp function of the same signature (dequantize the selected
 experts per pair). CPU tests run the kernels with interpret=True.
@@ -90,8 +93,9 @@ class MoeConfig:
     apart and multiplies each with the matching stride-8 slice of the activations (8 dots of K =
     4 * groups), which skips the joins (no faster, moe_layout_sweep_h200.json). fma_tokens: an
     expert chosen by at most this many tokens takes the FMA path (0 turns it off; else block_i >= 32),
-    in K steps of fma_groups scale groups; each further token adds registers to the whole kernel
-    (fma_tokens=2 was slower at T=4 and T=16 than 1; fma_groups 8 and 32 slower than 16 at T=1)."""
+    in K steps of fma_groups scale groups, its loads issued fma_prefetch steps ahead; each further
+    token adds registers to the whole kernel (fma_tokens=2 was slower at T=4 and T=16 than 1;
+    fma_groups 8 and 32 slower than 16 at T=1; fma_prefetch 2 slower than 1 at T=1 and T=4)."""
 
     block_i: int = 32
     block_h: int = 32
@@ -103,6 +107,7 @@ class MoeConfig:
     layout: str = "interleave"
     fma_tokens: int = 1
     fma_groups: int = 16
+    fma_prefetch: int = 1
 
 
 DEFAULT_CONFIG = MoeConfig()
@@ -385,23 +390,26 @@ def _f16_pairs(v):
     return jnp.concatenate([_pack_f16x2(h[..., 0], h[..., 1]), trailer], axis=2)
 
 
-def _pair_dot_asm(nt: int) -> str:
-    """PTX: $t (t < nt) = sum over the 8 nibbles of word $nt of E2M1 * 2^-14 times the token's matching
-    f16 activation, pairs $(nt + 1 + 4t + k). Each pair k: shift the word left by 4k, keep the sign
-    bits 15 / 31 and move the magnitude bits 12-14 / 28-30 to 9-11 / 25-27 (an f16x2 of E2M1 * 2^-14,
-    0.5 a subnormal), then one f16x2 multiply-add per token; the f16x2 sums (4 products a half, at
-    most 24 in magnitude) go to f32 once per word. About 2.3 instructions per weight at one token."""
-    w = f"${nt}"
+def _group_dot_asm(nt: int) -> str:
+    """PTX: $t (t < nt) = sum over the 32 nibbles of the group's words $nt..$(nt + 3) of E2M1 * 2^-14
+    times the token's matching f16 activation, pair words $(nt + 4 + 16t + 4k + q) (pair k of word q).
+    Each pair k of word q: shift the word left by 4k, keep the sign bits 15 / 31 and move the
+    magnitude bits 12-14 / 28-30 to 9-11 / 25-27 (an f16x2 of E2M1 * 2^-14, 0.5 a subnormal), then
+    one f16x2 multiply-add per token; the group's f16x2 sum (16 products a half, at most 96 in
+    magnitude) goes to f32 once. About 2 instructions per weight at one token."""
     lines = ["{", ".reg .b32 q, m, p;", ".reg .b32 " + ", ".join(f"a{t}" for t in range(nt)) + ";",
              ".reg .f16 lo, hi;", ".reg .f32 fl, fh;"]
-    for k in range(4):
-        if k:
-            lines.append(f"shl.b32 q, {w if k == 1 else 'q'}, 4;")
-        lines += ["and.b32 m, q, 0x70007000;" if k else f"and.b32 m, {w}, 0x70007000;", "shr.b32 m, m, 3;",
-                  "and.b32 p, q, 0x80008000;" if k else f"and.b32 p, {w}, 0x80008000;", "or.b32 p, p, m;"]
-        for t in range(nt):
-            x = f"${nt + 1 + 4 * t + k}"
-            lines.append(f"mul.rn.f16x2 a{t}, p, {x};" if k == 0 else f"fma.rn.f16x2 a{t}, p, {x}, a{t};")
+    for qw in range(4):
+        w = f"${nt + qw}"
+        for k in range(4):
+            src = w if k == 0 else "q"
+            if k:
+                lines.append(f"shl.b32 q, {w if k == 1 else 'q'}, 4;")
+            lines += [f"and.b32 m, {src}, 0x70007000;", "shr.b32 m, m, 3;", f"and.b32 p, {src}, 0x80008000;",
+                      "or.b32 p, p, m;"]
+            for t in range(nt):
+                x = f"${nt + 4 + 16 * t + 4 * k + qw}"
+                lines.append(f"mul.rn.f16x2 a{t}, p, {x};" if qw == k == 0 else f"fma.rn.f16x2 a{t}, p, {x}, a{t};")
     for t in range(nt):
         lines += [f"mov.b32 {{lo, hi}}, a{t};", "cvt.f32.f16 fl, lo;", "cvt.f32.f16 fh, hi;", f"add.f32 ${t}, fl, fh;"]
     lines.append("}")
@@ -415,20 +423,27 @@ def _f16_half(x, high):
     return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16).astype(F32)
 
 
-def _pair_dots(w, xs, decoder):
-    """w int32 [n, BG, 4]; xs: per token 4 x u32 [BG, 4] (pair k) -> per token f32 [n, BG, 4]: each
-    word's sum of E2M1 * 2^-14 * x'. "ptx": `_pair_dot_asm` (GPU only); "f16": jnp, products in f32."""
+def _unstack_last(a):
+    """[..., m] -> m arrays [...] (m a power of two; a register split in the Triton lowering)."""
+    return [p.reshape(p.shape[:-1]) for p in jnp.split(a, a.shape[-1], axis=-1)]
+
+
+def _group_dots(words, xs, decoder):
+    """words: the 4 int32 [n, BG] words of each (row, group); xs: per token 16 u32 [n, BG] pair words
+    (index 4k + q) -> per token f32 [n, BG]: each group's sum of E2M1 * 2^-14 * x'. "ptx":
+    `_group_dot_asm` (GPU only); "f16": jnp, products in f32."""
     if decoder == "ptx":
-        args = [jnp.broadcast_to(x[None], w.shape) for xt in xs for x in xt]
         nt = len(xs)
-        cons = ",".join(["=f"] * nt + ["r"] * (1 + 4 * nt))
-        return _inline_asm_multi(_pair_dot_asm(nt), [w, *args], cons, nt, F32)
+        cons = ",".join(["=f"] * nt + ["r"] * (4 + 16 * nt))
+        return _inline_asm_multi(_group_dot_asm(nt), [*words, *(x for xt in xs for x in xt)], cons, nt, F32)
     out = []
     for xt in xs:
         acc = None
-        for k, x in enumerate(xt):
-            term = (_raw_f16(w, 3 - k) * _f16_half(x, False)[None] + _raw_f16(w, 7 - k) * _f16_half(x, True)[None])
-            acc = term if acc is None else acc + term
+        for q, w in enumerate(words):
+            for k in range(4):
+                x = xt[4 * k + q]
+                term = _raw_f16(w, 3 - k) * _f16_half(x, False) + _raw_f16(w, 7 - k) * _f16_half(x, True)
+                acc = term if acc is None else acc + term
         out.append(acc)
     return out
 
@@ -448,8 +463,9 @@ def _tile_index(e, rows, g0, BG, words):
 
 def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG, decoder, depth):
     """[[f32 [n] per token] per row set]: W_e[rows] @ x[tok] (true values) for the tokens `toks`
-    (int32 scalars), streaming K inputs in steps of BG scale groups, loads `depth` steps ahead.
-    xq_ref[*x_lead, tok]: u32 [>= K / 32, 5, 4] (the pair layout above); each (row, group) sum is scaled once by
+    (int32 scalars), streaming K inputs in steps of BG scale groups; the weights, scales and the
+    tokens' activations are loaded `depth` steps ahead. xq_ref[*x_lead, tok]: u32 [>= K / 32, 20]
+    (the pair layout above, a group's 20 words in a row); each (row, group) sum is scaled once by
     2^(scale - 127) * 2^e_g (scale byte 0, 2^-127, reads as 0)."""
     n = r_ok.shape[0]
     K_groups = K // BLOCK
@@ -457,33 +473,33 @@ def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG,
     g_iota = lax.broadcasted_iota(jnp.int32, (BG,), 0)
 
     def load_step(kk):
-        live = kk < nk
         g0 = jnp.minimum(kk, nk - 1) * BG
-        wmask = r_ok[:, None] & ((g0 + g_iota < K_groups) & live)[None, :]
+        gmask = (g0 + g_iota < K_groups) & (kk < nk)
+        wmask = r_ok[:, None] & gmask[None, :]
         ws = []
         for rows in row_sets:
             ws.append(_load(wq_ref, _tile_index(e, rows, g0, BG, True),
                             mask=jnp.broadcast_to(wmask[:, :, None], (n, BG, 4)), other=0))
             ws.append(_load(sc_ref, _tile_index(e, rows, g0, BG, False), mask=wmask, other=0))
-        return tuple(ws)
+        xmask = jnp.broadcast_to(gmask[:, None], (BG, _PAIR_WORDS))
+        xs = tuple(_load(xq_ref, (*x_lead, t, pl.ds(g0, BG), pl.ds(0, _PAIR_WORDS)), mask=xmask, other=0)
+                   for t in toks)
+        xf = tuple(_load(xq_ref, (*x_lead, t, pl.ds(g0, BG), jnp.int32(_PAIR_WORDS)), mask=gmask, other=0)
+                   for t in toks)
+        return tuple(ws), xs, xf
 
     def body(kk, carry):
         accs, queue = carry
         ahead = load_step(kk + depth)
-        g0 = kk * BG
-        gmask = g0 + g_iota < K_groups
-        xmask = jnp.broadcast_to(gmask[:, None], (BG, 4))
-        xs = [[_load(xq_ref, (*x_lead, t, pl.ds(g0, BG), jnp.int32(k), slice(None)), mask=xmask, other=0)
-               for k in range(4)] for t in toks]  # L1 hits after the first row set of the CTA
-        xf = [lax.bitcast_convert_type(_load(xq_ref, (*x_lead, t, pl.ds(g0, BG), jnp.int32(4), jnp.int32(0)),
-                                             mask=gmask, other=0), F32) for t in toks]
+        ws, xs, xf = queue[0]
+        xw = [[jnp.broadcast_to(x[None], (n, BG)) for x in _unstack_last(xt)] for xt in xs]  # 16 x [n, BG]
+        xf = [lax.bitcast_convert_type(f, F32)[None, :] for f in xf]
         new = []
         for r, acc_r in enumerate(accs):
-            w = lax.bitcast_convert_type(queue[0][2 * r], jnp.int32)  # [n, BG, 4]
-            f = _exp2(queue[0][2 * r + 1], 0)  # 2^(scale - 127)
-            prods = _pair_dots(w, xs, decoder)
-            new.append(tuple(acc + jnp.sum(prod, axis=2) * (f * xft[None, :])
-                             for acc, prod, xft in zip(acc_r, prods, xf)))
+            words = _unstack_last(lax.bitcast_convert_type(ws[2 * r], jnp.int32))  # 4 x [n, BG]
+            f = _exp2(ws[2 * r + 1], 0)  # 2^(scale - 127)
+            sums = _group_dots(words, xw, decoder)
+            new.append(tuple(acc + s * (f * xft) for acc, s, xft in zip(acc_r, sums, xf)))
         return tuple(new), (*queue[1:], ahead)
 
     zeros = tuple(tuple(jnp.zeros((n, BG), F32) for _ in toks) for _ in row_sets)
@@ -545,7 +561,7 @@ def _gate_up_kernel(ids_ref, x_ref, xq_ref, wq_ref, sc_ref, b_ref, act_ref, actq
         p_ok = lo < I  # (I is a multiple of 32: lo and hi exist together)
         sets = [(lo, _GATE), (hi, _GATE), (lo, _LIN), (hi, _LIN)]
         hs = _fma_rows(xq_ref, (), toks, wq_ref, sc_ref, e, sets, p_ok, K=H, BG=fma.groups,
-                       decoder=fma.decoder, depth=depth)
+                       decoder=fma.decoder, depth=fma.prefetch)
         b = [_load(b_ref, (e, *rows), mask=p_ok, other=0).astype(F32) for rows in sets]
         gs = j * ng + lax.broadcasted_iota(jnp.int32, (ng,), 0)
         for r in range(fma.tokens):
@@ -586,7 +602,8 @@ def _down_kernel(ids_ref, w_ref, act_ref, actq_ref, wq_ref, sc_ref, b_ref, out_i
     @pl.when(first & use_fma & (c == 0))
     def _fma():
         [ys] = _fma_rows(actq_ref, (s,), [jnp.int32(r) for r in range(fma.tokens)], wq_ref, sc_ref, e,
-                         [(pl.ds(j * BN, BN),)], n_ok, K=I, BG=fma.groups, decoder=fma.decoder, depth=depth)
+                         [(pl.ds(j * BN, BN),)], n_ok, K=I, BG=fma.groups, decoder=fma.decoder,
+                         depth=fma.prefetch)
         for (pair, valid), y in zip(_first_pairs(is_e, q, fma.tokens), ys):
             val = (y + b) * w_ref[pair]
             _combine(out_ref, jnp.broadcast_to(pair // k, (BN,)), cols, val, n_ok & valid, interpret)
@@ -604,6 +621,7 @@ def _combine(out_ref, rows, cols, val, mask, interpret):
 class _Fma:
     tokens: int  # experts chosen by at most this many tokens take the FMA path
     groups: int
+    prefetch: int
     decoder: str
 
 
@@ -645,16 +663,16 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     for bsz in (cfg.block_i, cfg.block_h, cfg.groups, cfg.fma_groups):
         if bsz != _pow2(bsz):
             raise ValueError(f"mxfp4_moe: tile sizes must be powers of two, got {cfg}")
-    if cfg.prefetch < 1 or cfg.fma_tokens < 0 or (cfg.fma_tokens and cfg.block_i < BLOCK):
-        raise ValueError(f"mxfp4_moe: prefetch must be >= 1, fma_tokens >= 0, and block_i >= 32 when fma_tokens > 0, "
-                         f"got {cfg}")
+    if min(cfg.prefetch, cfg.fma_prefetch) < 1 or cfg.fma_tokens < 0 or (cfg.fma_tokens and cfg.block_i < BLOCK):
+        raise ValueError(f"mxfp4_moe: prefetch and fma_prefetch must be >= 1, fma_tokens >= 0, and block_i >= 32 when "
+                         f"fma_tokens > 0, got {cfg}")
     if cfg.layout not in ("interleave", "perm") or (cfg.layout == "perm" and cfg.groups < 4):
         raise ValueError(f"mxfp4_moe: layout must be 'interleave' or 'perm' (perm: groups >= 4), got {cfg}")
     perm = cfg.layout == "perm"
     if cfg.decode not in _DECODERS:
         raise ValueError(f"mxfp4_moe: decode {cfg.decode!r}, expected one of {sorted(_DECODERS)}")
     decode = _decode_f16 if interpret else _DECODERS[cfg.decode]
-    fma = _Fma(tokens=min(cfg.fma_tokens, T), groups=cfg.fma_groups,
+    fma = _Fma(tokens=min(cfg.fma_tokens, T), groups=cfg.fma_groups, prefetch=cfg.fma_prefetch,
                decoder="ptx" if cfg.decode == "ptx" and not interpret else "f16")
     P, Pp = T * k, _pow2(T * k)
     nc = -(-T // TOKEN_TILE)
@@ -695,7 +713,7 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
         out_shape=(jax.ShapeDtypeStruct((P, Tp, Ia), x.dtype), jax.ShapeDtypeStruct((P, Tf, Ga * _GROUP_WORDS), jnp.uint32),
                    jax.ShapeDtypeStruct((To, Ho), F32)),
         compiler_params=params, interpret=interpret, name="mxfp4_moe_gate_up",
-    )(ids_flat, x.reshape(x.shape[0], -1, 8) if perm else x, xq, gu_w, gu_s, gu_b)
+    )(ids_flat, x.reshape(x.shape[0], -1, 8) if perm else x, xq.reshape(*xq.shape[:2], _GROUP_WORDS), gu_w, gu_s, gu_b)
     out = pl.pallas_call(
         functools.partial(_down_kernel, T=T, k=k, H=H, I=I, BN=BN, BG=BG, decode=decode, interpret=interpret,
                           depth=cfg.prefetch, perm=perm, fma=fma),
@@ -704,7 +722,7 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
         input_output_aliases={7: 0},
         compiler_params=params, interpret=interpret, name="mxfp4_moe_down",
     )(ids_flat, w_flat, act.reshape(P, Tp, -1, 8) if perm else act,
-      actq.reshape(P, Tf, Ga, _PAIR_ROWS, 4), dn_w, dn_s, dn_b,
+      actq.reshape(P, Tf, Ga, _GROUP_WORDS), dn_w, dn_s, dn_b,
       out)
     return out if (To, Ho) == (T, H) else out[:T, :H]
 
