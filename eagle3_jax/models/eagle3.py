@@ -23,7 +23,7 @@ from flax import nnx
 from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.models import rope
 from eagle3_jax.models.config import Eagle3Config
-from eagle3_jax.models.gpt_oss import F32, RMSNorm, _normal, split_qkv
+from eagle3_jax.models.gpt_oss import F32, RMSNorm, _normal, qkv_rope
 from eagle3_jax.pallas.attention import attention
 
 NO_SINK = -1e30  # the draft has no attention sinks: a sink logit that never gets weight
@@ -89,10 +89,10 @@ def layer_inputs(draft: Eagle3, tokens, g, positions):
     gn = draft.hidden_norm(g)
     residual = gn if c.norm_before_residual else g
     x = jnp.concatenate([draft.input_layernorm(draft.embed[...][tokens]), gn], axis=-1)
-    q, k, v = split_qkv(x @ draft.wqkv[...], Hq, Hkv, D)
     inv_freq, scale = rope.inv_freq_and_scale(c.rope, D, c.max_position_embeddings)
     cos, sin = rope.cos_sin(positions, inv_freq, scale)
-    return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v, residual
+    q, k, v = qkv_rope(x @ draft.wqkv[...], None, cos, sin, Hq, Hkv, D)
+    return q, k, v, residual
 
 
 def layer_outputs(draft: Eagle3, residual, o):
