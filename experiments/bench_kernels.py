@@ -489,7 +489,7 @@ def bench_attention():
                      f"{100 * best['kernel_roofline_fraction']:6.1f} {best['seconds'] * 1e6:8.1f} "
                      f"{best.get('sdpa_s', float('nan')) * 1e6:8.1f} {best.get('flex_s', float('nan')) * 1e6:8.1f} "
                      f"{best.get('rel_err', float('nan')):8.1e}  ns={c['num_splits']} bk={c['block_k']} "
-                     f"rb={c['block_rows']} w={c['num_warps']} st={c['num_stages']}")
+                     f"rb={c['block_rows']} w={c['num_warps']} st={c['num_stages']} pre={int(c['preload_new'])}")
         print(table[-1], flush=True)
         return best
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -128,6 +129,7 @@ class AttnConfig:
     num_splits: int      # split-K ranges over the prefix
     num_warps: int
     num_stages: int
+    preload_new: bool    # load the (single block of) new tokens' K/V before the prefix loop
 
 
 def attention_config(batch, nq, hq, hkv, head_dim, cache_len, window, *, num_sms: int = 132,
@@ -137,7 +139,11 @@ def attention_config(batch, nq, hq, hkv, head_dim, cache_len, window, *, num_sms
     From sweeps on an H200 (experiments/results/kernels_h200.json, JAX 0.11.2, 32K prefix, B in
     {1, 4}, Nq in {1, 4, 8, 16}): 64-key blocks, 3 stages, 4 warps (8 for 128-row blocks), and as
     many splits as give about 2 programs per SM (4 for blocks of <= 32 rows while each split keeps
-    >= 1024 keys: B=4 Nq=4 ran at 82% of the roofline with 18 splits, 72% with 9).
+    >= 1024 keys: B=4 Nq=4 ran at 82% of the roofline with 18 splits, 72% with 9), rounded down to a
+    power of two: the merge pads the split count to one (B=1 Nq=1: 33 splits 23.9 us, merge 2.5;
+    32 splits 22.7 us, merge 1.7). The new tokens' K/V are loaded before the prefix loop where that
+    costs no occupancy (<= 2 programs per SM): B=1 Nq=16 35.8 -> 32.3 us, sliding layers 4.1 -> 3.6 us;
+    at 4 programs per SM its registers (95 -> 148 at 32 rows) cut the resident programs (B=4 Nq=4: 74 -> 94 us).
     """
     G = hq // hkv
     R = nq * G
@@ -151,14 +157,34 @@ def attention_config(batch, nq, hq, hkv, head_dim, cache_len, window, *, num_sms
     if RB > 32 or max_keys < 1024 * want:
         want = 2 * num_sms // programs
     num_splits = max(1, min(want, max_keys // (4 * block_k)))
+    num_splits = 1 << (num_splits.bit_length() - 1)
     cfg = dict(block_rows=RB, block_k=block_k, block_new=block_new, num_splits=num_splits,
-               num_warps=4 if RB <= 64 else 8, num_stages=3)
+               num_warps=4 if RB <= 64 else 8, num_stages=3,
+               preload_new=programs * num_splits <= 2 * num_sms)
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     return AttnConfig(**cfg)
 
 
+def _f32_hex(x: float) -> str:
+    """A float32 immediate in PTX syntax (0fXXXXXXXX)."""
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def _exp2_affine(sc, c, m, interpret):
+    """p = exp2(sc * c - m[:, None]) in float32 for logits sc [R, K] (-inf where masked), a constant
+    c > 0 and running maxima m [R]: one FFMA and one MUFU.EX2 a logit on GPU (ex2.approx.ftz; the
+    default exp2 lowering adds a compare and two multiplies a logit for subnormal results)."""
+    negm = jnp.broadcast_to(-m[:, None], sc.shape)
+    if interpret:
+        return jnp.exp2(sc * c + negm)
+    asm = "{ .reg .f32 a; fma.rn.f32 a, $1, %s, $2; ex2.approx.ftz.f32 $0, a; }" % _f32_hex(c)
+    (p,) = plgpu.elementwise_inline_asm(asm, args=[sc, negm], constraints="=r,r,r", pack=1,
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct(sc.shape, jnp.float32)])
+    return p
+
+
 def _attn_kernel(len_ref, pos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, mask_ref, sinks_ref, *outs,
-                 Nq, G, Hkv, D, Dp, RB, BK, BKn, NS, window, scale, causal):
+                 Nq, G, Hkv, D, Dp, RB, BK, BKn, NS, window, scale, causal, preload_new, interpret):
     f32 = jnp.float32
     rb, s, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = bh // Hkv, bh % Hkv
@@ -188,16 +214,38 @@ def _attn_kernel(len_ref, pos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, mask_ref
     acc0 = jnp.zeros((RB, Dp), f32)
 
     def update(carry, kt, vt, vis):
+        # m is in scaled base-2 units; the raw logits are scaled inside exp2's argument (one FFMA)
         m, l, acc = carry
-        sc = jax.lax.dot_general(q, kt, (((1,), (1,)), ((), ())), preferred_element_type=f32) * c
+        sc = jax.lax.dot_general(q, kt, (((1,), (1,)), ((), ())), preferred_element_type=f32)
         if vis is not None:
             sc = jnp.where(vis, sc, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1) * c)
         alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(sc - m_new[:, None])
+        p = _exp2_affine(sc, c, m_new, interpret)
         l = l * alpha + jnp.sum(p, axis=1)
         pv = jax.lax.dot_general(p.astype(vt.dtype), vt, (((1,), (0,)), ((), ())), preferred_element_type=f32)
         return m_new, l, acc * alpha[:, None] + pv
+
+    # --- the Nq new tokens (their keys are seen by the last split only)
+    last = s == NS - 1
+
+    def new_block(t, on):
+        """K/V tiles and visibility of new-token block t; `on` False loads nothing, sees nothing."""
+        js = t * BKn
+        jj = js + jnp.arange(BKn, dtype=jnp.int32)
+        j_ok = (jj < Nq) & on
+        if causal:
+            vis = (jj[None, :] <= i_r[:, None]) & j_ok[None, :]
+        else:
+            words = plgpu.load(mask_ref.at[b, i_r[:, None], (jnp.minimum(jj, Nq - 1) // 32)[None, :]])
+            sh = (jj % 32).astype(jnp.uint32)[None, :]
+            vis = ((jax.lax.shift_right_logical(words, sh) & 1) != 0) & j_ok[None, :]
+        if window is not None:
+            pos_j = plgpu.load(pos_ref.at[b, jnp.minimum(jj, Nq - 1)])
+            vis = vis & (pos_j[None, :] > pos_r[:, None] - window)
+        kt = plgpu.load(k_ref.at[b, pl.ds(js, BKn), h, pl.ds(0, Dp)], mask=dmask(j_ok), other=0)
+        vt = plgpu.load(v_ref.at[b, pl.ds(js, BKn), h, pl.ds(0, Dp)], mask=dmask(j_ok), other=0)
+        return kt, vt, vis
 
     # --- committed prefix, split s of NS
     if window is None:
@@ -235,41 +283,30 @@ def _attn_kernel(len_ref, pos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, mask_ref
             vis = inw if vis is None else vis & inw
         return update(carry, kt, vt, vis)
 
+    # --- the prefix loop, then the new tokens. With `preload` and one block of new tokens (Nq <= BKn),
+    # that block's loads are issued before the prefix loop, so that their latency hides behind it.
+    preload = preload_new and Nq <= BKn
+    if preload:
+        first_new = new_block(0, last)
     carry = jax.lax.fori_loop(0, nfull, functools.partial(prefix_step, masked=False), (m0, l0, acc0))
     carry = jax.lax.fori_loop(nfull, nblk, functools.partial(prefix_step, masked=True), carry)
-
-    # --- the Nq new tokens (last split only)
-    if causal:
-        jmax = jnp.minimum(jnp.max(jnp.where(row_ok, i_r, 0)) + 1, Nq)
+    if preload:  # (a no-op in the other splits: nothing visible)
+        m, l, acc = update(carry, *first_new)
     else:
-        jmax = jnp.int32(Nq)
-    nnew = jnp.where(s == NS - 1, (jmax + BKn - 1) // BKn, 0)
-
-    def new_step(t, carry):
-        js = t * BKn
-        jj = js + jnp.arange(BKn, dtype=jnp.int32)
-        j_ok = jj < Nq
         if causal:
-            vis = (jj[None, :] <= i_r[:, None]) & j_ok[None, :]
+            jmax = jnp.minimum(jnp.max(jnp.where(row_ok, i_r, 0)) + 1, Nq)
         else:
-            words = plgpu.load(mask_ref.at[b, i_r[:, None], (jnp.minimum(jj, Nq - 1) // 32)[None, :]])
-            sh = (jj % 32).astype(jnp.uint32)[None, :]
-            vis = ((jax.lax.shift_right_logical(words, sh) & 1) != 0) & j_ok[None, :]
-        if window is not None:
-            pos_j = plgpu.load(pos_ref.at[b, jnp.minimum(jj, Nq - 1)])
-            vis = vis & (pos_j[None, :] > pos_r[:, None] - window)
+            jmax = jnp.int32(Nq)
+        nnew = jnp.where(last, (jmax + BKn - 1) // BKn, 0)
 
-        def compute(carry):
-            kt = plgpu.load(k_ref.at[b, pl.ds(js, BKn), h, pl.ds(0, Dp)], mask=dmask(j_ok), other=0)
-            vt = plgpu.load(v_ref.at[b, pl.ds(js, BKn), h, pl.ds(0, Dp)], mask=dmask(j_ok), other=0)
+        def new_step(t, carry):
+            kt, vt, vis = new_block(t, True)
+            if causal and window is not None:  # long causal chunks on sliding layers: skip blocks outside the window
+                any_vis = jnp.max(jnp.where(vis, 1, 0)) > 0
+                return jax.lax.cond(any_vis, lambda c_: update(c_, kt, vt, vis), lambda c_: c_, carry)
             return update(carry, kt, vt, vis)
 
-        if causal and window is not None:  # long causal chunks on sliding layers: skip blocks outside the window
-            any_vis = jnp.max(jnp.where(vis, 1, 0)) > 0
-            return jax.lax.cond(any_vis, compute, lambda c_: c_, carry)
-        return compute(carry)
-
-    m, l, acc = jax.lax.fori_loop(0, nnew, new_step, carry)
+        m, l, acc = jax.lax.fori_loop(0, nnew, new_step, carry)
 
     if NS == 1:
         (out_ref,) = outs
@@ -327,8 +364,11 @@ def attention_pallas(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
         mask_arg = mask.astype(jnp.uint32)
     lengths = lengths.astype(jnp.int32)
     positions = positions.astype(jnp.int32)
+    if not scale > 0:
+        raise ValueError(f"attention: scale must be positive, got {scale}")
     kern = functools.partial(_attn_kernel, Nq=Nq, G=G, Hkv=Hkv, D=D, Dp=Dp, RB=RB, BK=config.block_k,
-                             BKn=config.block_new, NS=NS, window=window, scale=float(scale), causal=causal)
+                             BKn=config.block_new, NS=NS, window=window, scale=float(scale), causal=causal,
+                             preload_new=config.preload_new, interpret=interpret)
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     out_final = jax.ShapeDtypeStruct((B, Nq, Hq, D), q.dtype)
     if NS == 1:
