@@ -11,11 +11,12 @@ sliding layers reading only the keys inside the window. `attention` (the model's
 dispatches to the kernel when the default backend is a GPU, to the reference otherwise.
 
 Measured on an H200 (experiments/results/kernels_h200.json; device kernel time incl. the split-K
-merge, K/V bytes over the copy bandwidth of the same run, 4.11 TB/s): 32K prefix, 64/8 heads, D 64:
-B=1 Nq=1/4/8/16: 23.8/26.7/26.9/37.7 us (69/61/61/43% of the roofline); B=4: 68.8/73.9/73.1/112.9 us
-(95/88/89/58%); 128K B=1 Nq=1 69.9 us (94%); sliding layers 4-7 us at 32K and 128K alike. torch in the
-same run: SDPA 77 / 529 / 98 / 1034 us and flex_attention 152 / 288 / 155 / 1243 us for (B, Nq) =
-(1, 1), (1, 16), (4, 1), (4, 16).
+merge, K/V bytes over the copy bandwidth of the same run, 3.98 TB/s): 32K prefix, 64/8 heads, D 64:
+B=1 Nq=1/4/8/16: 22.4/24.5/25.5/32.3 us (75/69/66/52% of the roofline); B=4: 67.5/72.8/69.8/95.7 us
+(100/93/97/71%); 128K B=1 Nq=1 67.2 us (100%); sliding layers 3.6-5.7 us at 32K and 128K alike. torch in
+the same run: SDPA 43 / 527 / 98 / 1046 us and flex_attention 138 / 289 / 154 / 1178 us for (B, Nq) =
+(1, 1), (1, 16), (4, 1), (4, 16). B=1 has about 5 us of fixed cost per call (a 2K prefix takes 4.5 us
++ 1.5 us merge); Nq=16 is bound by the softmax's issue rate and exp units (MUFU.EX2 is the top stall).
 """
 
 from __future__ import annotations
