@@ -167,7 +167,7 @@ def attention_config(batch, nq, hq, hkv, head_dim, cache_len, window, *, num_sms
 
 
 def _f32_hex(x: float) -> str:
-    """A float32 immediate in PTX syntax (0fXXXXXXXX)."""
+    """A float32 immediate in PTX hex syntax (1.0 -> 0f3F800000)."""
     return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
 
 
