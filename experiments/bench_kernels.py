@@ -63,6 +63,7 @@ def bench_moe():
 
     from eagle3_jax.models import GptOssConfig, gpt_oss
     from eagle3_jax.pallas import moe as mk
+    from eagle3_jax.pallas import moe_route
 
     res = dict(timing.device_info())
     bw = timing.copy_bandwidth(FLAGS.moe_copy_bytes)
@@ -165,12 +166,13 @@ def bench_moe():
                 return jnp.stack([m(xs[r], path=path)[:, :8] for r in range(R)])
             return f
 
-        def kernel_with_router(m, xs):
+        def kernel_with_router(m, xs):  # the model's kernel path: pallas/moe_route.py, then the experts
             outs = []
             for r in range(R):
-                i, w = m.route(xs[r])
-                outs.append(mk.mxfp4_moe(xs[r], i, w, *packed, limit=lim, alpha=alpha, config=best,
-                                         interpret=interp)[:, :8])
+                x, xq, i, w = moe_route.route(xs[r], None, m.router_w[...], m.router_b[...], eps=0.0, k=k,
+                                              interpret=interp)
+                outs.append(mk.mxfp4_moe(x, i, w, *packed, limit=lim, alpha=alpha, config=best, interpret=interp,
+                                         xq=xq)[:, :8])
             return jnp.stack(outs)
 
         row["layer_kernel_us"] = _loop_time(kernel_with_router, layer, xs) / R * 1e6
@@ -247,7 +249,7 @@ def _bench_moe_e2e(bw):
 
     def moe_all(m, x):  # the MoE half of every block: norm, router, experts (kernel on GPU), residual
         for blk in m.layers:
-            x = x + blk.mlp(blk.post_attention_layernorm(x))
+            x = x + blk.mlp(x, norm=blk.post_attention_layernorm)
         return x
 
     def head(m, x):  # final norm, lm_head, greedy pick, next embedding

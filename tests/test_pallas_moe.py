@@ -91,7 +91,7 @@ def test_f16_pairs_layout_round_trips():
     x = rng.normal(size=(2, 6, 32)) * scales[None, :, None]
     x[:, 5] = 0.0
     x = np.asarray(jnp.asarray(x.reshape(2, 192), jnp.bfloat16).astype(jnp.float32), np.float64)
-    words = np.asarray(moe._f16_pairs(jnp.asarray(x, jnp.float32)))  # [2, 6, 5, 4] uint32
+    words = np.asarray(moe.f16_pairs(jnp.asarray(x, jnp.float32)))  # [2, 6, 5, 4] uint32
     assert words.shape == (2, 6, 5, 4) and words.dtype == np.uint32
     factor = words[:, :, 4, 0].view(np.float32).astype(np.float64)
     assert (words[:, :, 4, 1:] == 0).all()
@@ -198,15 +198,19 @@ def test_gpu_extreme_scales_and_tiles():
 @pytest.mark.parametrize("T", [1, 7, 16, 40])
 def test_gpu_model_moe_uses_kernel(T):
     # the model's MoE (random MXFP4 experts, gpt-oss hidden sizes, 16 experts) routes few bf16
-    # tokens through the kernel on a GPU; it agrees with its gathered jnp path
+    # tokens through the kernels on a GPU (norm and router: pallas/moe_route.py); it agrees with its
+    # gathered jnp path, with and without the norm
     from flax import nnx
 
     from eagle3_jax.models import GptOssConfig, gpt_oss
 
     cfg = GptOssConfig.preset("gpt-oss-120b").replace(num_local_experts=16)
     layer = gpt_oss.MoE(cfg, jnp.bfloat16, nnx.Rngs(T))
-    x = jax.random.normal(jax.random.key(T), (T, cfg.hidden_size), jnp.bfloat16)
-    assert layer._path_for(x, layer.route(x)[0]) == "kernel"
-    got = jax.jit(lambda m, v: m(v))(layer, x)
-    ref = jax.jit(lambda m, v: m(v, path="gathered"))(layer, x)
-    assert _rel(got.astype(jnp.float32), ref.astype(jnp.float32)) < 1e-2
+    norm = gpt_oss.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    norm.scale[...] = jax.random.uniform(jax.random.key(T + 1), (cfg.hidden_size,), minval=0.5, maxval=2.0)
+    x = jax.random.normal(jax.random.key(T), (T, cfg.hidden_size), jnp.bfloat16) * 4
+    assert layer._path_for(x) == "kernel"
+    for nm in (None, norm):
+        got = jax.jit(lambda m, v: m(v, norm=nm))(layer, x)
+        ref = jax.jit(lambda m, v: m(v, path="gathered", norm=nm))(layer, x)
+        assert _rel(got.astype(jnp.float32), ref.astype(jnp.float32)) < 1e-2

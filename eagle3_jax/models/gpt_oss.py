@@ -1,7 +1,10 @@
 """GPT-OSS in Flax NNX (REFERENCE.md 2).
 
 Pre-norm residual blocks: `x += Attn(RMSNorm(x)); x += MoE(RMSNorm(x))`, a final RMSNorm and an
-untied `lm_head`. Attention has biases, GQA, one learned sink logit per query head, YaRN RoPE and a
+untied `lm_head`. On GPUs with bf16 activations the glue between the GEMMs runs as Pallas kernels
+(`glue_kernels`): each MoE output is added to the stream by the next norm's kernel (pallas/norm.py),
+q/k/v bias, RoPE and the cache write are one kernel (pallas/qkv.py), and the MoE's norm, router and
+top k two (pallas/moe_route.py). Attention has biases, GQA, one learned sink logit per query head, YaRN RoPE and a
 sliding window on the layers `config.layer_types` marks. The MoE routes each token to its top-k
 experts (softmax over the selected logits) through an interleaved, clamped SwiGLU; experts are
 kept packed as MXFP4 (`Mxfp4Experts`) or dense (`DenseExperts`), both in [out, in] layout.
@@ -23,6 +26,8 @@ from flax import nnx
 from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.models import mxfp4, rope
 from eagle3_jax.models.config import GptOssConfig
+from eagle3_jax.pallas import norm as norm_kernel
+from eagle3_jax.pallas import qkv as qkv_kernel
 from eagle3_jax.pallas.attention import attention
 
 F32 = jnp.float32
@@ -37,6 +42,12 @@ RANK_TOP_K_ROWS = 64
 
 def _normal(rngs, shape, std, dtype):
     return (jax.random.normal(rngs.params(), shape, F32) * std).astype(dtype)
+
+
+def glue_kernels(x) -> bool:
+    """Whether the model's glue runs as Pallas kernels (pallas/norm.py, qkv.py, moe_route.py): bf16
+    activations on a GPU. They have no gradients; training runs float32 models."""
+    return x.dtype == jnp.bfloat16 and jax.default_backend() == "gpu"
 
 
 def top_k_by_rank(x, k: int):
@@ -63,6 +74,14 @@ class RMSNorm(nnx.Module):
         t = x.astype(F32)
         t = t * jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + self.eps) * self.scale[...]
         return t.astype(x.dtype)
+
+    def add(self, x, residual):
+        """(s, norm(s)) with s = x + residual rounded to x.dtype (residual None: s = x). One Pallas
+        kernel where `glue_kernels(x)` (pallas/norm.py), where XLA runs up to three."""
+        if glue_kernels(x):
+            return norm_kernel.add_rms_norm(x, self.scale[...], residual, eps=self.eps)
+        s = x if residual is None else x + residual.astype(x.dtype)
+        return s, self(s)
 
 
 def qkv_rope(qkv, bias, cos, sin, num_heads, num_kv_heads, head_dim):
@@ -106,8 +125,13 @@ class Attention(nnx.Module):
         lengths .. lengths + T - 1; caches of length 0 (no cache) are returned as they are)."""
         B, T, _ = x.shape
         bqkv = None if self.bqkv is None else self.bqkv[...]
-        q, k, v = qkv_rope(x @ self.wqkv[...], bqkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kvc.write_before_read(k_cache, v_cache, k, v, lengths)
+        qkv = x @ self.wqkv[...]
+        if k_cache.shape[2] and glue_kernels(x):  # bias, RoPE and the cache write in one kernel
+            q, k, v, k_cache, v_cache = qkv_kernel.rope_write(qkv, bqkv, cos, sin, k_cache, v_cache, lengths,
+                                                              num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
+        else:
+            q, k, v = qkv_rope(qkv, bqkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+            k_cache, v_cache = kvc.write_before_read(k_cache, v_cache, k, v, lengths)
         o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, self.sinks[...],
                       window=self.window, scale=self.head_dim ** -0.5)
         return self._proj(o.reshape(B, T, -1), self.wo, self.bo), k_cache, v_cache
@@ -196,28 +220,32 @@ class MoE(nnx.Module):
     KERNEL_MAX_TOKENS = 64
     PATHS = ("kernel", "gathered", "grouped", "dense")
 
-    def __call__(self, x, path: str | None = None):
-        """x [..., H] -> [..., H]. `path` (else the module's `path` attribute, else chosen by size):
-        "kernel" the Pallas kernel (GPU, MXFP4, bf16; few tokens), "gathered" each (token, expert)
-        pair's weights, "grouped" tokens grouped into expert tiles, "dense" every expert on every
-        token (training: batched, differentiable; compute grows with E / k). By size: the kernel
-        where it applies, else gathered up to GATHER_MAX_PAIRS pairs, else dense for few experts
-        (E <= 4k), else grouped."""
+    def __call__(self, x, path: str | None = None, norm: RMSNorm | None = None, dtype=None):
+        """x [..., H] -> [..., H] in `dtype` (default x.dtype); with `norm`, the experts see norm(x). `path` (else the module's `path`
+        attribute, else chosen by size): "kernel" the Pallas kernels (GPU, MXFP4, bf16; few tokens: the
+        norm, router and top k in pallas/moe_route.py, the experts in pallas/moe.py), "gathered" each
+        (token, expert) pair's weights, "grouped" tokens grouped into expert tiles, "dense" every
+        expert on every token (training: batched, differentiable; compute grows with E / k). By size:
+        the kernel where it applies, else gathered up to GATHER_MAX_PAIRS pairs, else dense for few
+        experts (E <= 4k), else grouped."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        ids, w = self.route(x)
-        path = path or self.path or self._path_for(x, ids)
+        path = path or self.path or self._path_for(x)
         if path not in self.PATHS:
             raise ValueError(f"MoE path: {path!r} not in {self.PATHS}")
-        out = getattr(self, "_" + path)(x, ids, w)
-        return out.astype(x.dtype).reshape(shape)
+        if path == "kernel":
+            out = self._kernel(x, norm)
+        else:
+            x = x if norm is None else norm(x)
+            out = getattr(self, "_" + path)(x, *self.route(x))
+        return out.astype(dtype or x.dtype).reshape(shape)
 
-    def _path_for(self, x, ids):
+    def _path_for(self, x):
         E, k = self.router_w.shape[1], self.top_k
         if (isinstance(self.experts, Mxfp4Experts) and x.dtype == jnp.bfloat16
                 and x.shape[0] <= self.KERNEL_MAX_TOKENS and jax.default_backend() == "gpu"):
             return "kernel"
-        if ids.size <= GATHER_MAX_PAIRS:
+        if x.shape[0] * k <= GATHER_MAX_PAIRS:
             return "gathered"
         # few experts (E <= 4k, small models): all of them are in use anyway and computing every one
         # costs at most 4x the selected FLOPs in one batched matmul, far less than a scan over tiles
@@ -230,14 +258,18 @@ class MoE(nnx.Module):
         y = self._ffn(jnp.broadcast_to(x[:, None], (N, E, H)), *self.experts.weights(jnp.arange(E)), "neh,eoh->neo")
         return jnp.einsum("neo,ne->no", y, combine)
 
-    def _kernel(self, x, ids, w):
-        """Few tokens on a GPU: each selected expert's packed weights read once (pallas/moe.py). f32 [N, H]."""
+    def _kernel(self, x, norm):
+        """Few tokens on a GPU: norm, router and top k in two kernels (pallas/moe_route.py), then each
+        selected expert's packed weights read once (pallas/moe.py). f32 [N, H]."""
         from eagle3_jax.pallas import moe as moe_kernel
+        from eagle3_jax.pallas import moe_route
 
+        scale, eps = (None, 0.0) if norm is None else (norm.scale[...], norm.eps)
+        x, xq, ids, w = moe_route.route(x, scale, self.router_w[...], self.router_b[...], eps=eps, k=self.top_k)
         ex = self.experts
         return moe_kernel.mxfp4_moe(x, ids, w, ex.gate_up_blocks[...], ex.gate_up_scales[...], ex.gate_up_bias[...],
                                     ex.down_blocks[...], ex.down_scales[...], ex.down_bias[...],
-                                    limit=float(self.limit), alpha=float(self.alpha))
+                                    limit=float(self.limit), alpha=float(self.alpha), xq=xq)
 
     def _gathered(self, x, ids, w):
         """Few tokens: read each (token, expert) pair's weights. Returns f32 [N, H]."""
@@ -289,11 +321,13 @@ class Block(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg, dtype, rngs)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, positions, mask):
-        a, k_cache, v_cache = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths,
-                                             positions, mask)
+    def __call__(self, x, h, cos, sin, k_cache, v_cache, lengths, positions, mask):
+        """x: the residual stream [B, T, H], h = input_layernorm(x) (run_layers fuses it with the
+        previous block's residual add). Returns (x + attention, the MoE's f32 output, not yet added
+        to the stream, k_cache, v_cache)."""
+        a, k_cache, v_cache = self.self_attn(h, cos, sin, k_cache, v_cache, lengths, positions, mask)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+        return x, self.mlp(x, norm=self.post_attention_layernorm, dtype=F32), k_cache, v_cache
 
 
 class GptOss(nnx.Module):
@@ -347,8 +381,9 @@ def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCac
     x = model.embed[...][tokens]
     inv_freq, scale = rope.inv_freq_and_scale(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
     cos, sin = rope.cos_sin(positions, inv_freq, scale)
-    hidden = [x]
+    hidden = []  # hidden[j]: the input of layer j (j = L: the final norm's input)
     new_k, new_v = [], []
+    moe_out = None  # each block's MoE output is added to the stream by the next norm's kernel
     for i, block in enumerate(model.layers):
         with jax.named_scope(f"layer{i}"):
             if cache is None:
@@ -356,13 +391,16 @@ def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCac
                 kc = vc = empty
             else:
                 kc, vc = cache.k[i], cache.v[i]
-            x, kc, vc = block(x, cos, sin, kc, vc, lengths, positions, mask)
+            x, h = block.input_layernorm.add(x, moe_out)
+            hidden.append(x)
+            x, moe_out, kc, vc = block(x, h, cos, sin, kc, vc, lengths, positions, mask)
             new_k.append(kc)
             new_v.append(vc)
-        hidden.append(x)
+    x, h = model.norm.add(x, moe_out)
+    hidden.append(x)
     feats = jnp.concatenate([hidden[j] for j in feature_ids], axis=-1) if feature_ids else None
     cache = None if cache is None else kvc.KVCache(k=tuple(new_k), v=tuple(new_v))
-    return model.norm(x), feats, cache
+    return h, feats, cache
 
 
 def forward(model: GptOss, tokens, aux_layer_ids=None, *, aux_convention: str = "output"):

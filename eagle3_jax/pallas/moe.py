@@ -17,7 +17,7 @@ Two Pallas (Triton) kernels, no routing glue in XLA (one XLA fusion lays x out f
      once and dequantizes them in registers, on one of two paths chosen per expert:
      - FMA path (the expert was chosen by at most `fma_tokens` tokens, at decode nearly all of
        them): CUDA cores, no tensor-core layout conversions. The activations come as f16 pairs
-       with one power-of-two factor per 32-input scale group (`_f16_pairs`); each scale group's
+       with one power-of-two factor per 32-input scale group (`f16_pairs`); each scale group's
        four weight words are decoded into sixteen f16x2 (sign bits kept in place, magnitude bits
        shifted once) and multiplied with the matching pairs by f16x2 fma in one inline-PTX block
        (`_group_dot_asm`), about 2.5 instructions per weight at one token.
@@ -376,7 +376,7 @@ def _pair_inputs(n):
     return lo, lo + 4, (m // _PAIR_WORDS) * _GROUP_WORDS + m % _PAIR_WORDS
 
 
-def _f16_pairs(v):
+def f16_pairs(v):
     """v f32 [T, G * 32] -> u32 [T, G, 5, 4]: the FMA path's pair layout (XLA side, for the gate_up
     activations; the group maxima as elementwise maxima, so that all of it is one fusion)."""
     T, K = v.shape
@@ -642,8 +642,10 @@ def _pad(a, shape, value=0):
 
 @functools.partial(jax.jit, static_argnames=("limit", "alpha", "config", "interpret"))
 def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias,
-              *, limit: float, alpha: float, config: MoeConfig | None = None, interpret: bool = False):
-    """x [T, H] (bf16), ids int [T, k], weights f32 [T, k] -> f32 [T, H]; T <= MAX_TOKENS.
+              *, limit: float, alpha: float, config: MoeConfig | None = None, interpret: bool = False, xq=None):
+    """x [T, H] (bf16), ids int [T, k], weights f32 [T, k] -> f32 [T, H]; T <= MAX_TOKENS. xq: x in the
+    FMA path's pair layout (`f16_pairs(x)`, u32 [T, H/32, 5, 4]) where it is already at hand
+    (`moe_route.route` writes it), else computed here.
 
     out[t] = sum_j weights[t, j] * (W2 act(W1 x[t] + b1) + b2) of expert ids[t, j], act(h) =
     g * sigmoid(alpha * g) * (l + 1), g = min(h[0::2], limit), l = clip(h[1::2], -limit, limit);
@@ -689,7 +691,10 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     Ia = max(Gp2 * BLOCK, nj1 * BI)  # act columns: every K step of kernel 2 and every store of kernel 1 in bounds
     ids_flat = ids.reshape(-1).astype(jnp.int32)
     w_flat = weights.reshape(-1).astype(F32)
-    xq = _f16_pairs(x.astype(F32))  # the FMA path's activations
+    if xq is None:
+        xq = f16_pairs(x.astype(F32))  # the FMA path's activations
+    elif tuple(xq.shape) != (T, G1, _PAIR_ROWS, 4) or xq.dtype != jnp.uint32:
+        raise ValueError(f"mxfp4_moe: xq {xq.shape} {xq.dtype}, expected uint32 {(T, G1, _PAIR_ROWS, 4)}")
     # gate_up rows as [I, 2] (gate, linear): free reshapes of the HF layout
     gu_w = _as_words(gate_up_blocks).reshape(E, I, 2, G1, 4)
     gu_s, gu_b = gate_up_scales.reshape(E, I, 2, G1), gate_up_bias.reshape(E, I, 2)

@@ -1,0 +1,223 @@
+"""The MoE block's routing for few tokens (decode and verify) in two Pallas (Triton) kernels.
+
+`route(h, norm_scale, router_w, router_b, *, eps, k)` takes the residual stream h [T, H] (T <= 64)
+and returns what `moe.mxfp4_moe` consumes:
+
+  x       [T, H] h.dtype   RMSNorm(h) = h * rsqrt(mean(h^2) + eps) * norm_scale in f32, rounded to
+                           h.dtype (norm_scale None: x = h)
+  xq      u32 [T, H/32, 5, 4]  x in the MXFP4 kernels' FMA-path pair layout (`moe.f16_pairs(x)`)
+  ids     int32 [T, k]     the k largest logits = x @ router_w + router_b (f32), in descending order,
+                           equal logits to the lower expert id (`lax.top_k`)
+  weights f32 [T, k]       softmax over those k logits
+
+  1. norm + router, grid (E / 16 expert tiles, K splits of 3 x 256 inputs, token tiles of 16):
+     each program sums its token rows' squares over all of H (unrolled: independent loads), then
+     multiplies its share of the normalized rows (rounded to h.dtype) with its 16 router columns on
+     the tensor cores and stores the partial logits. Each K step's x and xq are written by one
+     program of the split (xq's (low, high) pairs gathered from h in pair order and normalized again,
+     so that no layout conversion happens in registers).
+  2. top k + softmax, one program per token tile: the partial logits summed, the bias added, then
+     k rounds of (row max, lowest id at the max).
+
+At one token this replaces the ten XLA kernels of the plain path (the norm's reduce and scale, the
+padding of the router input and of its weight for a split-K GEMM, the GEMM, its reduce, the top k's
+two reduces, the softmax and the pair layout) with two. `route_reference` is the jnp function of the
+same signature.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from eagle3_jax.pallas import moe
+
+F32 = jnp.float32
+TOKEN_TILE = 16  # token rows per program (16 rows, also at one token, time the same as one row)
+EXPERT_TILE = 16  # router columns per program (the tensor cores' smallest N)
+CHUNK = 256  # inputs per K step of kernel 1
+SPLIT_CHUNKS = 3  # K steps per kernel-1 program (gpt-oss-120b: 4 programs split the 2880 inputs)
+MAX_TOKENS = moe.MAX_TOKENS
+
+
+def _load(ref, idx, *, mask=None, other=None):
+    return plgpu.load(ref.at[idx], mask=mask, other=other)
+
+
+def _store(ref, idx, val, *, mask=None):
+    plgpu.store(ref.at[idx], val, mask=mask)
+
+
+def _normalized(h, r, scale, dtype):
+    """RMSNorm of loaded rows: h f32 [16, ...] times r [16] (one per row) times scale [...] (None:
+    h as it is), rounded to dtype and back to f32."""
+    if r is None:
+        return h
+    r = r.reshape(r.shape + (1,) * (h.ndim - 1))
+    return (h * r * scale).astype(dtype).astype(F32)
+
+
+def _router_kernel(h_ref, s_ref, w_ref, x_ref, xq_ref, lg_ref, *, T, TT, H, E, eps, normalize, dtype):
+    i, ks, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = c * TT + lax.broadcasted_iota(jnp.int32, (TT,), 0)
+    r_ok = rows < T
+    k_iota = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+
+    def chunk(kk):
+        kk = jnp.asarray(kk, jnp.int32)  # a traced start: the last chunk runs past H (masked)
+        cols = kk * CHUNK + k_iota
+        m = r_ok[:, None] & (cols < H)[None, :]
+        return cols, m, _load(h_ref, (pl.ds(c * TT, TT), pl.ds(kk * CHUNK, CHUNK)),
+                              mask=m, other=0).astype(F32)
+
+    r = None
+    if normalize:  # the whole rows, unrolled: independent loads, one round trip
+        ss = sum(jnp.sum(h * h, axis=1) for h in (chunk(kk)[2] for kk in range(-(-H // CHUNK))))
+        r = lax.rsqrt(ss / H + eps)
+
+    e_cols = i * EXPERT_TILE + lax.broadcasted_iota(jnp.int32, (EXPERT_TILE,), 0)
+    e_ok = e_cols < E
+    acc = jnp.zeros((TT, EXPERT_TILE), F32)
+    for t in range(SPLIT_CHUNKS):  # this program's share of the inputs
+        kk = ks * SPLIT_CHUNKS + t
+        cols, m, h = chunk(kk)
+        scale = _load(s_ref, pl.ds(kk * CHUNK, CHUNK), mask=cols < H, other=0) if normalize else None
+        x = _normalized(h, r, scale, dtype).astype(dtype)
+        w = _load(w_ref, (pl.ds(kk * CHUNK, CHUNK), pl.ds(i * EXPERT_TILE, EXPERT_TILE)),
+                  mask=(cols < H)[:, None] & e_ok[None, :], other=0)
+        acc = acc + jnp.dot(x, w.astype(dtype), preferred_element_type=F32)
+
+        @pl.when(i == t % pl.num_programs(0))  # x and xq of chunk kk: one program each, in parallel
+        def _():
+            _store(x_ref, (pl.ds(c * TT, TT), pl.ds(kk * CHUNK, CHUNK)), x, mask=m)
+            _pair_layout(h_ref, s_ref, xq_ref, rows, r, kk, H=H, dtype=dtype)
+
+    _store(lg_ref, (ks, pl.ds(c * TT, TT), pl.ds(i * EXPERT_TILE, EXPERT_TILE)), acc,
+           mask=r_ok[:, None] & e_ok[None, :])
+
+
+def _pair_layout(h_ref, s_ref, xq_ref, rows, r, kk, *, H, dtype):
+    """Writes the CHUNK / 32 scale groups of chunk kk, rows `rows`, of xq [T, G * 20] (moe's pair layout
+    of the normalized h): the low and high inputs of each group's 16 pair words are loaded from h in
+    pair order, normalized, scaled by the group's power of two and packed; the group's factor 2^e and
+    three zero words follow."""
+    G, BG = H // moe.BLOCK, CHUNK // moe.BLOCK
+    lo, hi, at = moe._pair_inputs(BG * moe._PAIR_WORDS)  # [BG * 16] each, groups 0 .. BG - 1
+    lo, hi, at = (a.reshape(BG, moe._PAIR_WORDS) for a in (lo, hi, at))
+    g_iota = lax.broadcasted_iota(jnp.int32, (BG,), 0)
+    t_iota = lax.broadcasted_iota(jnp.int32, (BG, 4), 1)
+    g_ok = kk * BG + g_iota < G
+    m = (rows < xq_ref.shape[0])[:, None, None] & g_ok[None, :, None]  # [16, BG, 1]
+    m16 = jnp.broadcast_to(m, (rows.shape[0], BG, moe._PAIR_WORDS))
+    base = kk * CHUNK
+
+    def half(cols):
+        v = _load(h_ref, (rows[:, None, None], base + cols[None]), mask=m16, other=0).astype(F32)
+        s = None if r is None else _load(s_ref, base + cols, mask=g_ok[:, None], other=0)
+        return _normalized(v, r, s, dtype)
+
+    a, b = half(lo), half(hi)  # [16, BG, 16]
+    e = moe._group_exponent(jnp.max(jnp.maximum(jnp.abs(a), jnp.abs(b)), axis=2))  # [16, BG]
+    f = moe._pow2_f32(14 - e)[:, :, None]
+    word_at = kk * BG * moe._GROUP_WORDS + at
+    _store(xq_ref, (rows[:, None, None], word_at[None]), moe._pack_f16x2(a * f, b * f), mask=m16)
+    factor = lax.bitcast_convert_type(moe._pow2_f32(e), jnp.uint32)[:, :, None]  # [16, BG, 1]
+    trailer = jnp.where(t_iota[None] == 0, factor, jnp.uint32(0))  # [16, BG, 4]
+    t_at = (kk * BG + g_iota)[:, None] * moe._GROUP_WORDS + moe._PAIR_WORDS + t_iota
+    _store(xq_ref, (rows[:, None, None], t_at[None]), trailer, mask=jnp.broadcast_to(m, trailer.shape))
+
+
+def _top_k_kernel(lg_ref, b_ref, ids_ref, w_ref, *, T, TT, E, k):
+    c = pl.program_id(0)
+    Ep, kp = moe._pow2(E), moe._pow2(k)
+    rows = c * TT + lax.broadcasted_iota(jnp.int32, (TT,), 0)
+    r_ok = rows < T
+    e_iota = lax.broadcasted_iota(jnp.int32, (TT, Ep), 1)
+    j_iota = lax.broadcasted_iota(jnp.int32, (TT, kp), 1)
+    m = r_ok[:, None] & (e_iota < E)
+    lg = sum(_load(lg_ref, (jnp.int32(s), pl.ds(c * TT, TT), pl.ds(0, Ep)), mask=m, other=0)
+             for s in range(lg_ref.shape[0]))  # the K splits' partial sums
+    lg = lg + _load(b_ref, pl.ds(0, Ep), mask=lax.broadcasted_iota(jnp.int32, (Ep,), 0) < E, other=0).astype(F32)[None, :]
+    free = e_iota < E
+    ids = jnp.zeros((TT, kp), jnp.int32)
+    top = jnp.zeros((TT, kp), F32)
+    first = None
+    for j in range(k):
+        best = jnp.max(jnp.where(free, lg, -jnp.inf), axis=1)
+        first = best if first is None else first
+        # the lowest free id at the max (a free id at all where the logits are NaN)
+        at = jnp.min(jnp.where(free & ((lg == best[:, None]) | jnp.isnan(best)[:, None]), e_iota, Ep), axis=1)
+        at = jnp.minimum(at, E - 1)
+        ids = jnp.where(j_iota == j, at[:, None], ids)
+        top = jnp.where(j_iota == j, best[:, None], top)
+        free = free & (e_iota != at[:, None])
+    p = jnp.where(j_iota < k, jnp.exp(top - first[:, None]), 0.0)
+    m = r_ok[:, None] & (j_iota < k)
+    _store(ids_ref, (pl.ds(c * TT, TT), pl.ds(0, kp)), ids, mask=m)
+    _store(w_ref, (pl.ds(c * TT, TT), pl.ds(0, kp)), p / jnp.sum(p, axis=1, keepdims=True), mask=m)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "k", "interpret"))
+def route(h, norm_scale, router_w, router_b, *, eps: float, k: int, interpret: bool = False):
+    """h [T, H] (T <= 64), norm_scale [H] or None, router_w [H, E], router_b [E] -> (x [T, H] h.dtype,
+    xq u32 [T, H/32, 5, 4], ids int32 [T, k], weights f32 [T, k]); see the module docstring."""
+    T, H = h.shape
+    E = router_w.shape[1]
+    if T > MAX_TOKENS or H % moe.BLOCK or router_w.shape[0] != H or router_b.shape != (E,) or not 1 <= k <= E:
+        raise ValueError(f"moe_route: h {h.shape} (at most {MAX_TOKENS} tokens, H a multiple of {moe.BLOCK}), "
+                         f"router_w {router_w.shape} (expected [{H}, E]), router_b {router_b.shape}, k {k}")
+    if h.dtype != jnp.bfloat16:
+        raise ValueError(f"moe_route: h must be bfloat16 (the MXFP4 kernels' activations), got {h.dtype}")
+    if norm_scale is not None and norm_scale.shape != (H,):
+        raise ValueError(f"moe_route: norm_scale {norm_scale.shape}, expected ({H},)")
+    G = H // moe.BLOCK
+    TT = TOKEN_TILE
+    nc, ne, nk = -(-T // TT), -(-E // EXPERT_TILE), -(-H // CHUNK)
+    ns = -(-nk // SPLIT_CHUNKS)
+    normalize = norm_scale is not None
+    scale = norm_scale.astype(F32) if normalize else jnp.zeros((1,), F32)
+    Ep, kp = moe._pow2(E), moe._pow2(k)
+    # the interpreter cannot read or write past an array's end (the Triton kernels mask such accesses):
+    # there every array is padded to whole tiles
+    Tp, Hp, Wq = ((nc * TT, ns * SPLIT_CHUNKS * CHUNK, ns * SPLIT_CHUNKS * CHUNK // moe.BLOCK * moe._GROUP_WORDS)
+                  if interpret else (T, H, G * moe._GROUP_WORDS))
+    bias = router_b
+    if interpret:
+        h, router_w, bias = moe._pad(h, (Tp, Hp)), moe._pad(router_w, (Hp, ne * EXPERT_TILE)), moe._pad(bias, (Ep,))
+        scale = moe._pad(scale, (Hp,)) if normalize else scale
+    x, xq, lg = pl.pallas_call(
+        functools.partial(_router_kernel, T=T, TT=TT, H=H, E=E, eps=float(eps), normalize=normalize, dtype=h.dtype),
+        grid=(ne, ns, nc),
+        out_shape=(jax.ShapeDtypeStruct((Tp, Hp), h.dtype), jax.ShapeDtypeStruct((Tp, Wq), jnp.uint32),
+                   jax.ShapeDtypeStruct((ns, Tp, max(Ep, ne * EXPERT_TILE) if interpret else E), F32)),
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="moe_router",
+    )(h, scale, router_w)
+    ids, weights = pl.pallas_call(
+        functools.partial(_top_k_kernel, T=T, TT=TT, E=E, k=k),
+        grid=(nc,),
+        out_shape=(jax.ShapeDtypeStruct((Tp, kp if interpret else k), jnp.int32),
+                   jax.ShapeDtypeStruct((Tp, kp if interpret else k), F32)),
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="moe_top_k",
+    )(lg, bias)
+    xq = xq[:T, :G * moe._GROUP_WORDS].reshape(T, G, moe._PAIR_ROWS, 4)
+    return x[:T, :H], xq, ids[:T, :k], weights[:T, :k]
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "k", "interpret"))
+def route_reference(h, norm_scale, router_w, router_b, *, eps: float, k: int, interpret: bool = False):
+    """Plain-jnp `route`."""
+    del interpret
+    x = h
+    if norm_scale is not None:
+        t = h.astype(F32)
+        x = (t * lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + eps) * norm_scale.astype(F32)).astype(h.dtype)
+    logits = jnp.dot(x, router_w, preferred_element_type=F32) + router_b.astype(F32)
+    top, ids = lax.top_k(logits, k)
+    return x, moe.f16_pairs(x.astype(F32)), ids.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
