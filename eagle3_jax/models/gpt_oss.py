@@ -4,8 +4,8 @@ Pre-norm residual blocks: `x += Attn(RMSNorm(x)); x += MoE(RMSNorm(x))`, a final
 untied `lm_head`. On GPUs with bf16 activations the glue between the GEMMs runs as Pallas kernels
 (`glue_kernels`): each MoE output is added to the stream by the next norm's kernel (pallas/norm.py),
 q/k/v bias, RoPE and the cache write are one kernel (pallas/qkv.py), and the MoE's norm, router and
-top k two (pallas/moe_route.py). Attention has biases, GQA, one learned sink logit per query head, YaRN RoPE and a
-sliding window on the layers `config.layer_types` marks. The MoE routes each token to its top-k
+top k two (pallas/moe_route.py). Attention has biases, GQA, one learned sink logit per query head,
+YaRN RoPE and a sliding window on the layers `config.layer_types` marks. The MoE routes each token to its top-k
 experts (softmax over the selected logits) through an interleaved, clamped SwiGLU; experts are
 kept packed as MXFP4 (`Mxfp4Experts`) or dense (`DenseExperts`), both in [out, in] layout.
 
@@ -221,9 +221,10 @@ class MoE(nnx.Module):
     PATHS = ("kernel", "gathered", "grouped", "dense")
 
     def __call__(self, x, path: str | None = None, norm: RMSNorm | None = None, dtype=None):
-        """x [..., H] -> [..., H] in `dtype` (default x.dtype); with `norm`, the experts see norm(x). `path` (else the module's `path`
-        attribute, else chosen by size): "kernel" the Pallas kernels (GPU, MXFP4, bf16; few tokens: the
-        norm, router and top k in pallas/moe_route.py, the experts in pallas/moe.py), "gathered" each
+        """x [..., H] -> [..., H] in `dtype` (default x.dtype); with `norm`, the experts see norm(x).
+        `path` (else the module's `path` attribute, else chosen by size): "kernel" the Pallas kernels
+        (GPU, MXFP4, bf16; few tokens: the norm, router and top k in pallas/moe_route.py, the experts
+        in pallas/moe.py), "gathered" each
         (token, expert) pair's weights, "grouped" tokens grouped into expert tiles, "dense" every
         expert on every token (training: batched, differentiable; compute grows with E / k). By size:
         the kernel where it applies, else gathered up to GATHER_MAX_PAIRS pairs, else dense for few
@@ -242,8 +243,7 @@ class MoE(nnx.Module):
 
     def _path_for(self, x):
         E, k = self.router_w.shape[1], self.top_k
-        if (isinstance(self.experts, Mxfp4Experts) and x.dtype == jnp.bfloat16
-                and x.shape[0] <= self.KERNEL_MAX_TOKENS and jax.default_backend() == "gpu"):
+        if isinstance(self.experts, Mxfp4Experts) and glue_kernels(x) and x.shape[0] <= self.KERNEL_MAX_TOKENS:
             return "kernel"
         if x.shape[0] * k <= GATHER_MAX_PAIRS:
             return "gathered"

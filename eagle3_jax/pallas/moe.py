@@ -9,7 +9,8 @@ stay packed exactly as the HF checkpoint stores them (MXFP4: E2M1 nibbles, one E
   gate_up_blocks u8 [E, 2I, H/32, 16], gate_up_scales u8 [E, 2I, H/32], gate_up_bias [E, 2I]
   down_blocks    u8 [E, H, I/32, 16],  down_scales    u8 [E, H, I/32],  down_bias    [E, H]
 
-Two Pallas (Triton) kernels, no routing glue in XLA (one XLA fusion lays x out for the FMA path):
+Two Pallas (Triton) kernels, no routing glue in XLA (one XLA fusion lays x out for the FMA path,
+unless the caller passes that layout: `moe_route.route` writes it with the routing):
 
   1. gate_up + SwiGLU. Grid (slot, token chunk, I tile). Slot s is the s-th (token, expert) pair;
      a slot whose expert already appeared in an earlier pair exits at once, so each selected

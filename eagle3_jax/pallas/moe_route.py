@@ -38,19 +38,11 @@ from jax.experimental.pallas import triton as plgpu
 from eagle3_jax.pallas import moe
 
 F32 = jnp.float32
-TOKEN_TILE = 16  # token rows per program (16 rows, also at one token, time the same as one row)
+TOKEN_TILE = 16  # token rows per program (also at one token: one-row programs were no faster)
 EXPERT_TILE = 16  # router columns per program (the tensor cores' smallest N)
 CHUNK = 256  # inputs per K step of kernel 1
 SPLIT_CHUNKS = 3  # K steps per kernel-1 program (gpt-oss-120b: 4 programs split the 2880 inputs)
 MAX_TOKENS = moe.MAX_TOKENS
-
-
-def _load(ref, idx, *, mask=None, other=None):
-    return plgpu.load(ref.at[idx], mask=mask, other=other)
-
-
-def _store(ref, idx, val, *, mask=None):
-    plgpu.store(ref.at[idx], val, mask=mask)
 
 
 def _normalized(h, r, scale, dtype):
@@ -62,9 +54,9 @@ def _normalized(h, r, scale, dtype):
     return (h * r * scale).astype(dtype).astype(F32)
 
 
-def _router_kernel(h_ref, s_ref, w_ref, x_ref, xq_ref, lg_ref, *, T, TT, H, E, eps, normalize, dtype):
+def _router_kernel(h_ref, s_ref, w_ref, x_ref, xq_ref, lg_ref, *, T, H, E, eps, normalize, dtype):
     i, ks, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows = c * TT + lax.broadcasted_iota(jnp.int32, (TT,), 0)
+    rows = c * TOKEN_TILE + lax.broadcasted_iota(jnp.int32, (TOKEN_TILE,), 0)
     r_ok = rows < T
     k_iota = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
 
@@ -72,7 +64,7 @@ def _router_kernel(h_ref, s_ref, w_ref, x_ref, xq_ref, lg_ref, *, T, TT, H, E, e
         kk = jnp.asarray(kk, jnp.int32)  # a traced start: the last chunk runs past H (masked)
         cols = kk * CHUNK + k_iota
         m = r_ok[:, None] & (cols < H)[None, :]
-        return cols, m, _load(h_ref, (pl.ds(c * TT, TT), pl.ds(kk * CHUNK, CHUNK)),
+        return cols, m, moe._load(h_ref, (pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(kk * CHUNK, CHUNK)),
                               mask=m, other=0).astype(F32)
 
     r = None
@@ -82,22 +74,22 @@ def _router_kernel(h_ref, s_ref, w_ref, x_ref, xq_ref, lg_ref, *, T, TT, H, E, e
 
     e_cols = i * EXPERT_TILE + lax.broadcasted_iota(jnp.int32, (EXPERT_TILE,), 0)
     e_ok = e_cols < E
-    acc = jnp.zeros((TT, EXPERT_TILE), F32)
+    acc = jnp.zeros((TOKEN_TILE, EXPERT_TILE), F32)
     for t in range(SPLIT_CHUNKS):  # this program's share of the inputs
         kk = ks * SPLIT_CHUNKS + t
         cols, m, h = chunk(kk)
-        scale = _load(s_ref, pl.ds(kk * CHUNK, CHUNK), mask=cols < H, other=0) if normalize else None
+        scale = moe._load(s_ref, pl.ds(kk * CHUNK, CHUNK), mask=cols < H, other=0) if normalize else None
         x = _normalized(h, r, scale, dtype).astype(dtype)
-        w = _load(w_ref, (pl.ds(kk * CHUNK, CHUNK), pl.ds(i * EXPERT_TILE, EXPERT_TILE)),
+        w = moe._load(w_ref, (pl.ds(kk * CHUNK, CHUNK), pl.ds(i * EXPERT_TILE, EXPERT_TILE)),
                   mask=(cols < H)[:, None] & e_ok[None, :], other=0)
         acc = acc + jnp.dot(x, w.astype(dtype), preferred_element_type=F32)
 
         @pl.when(i == t % pl.num_programs(0))  # x and xq of chunk kk: one program each, in parallel
         def _():
-            _store(x_ref, (pl.ds(c * TT, TT), pl.ds(kk * CHUNK, CHUNK)), x, mask=m)
+            moe._store(x_ref, (pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(kk * CHUNK, CHUNK)), x, mask=m)
             _pair_layout(h_ref, s_ref, xq_ref, rows, r, kk, H=H, dtype=dtype)
 
-    _store(lg_ref, (ks, pl.ds(c * TT, TT), pl.ds(i * EXPERT_TILE, EXPERT_TILE)), acc,
+    moe._store(lg_ref, (ks, pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(i * EXPERT_TILE, EXPERT_TILE)), acc,
            mask=r_ok[:, None] & e_ok[None, :])
 
 
@@ -117,35 +109,35 @@ def _pair_layout(h_ref, s_ref, xq_ref, rows, r, kk, *, H, dtype):
     base = kk * CHUNK
 
     def half(cols):
-        v = _load(h_ref, (rows[:, None, None], base + cols[None]), mask=m16, other=0).astype(F32)
-        s = None if r is None else _load(s_ref, base + cols, mask=g_ok[:, None], other=0)
+        v = moe._load(h_ref, (rows[:, None, None], base + cols[None]), mask=m16, other=0).astype(F32)
+        s = None if r is None else moe._load(s_ref, base + cols, mask=g_ok[:, None], other=0)
         return _normalized(v, r, s, dtype)
 
     a, b = half(lo), half(hi)  # [16, BG, 16]
     e = moe._group_exponent(jnp.max(jnp.maximum(jnp.abs(a), jnp.abs(b)), axis=2))  # [16, BG]
     f = moe._pow2_f32(14 - e)[:, :, None]
     word_at = kk * BG * moe._GROUP_WORDS + at
-    _store(xq_ref, (rows[:, None, None], word_at[None]), moe._pack_f16x2(a * f, b * f), mask=m16)
+    moe._store(xq_ref, (rows[:, None, None], word_at[None]), moe._pack_f16x2(a * f, b * f), mask=m16)
     factor = lax.bitcast_convert_type(moe._pow2_f32(e), jnp.uint32)[:, :, None]  # [16, BG, 1]
     trailer = jnp.where(t_iota[None] == 0, factor, jnp.uint32(0))  # [16, BG, 4]
     t_at = (kk * BG + g_iota)[:, None] * moe._GROUP_WORDS + moe._PAIR_WORDS + t_iota
-    _store(xq_ref, (rows[:, None, None], t_at[None]), trailer, mask=jnp.broadcast_to(m, trailer.shape))
+    moe._store(xq_ref, (rows[:, None, None], t_at[None]), trailer, mask=jnp.broadcast_to(m, trailer.shape))
 
 
-def _top_k_kernel(lg_ref, b_ref, ids_ref, w_ref, *, T, TT, E, k):
+def _top_k_kernel(lg_ref, b_ref, ids_ref, w_ref, *, T, E, k):
     c = pl.program_id(0)
     Ep, kp = moe._pow2(E), moe._pow2(k)
-    rows = c * TT + lax.broadcasted_iota(jnp.int32, (TT,), 0)
+    rows = c * TOKEN_TILE + lax.broadcasted_iota(jnp.int32, (TOKEN_TILE,), 0)
     r_ok = rows < T
-    e_iota = lax.broadcasted_iota(jnp.int32, (TT, Ep), 1)
-    j_iota = lax.broadcasted_iota(jnp.int32, (TT, kp), 1)
+    e_iota = lax.broadcasted_iota(jnp.int32, (TOKEN_TILE, Ep), 1)
+    j_iota = lax.broadcasted_iota(jnp.int32, (TOKEN_TILE, kp), 1)
     m = r_ok[:, None] & (e_iota < E)
-    lg = sum(_load(lg_ref, (jnp.int32(s), pl.ds(c * TT, TT), pl.ds(0, Ep)), mask=m, other=0)
+    lg = sum(moe._load(lg_ref, (jnp.int32(s), pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(0, Ep)), mask=m, other=0)
              for s in range(lg_ref.shape[0]))  # the K splits' partial sums
-    lg = lg + _load(b_ref, pl.ds(0, Ep), mask=lax.broadcasted_iota(jnp.int32, (Ep,), 0) < E, other=0).astype(F32)[None, :]
+    lg = lg + moe._load(b_ref, pl.ds(0, Ep), mask=lax.broadcasted_iota(jnp.int32, (Ep,), 0) < E, other=0).astype(F32)[None, :]
     free = e_iota < E
-    ids = jnp.zeros((TT, kp), jnp.int32)
-    top = jnp.zeros((TT, kp), F32)
+    ids = jnp.zeros((TOKEN_TILE, kp), jnp.int32)
+    top = jnp.zeros((TOKEN_TILE, kp), F32)
     first = None
     for j in range(k):
         best = jnp.max(jnp.where(free, lg, -jnp.inf), axis=1)
@@ -158,8 +150,8 @@ def _top_k_kernel(lg_ref, b_ref, ids_ref, w_ref, *, T, TT, E, k):
         free = free & (e_iota != at[:, None])
     p = jnp.where(j_iota < k, jnp.exp(top - first[:, None]), 0.0)
     m = r_ok[:, None] & (j_iota < k)
-    _store(ids_ref, (pl.ds(c * TT, TT), pl.ds(0, kp)), ids, mask=m)
-    _store(w_ref, (pl.ds(c * TT, TT), pl.ds(0, kp)), p / jnp.sum(p, axis=1, keepdims=True), mask=m)
+    moe._store(ids_ref, (pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(0, kp)), ids, mask=m)
+    moe._store(w_ref, (pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(0, kp)), p / jnp.sum(p, axis=1, keepdims=True), mask=m)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "k", "interpret"))
@@ -176,22 +168,21 @@ def route(h, norm_scale, router_w, router_b, *, eps: float, k: int, interpret: b
     if norm_scale is not None and norm_scale.shape != (H,):
         raise ValueError(f"moe_route: norm_scale {norm_scale.shape}, expected ({H},)")
     G = H // moe.BLOCK
-    TT = TOKEN_TILE
-    nc, ne, nk = -(-T // TT), -(-E // EXPERT_TILE), -(-H // CHUNK)
+    nc, ne, nk = -(-T // TOKEN_TILE), -(-E // EXPERT_TILE), -(-H // CHUNK)
     ns = -(-nk // SPLIT_CHUNKS)
     normalize = norm_scale is not None
     scale = norm_scale.astype(F32) if normalize else jnp.zeros((1,), F32)
     Ep, kp = moe._pow2(E), moe._pow2(k)
     # the interpreter cannot read or write past an array's end (the Triton kernels mask such accesses):
     # there every array is padded to whole tiles
-    Tp, Hp, Wq = ((nc * TT, ns * SPLIT_CHUNKS * CHUNK, ns * SPLIT_CHUNKS * CHUNK // moe.BLOCK * moe._GROUP_WORDS)
+    Tp, Hp, Wq = ((nc * TOKEN_TILE, ns * SPLIT_CHUNKS * CHUNK, ns * SPLIT_CHUNKS * CHUNK // moe.BLOCK * moe._GROUP_WORDS)
                   if interpret else (T, H, G * moe._GROUP_WORDS))
     bias = router_b
     if interpret:
         h, router_w, bias = moe._pad(h, (Tp, Hp)), moe._pad(router_w, (Hp, ne * EXPERT_TILE)), moe._pad(bias, (Ep,))
         scale = moe._pad(scale, (Hp,)) if normalize else scale
     x, xq, lg = pl.pallas_call(
-        functools.partial(_router_kernel, T=T, TT=TT, H=H, E=E, eps=float(eps), normalize=normalize, dtype=h.dtype),
+        functools.partial(_router_kernel, T=T, H=H, E=E, eps=float(eps), normalize=normalize, dtype=h.dtype),
         grid=(ne, ns, nc),
         out_shape=(jax.ShapeDtypeStruct((Tp, Hp), h.dtype), jax.ShapeDtypeStruct((Tp, Wq), jnp.uint32),
                    jax.ShapeDtypeStruct((ns, Tp, max(Ep, ne * EXPERT_TILE) if interpret else E), F32)),
@@ -199,7 +190,7 @@ def route(h, norm_scale, router_w, router_b, *, eps: float, k: int, interpret: b
         interpret=interpret, name="moe_router",
     )(h, scale, router_w)
     ids, weights = pl.pallas_call(
-        functools.partial(_top_k_kernel, T=T, TT=TT, E=E, k=k),
+        functools.partial(_top_k_kernel, T=T, E=E, k=k),
         grid=(nc,),
         out_shape=(jax.ShapeDtypeStruct((Tp, kp if interpret else k), jnp.int32),
                    jax.ShapeDtypeStruct((Tp, kp if interpret else k), F32)),

@@ -22,17 +22,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 F32 = jnp.float32
-_BITS = {jnp.dtype(jnp.bfloat16): (8, 7), jnp.dtype(jnp.float16): (5, 10)}  # (exponent, mantissa) bits
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def _kernel(x_ref, r_ref, s_ref, *outs, H, eps, dtype, has_residual):
     """outs: (sum_ref, y_ref) with a residual, else (y_ref,)."""
     row = pl.program_id(0)
-    cols = lax.broadcasted_iota(jnp.int32, (_pow2(H),), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (pl.next_power_of_2(H),), 0)
     ok = cols < H
     idx = (row, pl.ds(0, cols.shape[0]))
     t = plgpu.load(x_ref.at[idx], mask=ok, other=0).astype(F32)
@@ -61,7 +56,7 @@ def add_rms_norm(x, scale, residual=None, *, eps: float, interpret: bool = False
     r2 = residual.reshape(N, H) if has_residual else jnp.zeros((1, 1), F32)
     s_in = scale
     if interpret:  # the interpreter cannot read past an array's end (the Triton kernel masks such reads)
-        Hp = _pow2(H)
+        Hp = pl.next_power_of_2(H)
         x2, s_in = jnp.pad(x2, ((0, 0), (0, Hp - H))), jnp.pad(scale, (0, Hp - H))
         r2 = jnp.pad(r2, ((0, 0), (0, Hp - H))) if has_residual else r2
     out = jax.ShapeDtypeStruct(x2.shape, x.dtype)
@@ -81,5 +76,5 @@ def add_rms_norm_reference(x, scale, residual=None, *, eps: float, interpret: bo
     del interpret
     s = x if residual is None else x + residual.astype(x.dtype)
     # XLA may keep the sum in f32 inside a fusion (excess precision); the kernel normalizes s as stored
-    t = lax.reduce_precision(s.astype(F32), *_BITS[jnp.dtype(x.dtype)]) if jnp.dtype(x.dtype) in _BITS else s.astype(F32)
+    t = lax.reduce_precision(s.astype(F32), jnp.finfo(x.dtype).nexp, jnp.finfo(x.dtype).nmant)
     return s, (t * lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + eps) * scale.astype(F32)).astype(x.dtype)

@@ -27,10 +27,6 @@ from jax.experimental.pallas import triton as plgpu
 F32 = jnp.float32
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def _load(ref, idx, mask=None):
     return plgpu.load(ref.at[idx]) if mask is None else plgpu.load(ref.at[idx], mask=mask, other=0)
 
@@ -53,7 +49,7 @@ def _kernel(qkv_ref, b_ref, cos_ref, sin_ref, len_ref, kc_in, vc_in, q_ref, k_re
         return x.astype(dt).astype(F32)
 
     def heads(n, width):
-        h = lax.broadcasted_iota(jnp.int32, (_pow2(n), width), 0)
+        h = lax.broadcasted_iota(jnp.int32, (pl.next_power_of_2(n), width), 0)
         return h, lax.broadcasted_iota(jnp.int32, h.shape, 1), h < n
 
     for n, first, out_ref, cache_ref in ((Hq, 0, q_ref, None), (Hkv, Hq, k_ref, kc_ref)):
@@ -87,7 +83,7 @@ def rope_write(qkv, bias, cos, sin, k_cache, v_cache, lengths, *, num_heads: int
     has_bias = bias is not None
     b_in = bias if has_bias else jnp.zeros((1,), qkv.dtype)
     qkv_in, kc, vc = qkv, k_cache, v_cache
-    Hqp, Hkp = _pow2(Hq), _pow2(Hkv)
+    Hqp, Hkp = pl.next_power_of_2(Hq), pl.next_power_of_2(Hkv)
     if interpret:  # the interpreter cannot touch indices past an array's end, even masked: pad every array
         Np = (Hq + Hkv + Hkp) * D + max(Hqp, Hkp) * D
         qkv_in = jnp.pad(qkv, ((0, 0), (0, 0), (0, Np - N)))
