@@ -159,6 +159,10 @@ def bench_moe():
                              [(xs[r], ids[r], ws[r], *packed) for r in range(R)])
         if "kernels" in prof:  # device time per call of each kernel of the call (the two Pallas kernels, XLA glue)
             row["kernels_us"] = {n: v * 1e6 for n, v in prof["kernels"].items()}
+            # device time of the call's kernels: the wall figure above also holds whatever the stream
+            # spends between kernels (up to 60% more at T <= 4 with JAX 0.11.2, not understood)
+            row.update(kernel_device_us=prof["kernel_seconds"] * 1e6, kernel_span_us=prof["span_seconds"] * 1e6,
+                       kernel_device_roofline_fraction=t_roof / prof["kernel_seconds"])
 
         # the layer as the model runs it (router included): default path, and the jnp paths
         def layer_loop(path):
@@ -189,6 +193,8 @@ def bench_moe():
         "kernel_us: mxfp4_moe (both Pallas kernels) per call, median of back-to-back calls inside one jit, "
         f"cycling {R} router-drawn routings so consecutive calls read different experts. roofline_us: packed "
         "bytes of the distinct selected experts (blocks + scales + biases) over the copy bandwidth measured here. "
+        "kernel_device_us: the same call's summed device kernel time (profiler records); kernel_span_us: first "
+        "kernel start to last kernel end per call in that profile (gaps between the kernels included). "
         "layer_*: the MoE layer with its router (kernel; jnp gathered per-pair dequantize; jnp expert-grouped tiles).")
     del layer, ex, packed
     return res
@@ -695,10 +701,12 @@ def _print_moe_table(r):
     for s in r.get("sweep", []):
         print("  sweep", s.get("config"), {k: round(float(v), 3) if isinstance(v, (float, np.floating)) else v
                                           for k, v in s.items() if k != "config"})
-    print(f"{'T':>3} {'experts':>7} {'roof us':>8} {'kern us':>8} {'frac':>5} {'layer':>8} {'gather':>8} {'group':>8}")
+    print(f"{'T':>3} {'experts':>7} {'roof us':>8} {'kern us':>8} {'frac':>5} {'dev us':>8} {'frac':>5} {'layer':>8} "
+          f"{'gather':>8} {'group':>8}")
     for row in r["tokens"]:
         print(f"{row['tokens']:>3} {row['distinct_experts']:>7.1f} {row['roofline_us']:>8.1f} {row['kernel_us']:>8.1f} "
-              f"{row['kernel_roofline_fraction']:>5.2f} {row['layer_kernel_us']:>8.1f} "
+              f"{row['kernel_roofline_fraction']:>5.2f} {row.get('kernel_device_us', float('nan')):>8.1f} "
+              f"{row.get('kernel_device_roofline_fraction', float('nan')):>5.2f} {row['layer_kernel_us']:>8.1f} "
               f"{row.get('layer_jnp_gathered_us', float('nan')):>8.1f} {row.get('layer_jnp_grouped_us', float('nan')):>8.1f}")
     if "e2e" in r:
         e = r["e2e"]

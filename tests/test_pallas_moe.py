@@ -82,6 +82,69 @@ def test_fma_decoder_matches_dequantize():
     np.testing.assert_array_equal(parts.reshape(ref.shape) * 2.0 ** 14, ref)
 
 
+def _run_ptx(asm, args, n_out):
+    """A small interpreter for the PTX subset `_group_dot_asm` emits (b32 logic and shifts, prmt with a
+    zero second operand, f16x2 mul / fma / add, f16 -> f32): returns the n_out f32 results."""
+    reg = {f"${i + n_out}": np.uint32(a) for i, a in enumerate(args)}
+    reg["0"] = np.uint32(0)
+
+    def val(tok):
+        return reg[tok] if tok in reg else np.uint32(int(tok, 16) if tok.startswith("0x") else int(tok))
+
+    def halves(v):
+        return np.array([int(v) & 0xFFFF, int(v) >> 16], np.uint16).view(np.float16).astype(np.float64)
+
+    def pack(h):  # float64 pair -> f16x2 bits, rounded once
+        return np.uint32(int.from_bytes(np.asarray(h, np.float16).tobytes(), "little"))
+
+    for line in asm.split("\n"):
+        op, _, rest = line.rstrip(";").partition(" ")
+        if op in ("{", "}", ".reg"):
+            continue
+        if op == "mov.b32":  # mov.b32 {lo, hi}, a
+            lo, hi = halves(reg[rest.split("}, ")[1]])
+            reg["lo"], reg["hi"] = lo, hi
+            continue
+        d, *src = [t.strip() for t in rest.split(",")]
+        if op == "cvt.f32.f16":
+            reg[d] = reg[src[0]]
+        elif op == "add.f32":
+            reg[d] = np.float32(np.float32(reg[src[0]]) + np.float32(reg[src[1]]))
+        elif op.endswith("f16x2"):
+            a, b = halves(reg[src[0]]), halves(reg[src[1]])
+            c = halves(reg[src[2]]) if op.startswith("fma") else 0.0
+            reg[d] = pack(a + b if op.startswith("add") else a * b + c)
+        elif op == "prmt.b32":
+            data, sel = int(val(src[0])).to_bytes(4, "little") + bytes(4), int(val(src[2]))
+            reg[d] = np.uint32(int.from_bytes(bytes(data[(sel >> 4 * i) & 7] for i in range(4)), "little"))
+        else:
+            a, b = int(val(src[0])), int(val(src[1]))
+            f = {"and.b32": lambda: a & b, "or.b32": lambda: a | b, "shr.b32": lambda: a >> b,
+                 "shl.b32": lambda: (a << b) & 0xFFFFFFFF}[op]
+            reg[d] = np.uint32(f())
+    return [float(reg[f"${t}"]) for t in range(n_out)]
+
+
+@pytest.mark.parametrize("nt", [1, 2])
+def test_group_dot_asm_interpreted(nt):
+    # the FMA path's PTX block (GPU only) run by a PTX interpreter on random nibbles (both signs, zero
+    # and -0, the subnormal 0.5) and small-integer activations, whose group sums are exact in f16
+    rng = np.random.default_rng(nt)
+    for _ in range(20):
+        words = rng.integers(0, 2 ** 32, 4, dtype=np.uint64).astype(np.uint32)
+        x = rng.integers(-8, 9, (nt, 32)).astype(np.float64)  # x' of one scale group per token
+        pairs = []
+        for t in range(nt):
+            for k in range(4):
+                for q in range(4):
+                    lo, hi = x[t, 8 * q + 3 - k], x[t, 8 * q + 7 - k]
+                    pairs.append(int.from_bytes(np.array([lo, hi], np.float16).tobytes(), "little"))
+        got = _run_ptx(moe._group_dot_asm(nt), [*words, *pairs], nt)
+        nib = np.array([(int(words[i // 8]) >> 4 * (i % 8)) & 0xF for i in range(32)])
+        want = x @ (moe.E2M1[nib].astype(np.float64) * 2.0 ** -14)
+        np.testing.assert_array_equal(got, want)
+
+
 def test_f16_pairs_layout_round_trips():
     # the FMA path's activation layout: word [g, k, q] = (x[32g + 8q + 3 - k], x[32g + 8q + 7 - k]) as
     # f16 times 2^(14 - e_g), factor bits 2^e_g at [g, 4, 0]; bf16 groups from 2^-90 to 2^100 and a

@@ -19,9 +19,9 @@ unless the caller passes that layout: `moe_route.route` writes it with the routi
      - FMA path (the expert was chosen by at most `fma_tokens` tokens, at decode nearly all of
        them): CUDA cores, no tensor-core layout conversions. The activations come as f16 pairs
        with one power-of-two factor per 32-input scale group (`f16_pairs`); each scale group's
-       four weight words are decoded into sixteen f16x2 (sign bits kept in place, magnitude bits
-       shifted once) and multiplied with the matching pairs by f16x2 fma in one inline-PTX block
-       (`_group_dot_asm`), about 2.5 instructions per weight at one token.
+       four weight words are decoded into sixteen f16x2 (each word's nibbles rewritten byte by byte,
+       then one byte permute per f16x2) and multiplied with the matching pairs by f16x2 fma in one inline-PTX block
+       (`_group_dot_asm`), about 2 instructions per weight at one token.
      - MMA path (more tokens): the chunk's 16 token rows on the tensor cores; the decoded tile is
        interleaved into input order and converted to the dot-operand layout.
      Bias and SwiGLU in f32; act to HBM (a few MB at most, read back from L2).
@@ -40,14 +40,16 @@ columns. The interpreter (XLA:CPU flushes f32 subnormals) decodes through f16 wi
 (`decode="f16"`).
 
 Status (H200, JAX 0.11.2, experiments/results/moe_h200.json): correct on the GPU for every decoder
-and path; 29 / 38 / 39 / 35 / 13% of the HBM roofline at T = 1 / 4 / 8 / 16 / 64 (wall time of
-back-to-back calls; by device kernel time at T=1: gate_up 19.5 + down 11.2 + the pair-layout fusion
-1.5 us = 41%). With one PTX block per word before: 26 / 35 / 40 / 34 / 13%; the f32 FMA path before
-that: 17 / 28 / 30 / 30 / 12%. Nsight Compute, gate_up at T=1: 851 instructions per thread per K step
-(32 words; the decode 15 a word, the f16x2 fma 4), 0.47 instructions issued per scheduler cycle with
-2.6 warps each (168 registers, 3 blocks per SM; the grid of 360 programs fills one wave); stalls:
-waiting on global loads 21%, fixed-latency dependencies 16%, the activations' register-layout
-conversion through shared memory 13% + 6% at its barriers. The MMA path is bound by L1 /
+and path; by device kernel time 41 / 45 / 45 / 40 / 13% of the HBM roofline at T = 1 / 4 / 8 / 16 / 64
+(T=1: gate_up 19.3 + down 10.5 + the pair-layout fusion 1.6 us). Nsight Compute, gate_up at T=1:
+0.43-0.47 instructions issued per scheduler cycle with 2.5 warps each (168 registers, 3 blocks per SM;
+the grid of 360 programs fills one wave); earlier stall breakdown: waiting on global loads 21%,
+fixed-latency dependencies 16%, the activations' register-layout conversion through shared memory 13%
++ 6% at its barriers. What does not move the T=1 pair off ~32 us (measured, H200): 9% fewer
+instructions (this decode); 8 warps a program (95 registers, 13.9 active warps per SM); activations
+loaded per element instead of broadcast (no conversion, 64 registers, 20.7 active warps per SM, but
+half the stalls then wait on L1); Triton's own load pipelining (num_stages) instead of the register
+queue. gate_up alone gains 1-2 us in some of these, down loses as much. The MMA path is bound by L1 /
 shared-memory traffic (the layout conversions, 75-85% busy).
 
 `mxfp4_moe_reference` is the plain-jnp function of the same signature (dequantize the selected
@@ -394,26 +396,33 @@ def f16_pairs(v):
 def _group_dot_asm(nt: int) -> str:
     """PTX: $t (t < nt) = sum over the 32 nibbles of the group's words $nt..$(nt + 3) of E2M1 * 2^-14
     times the token's matching f16 activation, pair words $(nt + 4 + 16t + 4k + q) (pair k of word q).
-    Each pair k of word q: shift the word left by 4k, keep the sign bits 15 / 31 and move the
-    magnitude bits 12-14 / 28-30 to 9-11 / 25-27 (an f16x2 of E2M1 * 2^-14, 0.5 a subnormal), then
-    one f16x2 multiply-add per token; the group's f16x2 sum (16 products a half, at most 96 in
-    magnitude) goes to f32 once. About 2.5 instructions per weight at one token (15 a word for the
-    decode, 4 a word for the fma, 3 a group for the sum)."""
-    lines = ["{", ".reg .b32 q, m, p;", ".reg .b32 " + ", ".join(f"a{t}" for t in range(nt)) + ";",
+    Each word is first rewritten byte by byte: zo holds its odd nibbles (each byte's high one), ze its
+    even ones, each as the high byte of an f16 of E2M1 * 2^-14 (sign in bit 7, magnitude bits in 1-3;
+    0.5 is an f16 subnormal). Pair k (nibbles n = 3 - k and n + 4, bytes n // 2 and n // 2 + 2) is
+    then one byte permute into an f16x2 with zero low bytes, and one f16x2 multiply-add per token,
+    into two accumulators (even and odd k: two shorter dependency chains). The group's f16x2 sum (16
+    products a half, at most 96 in magnitude) goes to f32 once. About 11 instructions a word for the
+    decode (15 with per-pair shifts, measured: 9% fewer instructions in gate_up at T=1, 2% faster),
+    4 a word for the fma, 4 a group for the sum."""
+    lines = ["{", ".reg .b32 u, v, zo, ze, p;", ".reg .b32 " + ", ".join(f"a{t}, c{t}" for t in range(nt)) + ";",
              ".reg .f16 lo, hi;", ".reg .f32 fl, fh;"]
     for qw in range(4):
         w = f"${nt + qw}"
+        lines += [f"and.b32 u, {w}, 0xF0F0F0F0;", "shr.b32 v, u, 3;", "or.b32 zo, u, v;", "and.b32 zo, zo, 0x8E8E8E8E;",
+                  f"shl.b32 u, {w}, 4;", "and.b32 u, u, 0xF0F0F0F0;", "shr.b32 v, u, 3;", "or.b32 ze, u, v;",
+                  "and.b32 ze, ze, 0x8E8E8E8E;"]
         for k in range(4):
-            src = w if k == 0 else "q"
-            if k:
-                lines.append(f"shl.b32 q, {w if k == 1 else 'q'}, 4;")
-            lines += [f"and.b32 m, {src}, 0x70007000;", "shr.b32 m, m, 3;", f"and.b32 p, {src}, 0x80008000;",
-                      "or.b32 p, p, m;"]
+            n = 3 - k
+            b = n // 2
+            sel = ((b + 2) << 12) | (4 << 8) | (b << 4) | 4  # bytes: 0, z[b], 0, z[b + 2] (4 = the zero operand)
+            lines.append(f"prmt.b32 p, {'zo' if n % 2 else 'ze'}, 0, 0x{sel:04X};")
             for t in range(nt):
                 x = f"${nt + 4 + 16 * t + 4 * k + qw}"
-                lines.append(f"mul.rn.f16x2 a{t}, p, {x};" if qw == k == 0 else f"fma.rn.f16x2 a{t}, p, {x}, a{t};")
+                acc = f"c{t}" if k % 2 else f"a{t}"
+                lines.append(f"mul.rn.f16x2 {acc}, p, {x};" if qw == 0 and k < 2 else f"fma.rn.f16x2 {acc}, p, {x}, {acc};")
     for t in range(nt):
-        lines += [f"mov.b32 {{lo, hi}}, a{t};", "cvt.f32.f16 fl, lo;", "cvt.f32.f16 fh, hi;", f"add.f32 ${t}, fl, fh;"]
+        lines += [f"add.rn.f16x2 a{t}, a{t}, c{t};", f"mov.b32 {{lo, hi}}, a{t};", "cvt.f32.f16 fl, lo;",
+                  "cvt.f32.f16 fh, hi;", f"add.f32 ${t}, fl, fh;"]
     lines.append("}")
     return "\n".join(lines)
 
