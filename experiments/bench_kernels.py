@@ -159,8 +159,8 @@ def bench_moe():
                              [(xs[r], ids[r], ws[r], *packed) for r in range(R)])
         if "kernels" in prof:  # device time per call of each kernel of the call (the two Pallas kernels, XLA glue)
             row["kernels_us"] = {n: v * 1e6 for n, v in prof["kernels"].items()}
-            # device time of the call's kernels: the wall figure above also holds whatever the stream
-            # spends between kernels (up to 60% more at T <= 4 with JAX 0.11.2, not understood)
+            # device time of the call's kernels: the wall figure above also holds what is spent between
+            # the timed calls (1.75x the kernels' time at T=1 with JAX 0.11.2 on an H200, not understood)
             row.update(kernel_device_us=prof["kernel_seconds"] * 1e6, kernel_span_us=prof["span_seconds"] * 1e6,
                        kernel_device_roofline_fraction=t_roof / prof["kernel_seconds"])
 
