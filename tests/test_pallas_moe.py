@@ -212,6 +212,35 @@ def test_interpret_fresh_inputs_same_executable():
     assert max(errs) < 2e-3
 
 
+@pytest.mark.parametrize("tiles", [dict(fma_block_i=16, fma_block_h=16), dict(fma_block_i=32, fma_block_h=32, fma_groups=4)])
+def test_interpret_fma_tiles(tiles):
+    # other FMA tilings: 16 or 32 act columns a gate_up program (two or four 8-column blocks of the
+    # pair layout), 16 or 32 outputs a down program; 9 tokens over 10 experts share them
+    _check(_case(17, 9, E=10, H=96, I=64), moe.MoeConfig(**tiles))
+
+
+def test_act_exponent_bounds_swiglu():
+    # |act| < 2^e for gate and linear inputs anywhere (the FMA path stores act * 2^(14 - e) as f16
+    # and sums 16 products of it in f16), also after act's rounding to bf16; unbounded: None
+    for limit, alpha in ((7.0, 1.702), (1.0, 0.5), (30.0, 4.0), (0.25, 1.702), (0.1, 0.5)):
+        e = moe._act_exponent(limit, alpha)
+        g = jnp.concatenate([jnp.linspace(-60.0, 60.0, 4001), jnp.asarray([-1e30, -1 / alpha, limit, 1e30])])
+        lin = jnp.asarray([-1e30, -limit, 0.0, limit, 1e30])
+        act = moe._swiglu(g[:, None], lin[None, :], 0.0, 0.0, limit, alpha).astype(jnp.bfloat16).astype(jnp.float32)
+        peak = float(jnp.max(jnp.abs(act)))
+        assert peak < 2.0 ** e and peak >= 2.0 ** (e - 2), (limit, alpha, peak, e)
+    assert moe._act_exponent(float("inf"), 1.702) is None and moe._act_exponent(7.0, 0.0) is None
+
+
+def test_interpret_unbounded_act_takes_mma_path():
+    # without a finite limit act has no bound, so no expert may take the FMA path (fixed act factor)
+    args = _case(19, 3, E=8, H=64, I=64)
+    ref = moe.mxfp4_moe_reference(*args, limit=float("inf"), alpha=ALPHA)
+    out = moe.mxfp4_moe(*args, limit=float("inf"), alpha=ALPHA, config=moe.MoeConfig(block_i=32, groups=2),
+                        interpret=True)
+    assert np.isfinite(np.asarray(out)).all() and _rel(out, ref) < 2e-3
+
+
 def test_rejects_bad_input():
     args = _case(0, 2, E=4, H=64, I=64)
     with pytest.raises(ValueError, match="tokens"):
@@ -223,8 +252,8 @@ def test_rejects_bad_input():
         moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(decode="nope"), interpret=True)
     with pytest.raises(ValueError, match="fma_prefetch must be >= 1"):
         moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(fma_prefetch=0), interpret=True)
-    with pytest.raises(ValueError, match="block_i >= 32"):  # FMA act words are written a scale group at a time
-        moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(block_i=16), interpret=True)
+    with pytest.raises(ValueError, match="fma_block_i 8, 16"):  # FMA act words are written 8 columns at a time
+        moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(fma_block_i=4), interpret=True)
 
 
 # -- GPU ------------------------------------------------------------------------------------------
@@ -253,8 +282,17 @@ def test_gpu_extreme_scales_and_tiles():
     x = jnp.asarray(rng.normal(0, 1, (T, H)), jnp.bfloat16)
     ids, w = _routing(rng, T, E, 4)
     args = (x, ids, w, gub, gus, gubias * 0, dnb, dns, dnbias * 0)
-    for decode in ("ptx", "bits", "f16"):
-        _check(args, moe.MoeConfig(block_i=128, block_h=128, groups=8, decode=decode), interpret=False)
+    for decode, fma in (("ptx", 64), ("ptx", 0), ("bits", 0), ("f16", 0)):
+        _check(args, moe.MoeConfig(block_i=128, block_h=128, groups=8, decode=decode, fma_tokens=fma), interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", ["fma_block_i=16/fma_block_h=16/fma_warps=2", "fma_block_i=32/fma_block_h=32/fma_groups=32"])
+@pytest.mark.parametrize("T", [3, 64])
+def test_gpu_fma_tiles(tiles, T):
+    # the FMA path's other tilings, 16 experts (T=64: about 16 pairs an expert, each its own pass)
+    cfg = moe.MoeConfig(**{k: int(v) for k, v in (kv.split("=") for kv in tiles.split("/"))})
+    _check(_case(T + 7, T, E=16, H=2880, I=2880), cfg, interpret=False)
 
 
 @pytest.mark.gpu

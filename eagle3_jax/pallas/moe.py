@@ -1,4 +1,4 @@
-"""MXFP4 expert matmul for few tokens (decode and verify): each selected expert is read once.
+"""MXFP4 expert matmul for few tokens (decode and verify), the experts kept packed.
 
 `mxfp4_moe(x, ids, weights, <packed experts>)` computes, for T tokens routed to k experts each,
 `out[t] = sum_j weights[t, j] * FFN_{ids[t, j]}(x[t])` with the GPT-OSS expert
@@ -9,48 +9,45 @@ stay packed exactly as the HF checkpoint stores them (MXFP4: E2M1 nibbles, one E
   gate_up_blocks u8 [E, 2I, H/32, 16], gate_up_scales u8 [E, 2I, H/32], gate_up_bias [E, 2I]
   down_blocks    u8 [E, H, I/32, 16],  down_scales    u8 [E, H, I/32],  down_bias    [E, H]
 
-Two Pallas (Triton) kernels, no routing glue in XLA (one XLA fusion lays x out for the FMA path,
-unless the caller passes that layout: `moe_route.route` writes it with the routing):
+Two Pallas (Triton) kernels per path, no routing glue in XLA (one XLA fusion lays x out for the FMA
+path, unless the caller passes that layout: `moe_route.route` writes it with the routing):
 
-  1. gate_up + SwiGLU. Grid (slot, token chunk, I tile). Slot s is the s-th (token, expert) pair;
-     a slot whose expert already appeared in an earlier pair exits at once, so each selected
-     expert is handled by exactly one slot. The program streams its 2*BI packed gate/linear rows
-     once and dequantizes them in registers, on one of two paths chosen per expert:
-     - FMA path (the expert was chosen by at most `fma_tokens` tokens, at decode nearly all of
-       them): CUDA cores, no tensor-core layout conversions. The activations come as f16 pairs
-       with one power-of-two factor per 32-input scale group (`f16_pairs`); each scale group's
-       four weight words are decoded into sixteen f16x2 (each word's nibbles rewritten byte by byte,
-       then one byte permute per f16x2) and multiplied with the matching pairs by f16x2 fma in one inline-PTX block
-       (`_group_dot_asm`), about 2 instructions per weight at one token.
-     - MMA path (more tokens): the chunk's 16 token rows on the tensor cores; the decoded tile is
-       interleaved into input order and converted to the dot-operand layout.
-     Bias and SwiGLU in f32; act to HBM (a few MB at most, read back from L2).
-  2. down + combine. Same grid over H tiles and the same two paths: act @ W2^T + b2, times the
-     routing weight of each token, atomically added (f32) into the output, which kernel 1 zeroed.
+  FMA path (an expert chosen by at most `fma_tokens` tokens; by default every expert, since it was
+  faster than the MMA path at every T <= 64 measured, random routing): one pass per (token, expert)
+  pair, on the CUDA cores, in small one-warp programs that stream few rows in long row segments (a
+  pure-load kernel with the old 64-row, 256-byte-segment tiles reached 57% of the roofline, with
+  8-16-row, 512-byte ones 78-85%: scratch probes, H200). An expert shared by tokens is read once per
+  pair; the copies of one tile run at about the same time, so that the later ones may come from L2.
+  1. gate_up + SwiGLU, grid (pair, I / fma_block_i). The program decodes its gate and linear rows
+     in registers and multiplies them with the token's activations, f16 pairs with one power-of-two
+     factor per 32-input scale group (`f16_pairs`): each group's four weight words become sixteen
+     f16x2 (each word's nibbles rewritten byte by byte, then one byte permute per f16x2), multiplied
+     with the matching pairs by f16x2 fma in one inline-PTX block (`_group_dot_asm`). Bias and
+     SwiGLU in f32; act to HBM in kernel 2's pair layout with one fixed factor 2^e, e from the SwiGLU's
+     bound (|act| < limit' (limit + 1), `_act_exponent`), so that programs need not see a whole group.
+  2. down + combine, grid (pair, H / fma_block_h): act @ W2^T + b2, times the pair's routing weight,
+     atomically added (f32) into the output, which kernel 1 zeroed.
+  MMA path (experts with more tokens; grid (slot, token chunk, tile); a slot whose expert already
+  appeared in an earlier pair exits at once, so each such expert is read once): the chunk's 16
+  token rows on the tensor cores; the decoded tile is interleaved into input order and converted to
+  the dot-operand layout. Its kernels run after the FMA ones where T > fma_tokens.
 
 Dequantization: the nibble's sign and three magnitude bits are moved into the sign, exponent-low
 and mantissa-high bits of a float: bf16x2 times 2^(scale - 1 - 32) in the MMA path (the weights enter
 the MMA as exact bf16 values times 2^-32 and the accumulator is scaled back once; exact for scale
 bytes 35..160), f16x2 E2M1 * 2^-14 in the FMA path (0.5 an f16 subnormal, which GPUs keep). FMA path
 numerics: activations are scaled per group so that |x'| < 2^14 (values below 2^-24 of their group's
-maximum flush), each group's 32 products are summed in f16 (16 a half, at most 96 in magnitude) and
-then in f32, and each (row, group) sum is multiplied by 2^(scale - 127) and the group's factor (scale byte 0
-reads as 0). Kernel 1 writes the FMA experts' act in this pair layout, one exponent per block_i
-columns. The interpreter (XLA:CPU flushes f32 subnormals) decodes through f16 with f32 products
-(`decode="f16"`).
+maximum flush; act: below 2^(e - 24)), each group's 32 products are summed in f16 (16 a half, at most
+96 in magnitude) and then in f32, and each (row, group) sum is multiplied by 2^(scale - 127) and the
+group's factor (scale byte 0 reads as 0). The interpreter (XLA:CPU flushes f32 subnormals) decodes
+through f16 with f32 products (`decode="f16"`).
 
-Status (H200, JAX 0.11.2, experiments/results/moe_h200.json): correct on the GPU for every decoder
-and path; by device kernel time 41 / 45 / 45 / 40 / 13% of the HBM roofline at T = 1 / 4 / 8 / 16 / 64
-(T=1: gate_up 19.3 + down 10.5 + the pair-layout fusion 1.6 us). Nsight Compute, gate_up at T=1:
-0.43-0.47 instructions issued per scheduler cycle with 2.5 warps each (168 registers, 3 blocks per SM;
-the grid of 360 programs fills one wave); earlier stall breakdown: waiting on global loads 21%,
-fixed-latency dependencies 16%, the activations' register-layout conversion through shared memory 13%
-+ 6% at its barriers. What does not move the T=1 pair off ~32 us (measured, H200): 9% fewer
-instructions (this decode); 8 warps a program (95 registers, 13.9 active warps per SM); activations
-loaded per element instead of broadcast (no conversion, 64 registers, 20.7 active warps per SM, but
-half the stalls then wait on L1); Triton's own load pipelining (num_stages) instead of the register
-queue. gate_up alone gains 1-2 us in some of these, down loses as much. The MMA path is bound by L1 /
-shared-memory traffic (the layout conversions, 75-85% busy).
+Status (H200, JAX 0.11.2, experiments/results/moe_h200.json): see the README's table. Nsight Compute,
+FMA gate_up at T=1: 158 registers (12 one-warp programs per SM), 0.47 instructions issued per
+scheduler cycle, 7.1M instructions (~3.4 a weight): the decode's issue rate, not the access pattern,
+is now the limit. What did not move the old 64-row kernel off ~32 us at T=1 (measured, H200): 9%
+fewer instructions; 8 warps a program; activations loaded per element; Triton's own load pipelining.
+The MMA path is bound by L1 / shared-memory traffic (the layout conversions, 75-85% busy).
 
 `mxfp4_moe_reference` is the plain-jnp function of the same signature (dequantize the selected
 experts per pair). CPU tests run the kernels with interpret=True.
@@ -85,20 +82,26 @@ _MASK16 = np.int32(np.uint32(0x8E000000).view(np.int32))  # the same fields of a
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
-    """Tile sizes. block_i: SwiGLU outputs per kernel-1 program (it reads 2*block_i gate_up rows);
-    block_h: outputs per kernel-2 program; groups: 32-input scale groups per K step (power of 2);
-    decode: the MMA path's decoder, "bits" (f32 integer ops; needs subnormal f32 multiplies), "ptx"
-    (bf16x2 inline PTX) or "f16" (through f16 conversions); "ptx" also runs the FMA path in f16x2
-    inline PTX, the others run it in jnp (f16 decode, f32 products). The interpreter always uses
-    "f16" (XLA:CPU flushes subnormals).
-    prefetch: K steps whose loads are issued ahead of the math (>= 1). layout: "interleave" joins
-    the 8 nibble planes of each word into input order before one dot per K step; "perm" keeps them
-    apart and multiplies each with the matching stride-8 slice of the activations (8 dots of K =
-    4 * groups), which skips the joins (no faster, moe_layout_sweep_h200.json). fma_tokens: an
-    expert chosen by at most this many tokens takes the FMA path (0 turns it off; else block_i >= 32),
-    in K steps of fma_groups scale groups, its loads issued fma_prefetch steps ahead; each further
-    token adds registers to the whole kernel (fma_tokens=2 was slower at T=4 and T=16 than 1;
-    fma_groups 8 and 32 slower than 16 at T=1; fma_prefetch 2 slower than 1 at T=1 and T=4)."""
+    """Launch parameters of both paths (see the module docstring).
+
+    FMA path: fma_tokens: an expert chosen by at most this many tokens takes it (0 turns it off; it
+    is also off where act is unbounded, `_act_exponent`); fma_block_i: act columns per gate_up
+    program (8, 16 or 32: 8-column blocks of the pair layout), fma_block_h: down outputs per program,
+    fma_warps: warps per program, fma_groups: 32-input scale groups per K step (power of 2),
+    fma_prefetch: K steps whose loads are issued ahead of the math (>= 1). Measured at T=1, H200:
+    fma_block_i 16 or fma_warps 2 or 4, fma_groups 8 or 32, fma_prefetch 2, fma_block_h 16 or 32 were all
+    as fast or slower than the defaults (0-8 us slower a call), and so was Triton's pipelining (loads
+    in the loop body, num_stages 2-4).
+
+    MMA path: block_i: SwiGLU outputs per gate_up program (it reads 2*block_i rows); block_h: outputs
+    per down program; groups: scale groups per K step (power of 2); num_warps, num_stages: Triton's;
+    decode: "bits" (f32 integer ops; needs subnormal f32 multiplies), "ptx" (bf16x2 inline PTX) or
+    "f16" (through f16 conversions); "ptx" also runs the FMA path in f16x2 inline PTX, the others run
+    it in jnp (f16 decode, f32 products); the interpreter always uses "f16" (XLA:CPU flushes
+    subnormals). prefetch: K steps loaded ahead (>= 1). layout: "interleave" joins the 8 nibble
+    planes of each word into input order before one dot per K step; "perm" keeps them apart and
+    multiplies each with the matching stride-8 slice of the activations (no faster,
+    moe_layout_sweep_h200.json)."""
 
     block_i: int = 32
     block_h: int = 32
@@ -108,9 +111,12 @@ class MoeConfig:
     decode: str = "ptx"
     prefetch: int = 2
     layout: str = "interleave"
-    fma_tokens: int = 1
+    fma_tokens: int = MAX_TOKENS
     fma_groups: int = 16
     fma_prefetch: int = 1
+    fma_block_i: int = 8
+    fma_block_h: int = 8
+    fma_warps: int = 1
 
 
 DEFAULT_CONFIG = MoeConfig()
@@ -273,19 +279,6 @@ def _slot_tokens(ids_ref, s, c, *, T, k):
     eq = (mine == e) & ok
     member = jnp.sum(eq.astype(jnp.int32), axis=1) > 0
     return e, first, member, eq, idx, is_e, q
-
-
-def _first_pairs(is_e, q, n):
-    """The first n pairs that chose the expert, in pair (so token) order: [(pair int32, valid bool)];
-    a missing one is pair 0, invalid."""
-    out, prev = [], jnp.int32(-1)
-    big = jnp.int32(q.shape[0])
-    for _ in range(n):
-        pair = jnp.min(jnp.where(is_e & (q > prev), q, big))
-        valid = pair < big
-        out.append((jnp.where(valid, pair, 0), valid))
-        prev = jnp.where(valid, pair, big)
-    return out
 
 
 def _expert_rows(x_ref, x_lead, wq_ref, sc_ref, e, row_sets, r_ok, c, *, K, BG, decode, x_rows, depth, perm):
@@ -472,12 +465,13 @@ def _tile_index(e, rows, g0, BG, words):
     return (e, *(r[:, None, None] if r.ndim else r for r in rows), g[None, :, None], q[None, None, :])
 
 
-def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG, decoder, depth):
+def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG, decoder, depth, factor=None):
     """[[f32 [n] per token] per row set]: W_e[rows] @ x[tok] (true values) for the tokens `toks`
     (int32 scalars), streaming K inputs in steps of BG scale groups; the weights, scales and the
-    tokens' activations are loaded `depth` steps ahead. xq_ref[*x_lead, tok]: u32 [>= K / 32, 20]
-    (the pair layout above, a group's 20 words in a row); each (row, group) sum is scaled once by
-    2^(scale - 127) * 2^e_g (scale byte 0, 2^-127, reads as 0)."""
+    tokens' activations are loaded `depth` steps ahead. xq_ref[*x_lead, tok]: u32 [>= K / 32, W]
+    (the pair layout above, a group's W words in a row); each (row, group) sum is scaled once by
+    2^(scale - 127) (scale byte 0, 2^-127, reads as 0) and the group's factor: word 16 of the group
+    (W = 20), or the constant `factor` for every group (W = 16)."""
     n = r_ok.shape[0]
     K_groups = K // BLOCK
     nk = -(-K_groups // BG)
@@ -495,27 +489,32 @@ def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG,
         xmask = jnp.broadcast_to(gmask[:, None], (BG, _PAIR_WORDS))
         xs = tuple(_load(xq_ref, (*x_lead, t, pl.ds(g0, BG), pl.ds(0, _PAIR_WORDS)), mask=xmask, other=0)
                    for t in toks)
-        xf = tuple(_load(xq_ref, (*x_lead, t, pl.ds(g0, BG), jnp.int32(_PAIR_WORDS)), mask=gmask, other=0)
-                   for t in toks)
+        xf = () if factor is not None else tuple(
+            _load(xq_ref, (*x_lead, t, pl.ds(g0, BG), jnp.int32(_PAIR_WORDS)), mask=gmask, other=0) for t in toks)
         return tuple(ws), xs, xf
 
     def body(kk, carry):
         accs, queue = carry
         ahead = load_step(kk + depth)
-        ws, xs, xf = queue[0]
+        (ws, xs, xf), queue = queue[0], (*queue[1:], ahead)
         xw = [[jnp.broadcast_to(x[None], (n, BG)) for x in _unstack_last(xt)] for xt in xs]  # 16 x [n, BG]
-        xf = [lax.bitcast_convert_type(f, F32)[None, :] for f in xf]
+        if factor is None:
+            xf = [lax.bitcast_convert_type(f, F32)[None, :] for f in xf]
         new = []
         for r, acc_r in enumerate(accs):
             words = _unstack_last(lax.bitcast_convert_type(ws[2 * r], jnp.int32))  # 4 x [n, BG]
             f = _exp2(ws[2 * r + 1], 0)  # 2^(scale - 127)
             sums = _group_dots(words, xw, decoder)
-            new.append(tuple(acc + s * (f * xft) for acc, s, xft in zip(acc_r, sums, xf)))
-        return tuple(new), (*queue[1:], ahead)
+            if factor is None:
+                new.append(tuple(acc + s * (f * xft) for acc, s, xft in zip(acc_r, sums, xf)))
+            else:
+                new.append(tuple(acc + s * f for acc, s in zip(acc_r, sums)))
+        return tuple(new), queue
 
     zeros = tuple(tuple(jnp.zeros((n, BG), F32) for _ in toks) for _ in row_sets)
     accs, _ = lax.fori_loop(0, nk, body, (zeros, tuple(load_step(d) for d in range(depth))))
-    return [[jnp.sum(a, axis=1) for a in acc_r] for acc_r in accs]
+    scale = 1.0 if factor is None else factor
+    return [[jnp.sum(a, axis=1) * scale for a in acc_r] for acc_r in accs]
 
 
 def _swiglu(hg, hl, bg, bl, limit, alpha):
@@ -524,100 +523,119 @@ def _swiglu(hg, hl, bg, bl, limit, alpha):
     return gate * (1.0 / (1.0 + jnp.exp(-alpha * gate))) * (lin + 1.0)
 
 
-def _gate_up_kernel(ids_ref, x_ref, xq_ref, wq_ref, sc_ref, b_ref, act_ref, actq_ref, out_ref, *, T, k, H, I, BI, BG,
-                    limit, alpha, decode, zero_cols, depth, perm, fma):
-    s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _act_exponent(limit, alpha):
+    """Smallest e with |act| < 2^e for every input (act = g sigmoid(alpha g) (l + 1), g <= limit,
+    |l| <= limit; |g sigmoid(alpha g)| < max(limit, 0.2785 / alpha) for alpha > 0), with room for the
+    rounding to bf16; None where act is unbounded (alpha <= 0 or an infinite limit)."""
+    if not (alpha > 0 and 0 < limit < math.inf):
+        return None
+    bound = max(limit, 0.2785 / alpha) * (limit + 1.0) * (1 + 2.0 ** -7)
+    return max(math.ceil(math.log2(bound)), _E_MIN + 14)
+
+
+def _zero_out(out_ref, j, zero_cols):
+    """out[:, j * zero_cols : (j + 1) * zero_cols] = 0 (the down kernels accumulate into out)."""
     To, Ho = out_ref.shape
     Tz = _pow2(To)
+    r = lax.broadcasted_iota(jnp.int32, (Tz, zero_cols), 0)
+    col = j * zero_cols + lax.broadcasted_iota(jnp.int32, (Tz, zero_cols), 1)
+    _store(out_ref, (pl.ds(0, Tz), pl.ds(j * zero_cols, zero_cols)), jnp.zeros((Tz, zero_cols), F32),
+           mask=(r < To) & (col < Ho))
 
-    @pl.when((s == 0) & (c == 0))
-    def _zero():  # kernel 2 accumulates into out
-        r = lax.broadcasted_iota(jnp.int32, (Tz, zero_cols), 0)
-        col = j * zero_cols + lax.broadcasted_iota(jnp.int32, (Tz, zero_cols), 1)
-        _store(out_ref, (pl.ds(0, Tz), pl.ds(j * zero_cols, zero_cols)), jnp.zeros((Tz, zero_cols), F32),
-               mask=(r < To) & (col < Ho))
 
-    e, first, member, _, _, is_e, q = _slot_tokens(ids_ref, s, c, T=T, k=k)
-    use_fma = jnp.sum(is_e.astype(jnp.int32)) <= fma.tokens
-    _GATE, _LIN = jnp.int32(0), jnp.int32(1)
-    # gate_up rows viewed as [I, 2]: row 2i (gate i) = [i, 0], row 2i + 1 (linear i) = [i, 1]
+_GATE, _LIN = 0, 1  # gate_up rows viewed as [I, 2]: row 2i (gate i) = [i, 0], row 2i + 1 (linear i) = [i, 1]
+
+
+def _gate_up_kernel(ids_ref, x_ref, wq_ref, sc_ref, b_ref, act_ref, *out_ref, T, k, H, I, BI, BG, limit, alpha,
+                    decode, zero_cols, depth, perm, fma_tokens):
+    """MMA path of gate_up: experts chosen by more than fma_tokens tokens; grid (slot, chunk, I tile).
+    With an out_ref (no FMA kernel ran before), its programs also zero out."""
+    s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if out_ref:
+        pl.when((s == 0) & (c == 0))(lambda: _zero_out(out_ref[0], j, zero_cols))
+    e, first, member, _, _, is_e, _ = _slot_tokens(ids_ref, s, c, T=T, k=k)
     u = j * BI + lax.broadcasted_iota(jnp.int32, (BI,), 0)
     i_ok = u < I
-    row_sets = [(pl.ds(j * BI, BI), _GATE), (pl.ds(j * BI, BI), _LIN)]
+    row_sets = [(pl.ds(j * BI, BI), jnp.int32(_GATE)), (pl.ds(j * BI, BI), jnp.int32(_LIN))]
 
-    def bias(col):
-        return _load(b_ref, (e, pl.ds(j * BI, BI), col), mask=i_ok, other=0).astype(F32)
+    @pl.when(first & (jnp.sum(is_e.astype(jnp.int32)) > fma_tokens) & (jnp.sum(member.astype(jnp.int32)) > 0))
+    def _mma():
+        hg, hl = _expert_rows(x_ref, (), wq_ref, sc_ref, e, row_sets, i_ok, c, K=H, BG=BG,
+                              decode=decode, x_rows=T, depth=depth, perm=perm)
+        bias = [_load(b_ref, (e, pl.ds(j * BI, BI), jnp.int32(col)), mask=i_ok, other=0).astype(F32)[:, None]
+                for col in (_GATE, _LIN)]
+        act = _swiglu(hg * _UNSCALE, hl * _UNSCALE, *bias, limit, alpha)
+        mask = jnp.broadcast_to(i_ok[None, :], (TOKEN_TILE, BI))
+        _store(act_ref, (s, pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(j * BI, BI)), act.T.astype(act_ref.dtype),
+               mask=mask)
 
-    if T > fma.tokens:  # else every expert has few enough tokens for the FMA path
-        @pl.when(first & ~use_fma & (jnp.sum(member.astype(jnp.int32)) > 0))
-        def _mma():
-            hg, hl = _expert_rows(x_ref, (), wq_ref, sc_ref, e, row_sets, i_ok, c, K=H, BG=BG, decode=decode,
-                                  x_rows=T, depth=depth, perm=perm)
-            act = _swiglu(hg * _UNSCALE, hl * _UNSCALE, bias(_GATE)[:, None], bias(_LIN)[:, None], limit, alpha)
-            mask = jnp.broadcast_to(i_ok[None, :], (TOKEN_TILE, BI))
-            _store(act_ref, (s, pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(j * BI, BI)),
-                   act.T.astype(act_ref.dtype), mask=mask)
 
-    if not fma.tokens:
-        return
+def _fma_gate_up_kernel(ids_ref, xq_ref, wq_ref, sc_ref, b_ref, actq_ref, out_ref, *, T, k, H, BF, limit, alpha,
+                        act_e, dtype, zero_cols, fma):
+    """FMA path of gate_up: experts chosen by at most fma.tokens tokens; grid (slot, I / BF). Program j
+    owns act columns [BF j, BF (j + 1)) (BF / 8 blocks of 8) and writes them in kernel 2's pair layout
+    (16 words a scale group, the fixed factor 2^act_e): block b's pair k is (act[8b + 3 - k],
+    act[8b + 7 - k]) at word 16 (b // 4) + 4 k + b % 4."""
+    s, j = pl.program_id(0), pl.program_id(1)
+    if zero_cols:
+        pl.when(s == 0)(lambda: _zero_out(out_ref, j, zero_cols))
+    e, _, _, _, _, is_e, _ = _slot_tokens(ids_ref, s, 0, T=T, k=k)
 
-    @pl.when(first & use_fma & (c == 0))
+    @pl.when(jnp.sum(is_e.astype(jnp.int32)) <= fma.tokens)
     def _fma():
-        # rows in kernel 2's pair layout: this program's BI act columns as BI / 2 (low, high) pairs
-        # (BI / 32 whole scale groups), so the act words are stored as they are formed
-        toks = [pair // k for pair, _ in _first_pairs(is_e, q, fma.tokens)]
-        lo, hi, at = _pair_inputs(BI // 2)
-        ng = BI // BLOCK
-        lo, hi, at = lo + j * BI, hi + j * BI, at + j * ng * _GROUP_WORDS
-        p_ok = lo < I  # (I is a multiple of 32: lo and hi exist together)
-        sets = [(lo, _GATE), (hi, _GATE), (lo, _LIN), (hi, _LIN)]
-        hs = _fma_rows(xq_ref, (), toks, wq_ref, sc_ref, e, sets, p_ok, K=H, BG=fma.groups,
-                       decoder=fma.decoder, depth=fma.prefetch)
-        b = [_load(b_ref, (e, *rows), mask=p_ok, other=0).astype(F32) for rows in sets]
-        gs = j * ng + lax.broadcasted_iota(jnp.int32, (ng,), 0)
-        for r in range(fma.tokens):
-            a_lo, a_hi = (_swiglu(hs[h][r], hs[2 + h][r], b[h], b[2 + h], limit, alpha).astype(act_ref.dtype).astype(F32)
-                          for h in (0, 1))
-            ex = _group_exponent(jnp.max(jnp.where(p_ok, jnp.maximum(jnp.abs(a_lo), jnp.abs(a_hi)), 0.0)))
-            sc = _pow2_f32(14 - ex)
-            _store(actq_ref, (s, jnp.int32(r), at), _pack_f16x2(a_lo * sc, a_hi * sc), mask=p_ok)
-            factor = lax.bitcast_convert_type(jnp.broadcast_to(_pow2_f32(ex), (ng,)), jnp.uint32)
-            _store(actq_ref, (s, jnp.int32(r), gs * _GROUP_WORDS + _PAIR_WORDS), factor, mask=gs < I // BLOCK)
+        m = lax.broadcasted_iota(jnp.int32, (BF // 2,), 0)
+        blk, kk = j * (BF // 8) + m // 4, m % 4  # 8-column block and pair of each word
+        lo = 8 * blk + 3 - kk
+        at = (blk // 4) * _PAIR_WORDS + 4 * kk + blk % 4
+        ok = jnp.ones(lo.shape, jnp.bool_)
+        sets = [(lo, jnp.int32(_GATE)), (lo + 4, jnp.int32(_GATE)), (lo, jnp.int32(_LIN)), (lo + 4, jnp.int32(_LIN))]
+        hs = [h for [h] in _fma_rows(xq_ref, (), [s // k], wq_ref, sc_ref, e, sets, ok, K=H, BG=fma.groups,
+                                     decoder=fma.decoder, depth=fma.prefetch)]
+        b = [_load(b_ref, (e, *rows)).astype(F32) for rows in sets]
+        f = 2.0 ** (14 - act_e)
+        a_lo, a_hi = (_swiglu(hs[h], hs[2 + h], b[h], b[2 + h], limit, alpha).astype(dtype).astype(F32)
+                      for h in (0, 1))
+        _store(actq_ref, (s, at), _pack_f16x2(a_lo * f, a_hi * f))
 
 
-def _down_kernel(ids_ref, w_ref, act_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H, I, BN,
-                 BG, decode, interpret, depth, perm, fma):
+def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H, I, BN, BG, decode,
+                 interpret, depth, perm, fma_tokens):
+    """MMA path of down + combine; grid (slot, chunk, H tile)."""
     del out_in_ref  # aliased with out_ref
     s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    e, first, member, eq, idx, is_e, q = _slot_tokens(ids_ref, s, c, T=T, k=k)
-    use_fma = jnp.sum(is_e.astype(jnp.int32)) <= fma.tokens
+    e, first, member, eq, idx, is_e, _ = _slot_tokens(ids_ref, s, c, T=T, k=k)
     cols = j * BN + lax.broadcasted_iota(jnp.int32, (BN,), 0)
     n_ok = cols < H
-    b = _load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
 
-    if T > fma.tokens:  # else every expert has few enough tokens for the FMA path
-        @pl.when(first & ~use_fma & (jnp.sum(member.astype(jnp.int32)) > 0))
-        def _mma():
-            [y] = _expert_rows(act_ref, (s,), wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, c, K=I, BG=BG,
-                               decode=decode, x_rows=act_ref.shape[1], depth=depth, perm=perm)
-            wt = _load(w_ref, idx, mask=eq, other=0.0)
-            wtok = jnp.sum(jnp.where(eq, wt, 0.0), axis=1)  # [16] routing weight of this expert per token
-            val = (y * _UNSCALE + b[:, None]) * wtok[None, :]  # [BN, 16]
-            rows = c * TOKEN_TILE + lax.broadcasted_iota(jnp.int32, (BN, TOKEN_TILE), 1)
-            mask = member[None, :] & n_ok[:, None]
-            _combine(out_ref, rows, jnp.broadcast_to(cols[:, None], rows.shape), val, mask, interpret)
+    @pl.when(first & (jnp.sum(is_e.astype(jnp.int32)) > fma_tokens) & (jnp.sum(member.astype(jnp.int32)) > 0))
+    def _mma():
+        [y] = _expert_rows(act_ref, (s,), wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, c,
+                           K=I, BG=BG, decode=decode, x_rows=act_ref.shape[1], depth=depth,
+                           perm=perm)
+        b = _load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
+        wt = _load(w_ref, idx, mask=eq, other=0.0)
+        wtok = jnp.sum(jnp.where(eq, wt, 0.0), axis=1)  # [16] routing weight of this expert per token
+        val = (y * _UNSCALE + b[:, None]) * wtok[None, :]  # [BN, 16]
+        rows = c * TOKEN_TILE + lax.broadcasted_iota(jnp.int32, (BN, TOKEN_TILE), 1)
+        mask = member[None, :] & n_ok[:, None]
+        _combine(out_ref, rows, jnp.broadcast_to(cols[:, None], rows.shape), val, mask, interpret)
 
-    if not fma.tokens:
-        return
 
-    @pl.when(first & use_fma & (c == 0))
+def _fma_down_kernel(ids_ref, w_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H, I, BN,
+                     act_e, interpret, fma):
+    """FMA path of down + combine; grid (slot, H / BN)."""
+    del out_in_ref  # aliased with out_ref
+    s, j = pl.program_id(0), pl.program_id(1)
+    e, _, _, _, _, is_e, _ = _slot_tokens(ids_ref, s, 0, T=T, k=k)
+    cols = j * BN + lax.broadcasted_iota(jnp.int32, (BN,), 0)
+    n_ok = cols < H
+
+    @pl.when(jnp.sum(is_e.astype(jnp.int32)) <= fma.tokens)
     def _fma():
-        [ys] = _fma_rows(actq_ref, (s,), [jnp.int32(r) for r in range(fma.tokens)], wq_ref, sc_ref, e,
-                         [(pl.ds(j * BN, BN),)], n_ok, K=I, BG=fma.groups, decoder=fma.decoder,
-                         depth=fma.prefetch)
-        for (pair, valid), y in zip(_first_pairs(is_e, q, fma.tokens), ys):
-            val = (y + b) * w_ref[pair]
-            _combine(out_ref, jnp.broadcast_to(pair // k, (BN,)), cols, val, n_ok & valid, interpret)
+        [[y]] = _fma_rows(actq_ref, (), [s], wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, K=I, BG=fma.groups,
+                          decoder=fma.decoder, depth=fma.prefetch, factor=2.0 ** act_e)
+        b = _load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
+        _combine(out_ref, jnp.broadcast_to(s // k, (BN,)), cols, (y + b) * w_ref[s], n_ok, interpret)
 
 
 def _combine(out_ref, rows, cols, val, mask, interpret):
@@ -673,31 +691,33 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
             or tuple(down_blocks.shape) != (E, H, G2, 16) or tuple(ids.shape) != tuple(weights.shape)):
         raise ValueError(f"mxfp4_moe: shapes x {x.shape}, ids {ids.shape}, weights {weights.shape}, gate_up "
                          f"{gate_up_blocks.shape}, down {down_blocks.shape} do not fit together")
-    for bsz in (cfg.block_i, cfg.block_h, cfg.groups, cfg.fma_groups):
+    for bsz in (cfg.block_i, cfg.block_h, cfg.groups, cfg.fma_groups, cfg.fma_block_h):
         if bsz != _pow2(bsz):
             raise ValueError(f"mxfp4_moe: tile sizes must be powers of two, got {cfg}")
-    if min(cfg.prefetch, cfg.fma_prefetch) < 1 or cfg.fma_tokens < 0 or (cfg.fma_tokens and cfg.block_i < BLOCK):
-        raise ValueError(f"mxfp4_moe: prefetch and fma_prefetch must be >= 1, fma_tokens >= 0, and block_i >= 32 when "
-                         f"fma_tokens > 0, got {cfg}")
+    if min(cfg.prefetch, cfg.fma_prefetch) < 1 or cfg.fma_tokens < 0 or cfg.fma_block_i not in (8, 16, 32):
+        raise ValueError(f"mxfp4_moe: prefetch and fma_prefetch must be >= 1, fma_tokens >= 0, and fma_block_i 8, 16 "
+                         f"or 32, got {cfg}")
     if cfg.layout not in ("interleave", "perm") or (cfg.layout == "perm" and cfg.groups < 4):
         raise ValueError(f"mxfp4_moe: layout must be 'interleave' or 'perm' (perm: groups >= 4), got {cfg}")
     perm = cfg.layout == "perm"
     if cfg.decode not in _DECODERS:
         raise ValueError(f"mxfp4_moe: decode {cfg.decode!r}, expected one of {sorted(_DECODERS)}")
     decode = _decode_f16 if interpret else _DECODERS[cfg.decode]
-    fma = _Fma(tokens=min(cfg.fma_tokens, T), groups=cfg.fma_groups, prefetch=cfg.fma_prefetch,
-               decoder="ptx" if cfg.decode == "ptx" and not interpret else "f16")
+    act_e = _act_exponent(limit, alpha)
+    fma = _Fma(tokens=min(cfg.fma_tokens, T) if act_e is not None else 0, groups=cfg.fma_groups,
+               prefetch=cfg.fma_prefetch, decoder="ptx" if cfg.decode == "ptx" and not interpret else "f16")
     P, Pp = T * k, _pow2(T * k)
     nc = -(-T // TOKEN_TILE)
     Tp = nc * TOKEN_TILE
-    BI, BN, BG = cfg.block_i, cfg.block_h, cfg.groups
-    nj1, nj2 = -(-I // BI), -(-H // BN)
+    BI, BN, BG, BF, BNf = cfg.block_i, cfg.block_h, cfg.groups, cfg.fma_block_i, cfg.fma_block_h
+    nj1, nj2, nf1, nf2 = -(-I // BI), -(-H // BN), I // BF, -(-H // BNf)
     Gp1, Gp2 = -(-G1 // BG) * BG, -(-G2 // BG) * BG
     Gf1, Gf2 = -(-G1 // fma.groups) * fma.groups, -(-G2 // fma.groups) * fma.groups
-    Ga = max(Gf2, nj1 * BI // BLOCK)  # groups of kernel 2's FMA activations: every load and store in bounds
-    zero_cols = _pow2(-(-H // nj1))
+    mma = T > fma.tokens  # some expert may have more tokens than the FMA path takes
+    zero_cols = _pow2(-(-H // (nf1 if fma.tokens else nj1)))  # kernel 1's programs zero out, zero_cols each
     # out: exactly [T, H] on GPU (masked stores and atomics); the interpreter gets every index in bounds
-    To, Ho = (max(Tp, _pow2(T)), max(nj2 * BN, nj1 * zero_cols)) if interpret else (T, H)
+    To, Ho = ((max(Tp, _pow2(T)), max(nj2 * BN, nf2 * BNf, (nf1 if fma.tokens else nj1) * zero_cols))
+              if interpret else (T, H))
     Ia = max(Gp2 * BLOCK, nj1 * BI)  # act columns: every K step of kernel 2 and every store of kernel 1 in bounds
     ids_flat = ids.reshape(-1).astype(jnp.int32)
     w_flat = weights.reshape(-1).astype(F32)
@@ -716,30 +736,47 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
         xq = _pad(xq, (T, Gf1, _PAIR_ROWS, 4))
         gu_w, gu_s, gu_b = (_pad(gu_w, (E, nj1 * BI, 2, Gi1, 4)), _pad(gu_s, (E, nj1 * BI, 2, Gi1)),
                             _pad(gu_b, (E, nj1 * BI, 2)))
-        dn_w, dn_s, dn_b = (_pad(dn_w, (E, nj2 * BN, Gi2, 4)), _pad(dn_s, (E, nj2 * BN, Gi2)),
-                            _pad(dn_b, (E, nj2 * BN)))
-        params = None
+        rows2 = max(nj2 * BN, nf2 * BNf)
+        dn_w, dn_s, dn_b = _pad(dn_w, (E, rows2, Gi2, 4)), _pad(dn_s, (E, rows2, Gi2)), _pad(dn_b, (E, rows2))
+        params = fma_params = None
     else:
         params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    Tf = max(fma.tokens, 1)
-    act, actq, out = pl.pallas_call(
-        functools.partial(_gate_up_kernel, T=T, k=k, H=H, I=I, BI=BI, BG=BG, limit=float(limit), alpha=float(alpha),
-                          decode=decode, zero_cols=zero_cols, depth=cfg.prefetch, perm=perm, fma=fma),
-        grid=(P, nc, nj1),
-        out_shape=(jax.ShapeDtypeStruct((P, Tp, Ia), x.dtype), jax.ShapeDtypeStruct((P, Tf, Ga * _GROUP_WORDS), jnp.uint32),
-                   jax.ShapeDtypeStruct((To, Ho), F32)),
-        compiler_params=params, interpret=interpret, name="mxfp4_moe_gate_up",
-    )(ids_flat, x.reshape(x.shape[0], -1, 8) if perm else x, xq.reshape(*xq.shape[:2], _GROUP_WORDS), gu_w, gu_s, gu_b)
-    out = pl.pallas_call(
-        functools.partial(_down_kernel, T=T, k=k, H=H, I=I, BN=BN, BG=BG, decode=decode, interpret=interpret,
-                          depth=cfg.prefetch, perm=perm, fma=fma),
-        grid=(P, nc, nj2),
-        out_shape=jax.ShapeDtypeStruct((To, Ho), F32),
-        input_output_aliases={7: 0},
-        compiler_params=params, interpret=interpret, name="mxfp4_moe_down",
-    )(ids_flat, w_flat, act.reshape(P, Tp, -1, 8) if perm else act,
-      actq.reshape(P, Tf, Ga, _GROUP_WORDS), dn_w, dn_s, dn_b,
-      out)
+        fma_params = plgpu.CompilerParams(num_warps=cfg.fma_warps, num_stages=1)
+    out = jax.ShapeDtypeStruct((To, Ho), F32)
+    if fma.tokens:  # kernel 1, FMA path (zeroes out)
+        actq, out = pl.pallas_call(
+            functools.partial(_fma_gate_up_kernel, T=T, k=k, H=H, BF=BF, limit=float(limit), alpha=float(alpha),
+                              act_e=act_e, dtype=x.dtype, zero_cols=zero_cols, fma=fma),
+            grid=(P, nf1),
+            out_shape=(jax.ShapeDtypeStruct((P, Gf2 * _PAIR_WORDS), jnp.uint32), out),
+            compiler_params=fma_params, interpret=interpret, name="mxfp4_moe_gate_up_fma",
+        )(ids_flat, xq.reshape(*xq.shape[:2], _GROUP_WORDS), gu_w, gu_s, gu_b)
+    if mma:  # kernel 1, MMA path (zeroes out where no FMA kernel did)
+        act, *zeroed = pl.pallas_call(
+            functools.partial(_gate_up_kernel, T=T, k=k, H=H, I=I, BI=BI, BG=BG, limit=float(limit), alpha=float(alpha),
+                              decode=decode, zero_cols=zero_cols, depth=cfg.prefetch, perm=perm, fma_tokens=fma.tokens),
+            grid=(P, nc, nj1),
+            out_shape=(jax.ShapeDtypeStruct((P, Tp, Ia), x.dtype),) + (() if fma.tokens else (out,)),
+            compiler_params=params, interpret=interpret, name="mxfp4_moe_gate_up",
+        )(ids_flat, x.reshape(x.shape[0], -1, 8) if perm else x, gu_w, gu_s, gu_b)
+        out = zeroed[0] if zeroed else out
+    if fma.tokens:  # kernel 2, FMA path
+        out = pl.pallas_call(
+            functools.partial(_fma_down_kernel, T=T, k=k, H=H, I=I, BN=BNf, act_e=act_e, interpret=interpret, fma=fma),
+            grid=(P, nf2),
+            out_shape=jax.ShapeDtypeStruct((To, Ho), F32),
+            input_output_aliases={6: 0},
+            compiler_params=fma_params, interpret=interpret, name="mxfp4_moe_down_fma",
+        )(ids_flat, w_flat, actq.reshape(P, Gf2, _PAIR_WORDS), dn_w, dn_s, dn_b, out)
+    if mma:  # kernel 2, MMA path
+        out = pl.pallas_call(
+            functools.partial(_down_kernel, T=T, k=k, H=H, I=I, BN=BN, BG=BG, decode=decode, interpret=interpret,
+                              depth=cfg.prefetch, perm=perm, fma_tokens=fma.tokens),
+            grid=(P, nc, nj2),
+            out_shape=jax.ShapeDtypeStruct((To, Ho), F32),
+            input_output_aliases={6: 0},
+            compiler_params=params, interpret=interpret, name="mxfp4_moe_down",
+        )(ids_flat, w_flat, act.reshape(P, Tp, -1, 8) if perm else act, dn_w, dn_s, dn_b, out)
     return out if (To, Ho) == (T, H) else out[:T, :H]
 
 
