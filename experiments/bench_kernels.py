@@ -190,7 +190,7 @@ def bench_moe():
         partial()
     res["tokens"] = rows
     res["notes"] = (
-        "kernel_us: mxfp4_moe (both Pallas kernels) per call, median of back-to-back calls inside one jit, "
+        "kernel_us: mxfp4_moe (its Pallas kernels and glue) per call, median of back-to-back calls inside one jit, "
         f"cycling {R} router-drawn routings so consecutive calls read different experts. roofline_us: packed "
         "bytes of the distinct selected experts (blocks + scales + biases) over the copy bandwidth measured here. "
         "kernel_device_us: the same call's summed device kernel time (profiler records); kernel_span_us: first "

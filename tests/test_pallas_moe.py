@@ -139,10 +139,12 @@ def test_group_dot_asm_interpreted(nt):
                 for q in range(4):
                     lo, hi = x[t, 8 * q + 3 - k], x[t, 8 * q + 7 - k]
                     pairs.append(int.from_bytes(np.array([lo, hi], np.float16).tobytes(), "little"))
-        got = _run_ptx(moe._group_dot_asm(nt), [*words, *pairs], nt)
         nib = np.array([(int(words[i // 8]) >> 4 * (i % 8)) & 0xF for i in range(32)])
-        want = x @ (moe.E2M1[nib].astype(np.float64) * 2.0 ** -14)
-        np.testing.assert_array_equal(got, want)
+        prod = x * (moe.E2M1[nib].astype(np.float64) * 2.0 ** -14)  # [nt, 32]
+        np.testing.assert_array_equal(_run_ptx(moe._group_dot_asm(nt), [*words, *pairs], nt), prod.sum(1))
+        if nt == 1:  # per word: the sums over inputs 8q .. 8q + 7
+            got = _run_ptx(moe._group_dot_asm(1, per_word=True), [*words, *pairs], 4)
+            np.testing.assert_array_equal(got, prod.reshape(4, 8).sum(1))
 
 
 def test_f16_pairs_layout_round_trips():
@@ -219,25 +221,19 @@ def test_interpret_fma_tiles(tiles):
     _check(_case(17, 9, E=10, H=96, I=64), moe.MoeConfig(**tiles))
 
 
-def test_act_exponent_bounds_swiglu():
-    # |act| < 2^e for gate and linear inputs anywhere (the FMA path stores act * 2^(14 - e) as f16
-    # and sums 16 products of it in f16), also after act's rounding to bf16; unbounded: None
-    for limit, alpha in ((7.0, 1.702), (1.0, 0.5), (30.0, 4.0), (0.25, 1.702), (0.1, 0.5)):
-        e = moe._act_exponent(limit, alpha)
-        g = jnp.concatenate([jnp.linspace(-60.0, 60.0, 4001), jnp.asarray([-1e30, -1 / alpha, limit, 1e30])])
-        lin = jnp.asarray([-1e30, -limit, 0.0, limit, 1e30])
-        act = moe._swiglu(g[:, None], lin[None, :], 0.0, 0.0, limit, alpha).astype(jnp.bfloat16).astype(jnp.float32)
-        peak = float(jnp.max(jnp.abs(act)))
-        assert peak < 2.0 ** e and peak >= 2.0 ** (e - 2), (limit, alpha, peak, e)
-    assert moe._act_exponent(float("inf"), 1.702) is None and moe._act_exponent(7.0, 0.0) is None
-
-
-def test_interpret_unbounded_act_takes_mma_path():
-    # without a finite limit act has no bound, so no expert may take the FMA path (fixed act factor)
-    args = _case(19, 3, E=8, H=64, I=64)
-    ref = moe.mxfp4_moe_reference(*args, limit=float("inf"), alpha=ALPHA)
-    out = moe.mxfp4_moe(*args, limit=float("inf"), alpha=ALPHA, config=moe.MoeConfig(block_i=32, groups=2),
-                        interpret=True)
+def test_interpret_tiny_and_unclamped_act():
+    # act's factors follow its 8-column blocks: gate_up weights near 2^-90 (act near 2^-85) and an
+    # infinite limit (act unbounded) both come through the FMA path
+    rng = np.random.default_rng(19)
+    E, H, I, T = 8, 64, 64, 3
+    gub, gus, _, dnb, dns, dnbias = _experts(rng, E, H, I, scale_lo=36, scale_hi=45)
+    x = jnp.asarray(rng.normal(0, 1, (T, H)), jnp.bfloat16)
+    ids, w = _routing(rng, T, E, 4)
+    tiny = (x, ids, w, gub, gus, jnp.zeros((E, 2 * I), jnp.bfloat16), dnb, dns + 110, dnbias * 0)
+    _check(tiny, moe.MoeConfig(fma_groups=2))
+    big = _case(23, T, E=8, H=64, I=64, x_std=30.0)
+    ref = moe.mxfp4_moe_reference(*big, limit=float("inf"), alpha=ALPHA)
+    out = moe.mxfp4_moe(*big, limit=float("inf"), alpha=ALPHA, config=moe.MoeConfig(fma_groups=2), interpret=True)
     assert np.isfinite(np.asarray(out)).all() and _rel(out, ref) < 2e-3
 
 

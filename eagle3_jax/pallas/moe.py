@@ -23,8 +23,8 @@ path, unless the caller passes that layout: `moe_route.route` writes it with the
      factor per 32-input scale group (`f16_pairs`): each group's four weight words become sixteen
      f16x2 (each word's nibbles rewritten byte by byte, then one byte permute per f16x2), multiplied
      with the matching pairs by f16x2 fma in one inline-PTX block (`_group_dot_asm`). Bias and
-     SwiGLU in f32; act to HBM in kernel 2's pair layout with one fixed factor 2^e, e from the SwiGLU's
-     bound (|act| < limit' (limit + 1), `_act_exponent`), so that programs need not see a whole group.
+     SwiGLU in f32; act to HBM in kernel 2's pair layout with one power-of-two factor per 8 columns
+     (a program's block), not per 32: the down kernel sums each word's 8 products apart.
   2. down + combine, grid (pair, H / fma_block_h): act @ W2^T + b2, times the pair's routing weight,
      atomically added (f32) into the output, which kernel 1 zeroed.
   MMA path (experts with more tokens; grid (slot, token chunk, tile); a slot whose expert already
@@ -37,7 +37,7 @@ and mantissa-high bits of a float: bf16x2 times 2^(scale - 1 - 32) in the MMA pa
 the MMA as exact bf16 values times 2^-32 and the accumulator is scaled back once; exact for scale
 bytes 35..160), f16x2 E2M1 * 2^-14 in the FMA path (0.5 an f16 subnormal, which GPUs keep). FMA path
 numerics: activations are scaled per group so that |x'| < 2^14 (values below 2^-24 of their group's
-maximum flush; act: below 2^(e - 24)), each group's 32 products are summed in f16 (16 a half, at most
+maximum flush; act: of its 8-column block's), each group's 32 products are summed in f16 (16 a half, at most
 96 in magnitude) and then in f32, and each (row, group) sum is multiplied by 2^(scale - 127) and the
 group's factor (scale byte 0 reads as 0). The interpreter (XLA:CPU flushes f32 subnormals) decodes
 through f16 with f32 products (`decode="f16"`).
@@ -84,8 +84,8 @@ _MASK16 = np.int32(np.uint32(0x8E000000).view(np.int32))  # the same fields of a
 class MoeConfig:
     """Launch parameters of both paths (see the module docstring).
 
-    FMA path: fma_tokens: an expert chosen by at most this many tokens takes it (0 turns it off; it
-    is also off where act is unbounded, `_act_exponent`); fma_block_i: act columns per gate_up
+    FMA path: fma_tokens: an expert chosen by at most this many tokens takes it (0 turns it off);
+    fma_block_i: act columns per gate_up
     program (8, 16 or 32: 8-column blocks of the pair layout), fma_block_h: down outputs per program,
     fma_warps: warps per program, fma_groups: 32-input scale groups per K step (power of 2),
     fma_prefetch: K steps whose loads are issued ahead of the math (>= 1). Measured at T=1, H200:
@@ -386,21 +386,25 @@ def f16_pairs(v):
     return jnp.concatenate([_pack_f16x2(h[..., 0], h[..., 1]), trailer], axis=2)
 
 
-def _group_dot_asm(nt: int) -> str:
-    """PTX: $t (t < nt) = sum over the 32 nibbles of the group's words $nt..$(nt + 3) of E2M1 * 2^-14
-    times the token's matching f16 activation, pair words $(nt + 4 + 16t + 4k + q) (pair k of word q).
+def _group_dot_asm(nt: int, per_word: bool = False) -> str:
+    """PTX: $t (t < nt) = sum over the 32 nibbles of the group's words $n..$(n + 3) (n = nt outputs)
+    of E2M1 * 2^-14 times the token's matching f16 activation, pair words $(n + 4 + 16t + 4k + q)
+    (pair k of word q); per_word (nt = 1): four results, $q the sum over word q's 8 nibbles.
     Each word is first rewritten byte by byte: zo holds its odd nibbles (each byte's high one), ze its
     even ones, each as the high byte of an f16 of E2M1 * 2^-14 (sign in bit 7, magnitude bits in 1-3;
     0.5 is an f16 subnormal). Pair k (nibbles n = 3 - k and n + 4, bytes n // 2 and n // 2 + 2) is
     then one byte permute into an f16x2 with zero low bytes, and one f16x2 multiply-add per token,
-    into two accumulators (even and odd k: two shorter dependency chains). The group's f16x2 sum (16
-    products a half, at most 96 in magnitude) goes to f32 once. About 11 instructions a word for the
-    decode (15 with per-pair shifts, measured: 9% fewer instructions in gate_up at T=1, 2% faster),
-    4 a word for the fma, 4 a group for the sum."""
-    lines = ["{", ".reg .b32 u, v, zo, ze, p;", ".reg .b32 " + ", ".join(f"a{t}, c{t}" for t in range(nt)) + ";",
+    into two accumulators (even and odd k: two shorter dependency chains; per_word: one a word). A
+    sum (16 products a half, at most 96 in magnitude) goes to f32 once. About 11 instructions a word
+    for the decode (15 with per-pair shifts, measured: 9% fewer instructions in gate_up at T=1, 2%
+    faster), 4 a word for the fma, 4 a sum."""
+    assert nt == 1 or not per_word
+    n_out = 4 if per_word else nt
+    accs = [f"a{q}" for q in range(4)] if per_word else [r for t in range(nt) for r in (f"a{t}", f"c{t}")]
+    lines = ["{", ".reg .b32 u, v, zo, ze, p;", ".reg .b32 " + ", ".join(accs) + ";",
              ".reg .f16 lo, hi;", ".reg .f32 fl, fh;"]
     for qw in range(4):
-        w = f"${nt + qw}"
+        w = f"${n_out + qw}"
         lines += [f"and.b32 u, {w}, 0xF0F0F0F0;", "shr.b32 v, u, 3;", "or.b32 zo, u, v;", "and.b32 zo, zo, 0x8E8E8E8E;",
                   f"shl.b32 u, {w}, 4;", "and.b32 u, u, 0xF0F0F0F0;", "shr.b32 v, u, 3;", "or.b32 ze, u, v;",
                   "and.b32 ze, ze, 0x8E8E8E8E;"]
@@ -410,12 +414,14 @@ def _group_dot_asm(nt: int) -> str:
             sel = ((b + 2) << 12) | (4 << 8) | (b << 4) | 4  # bytes: 0, z[b], 0, z[b + 2] (4 = the zero operand)
             lines.append(f"prmt.b32 p, {'zo' if n % 2 else 'ze'}, 0, 0x{sel:04X};")
             for t in range(nt):
-                x = f"${nt + 4 + 16 * t + 4 * k + qw}"
-                acc = f"c{t}" if k % 2 else f"a{t}"
-                lines.append(f"mul.rn.f16x2 {acc}, p, {x};" if qw == 0 and k < 2 else f"fma.rn.f16x2 {acc}, p, {x}, {acc};")
-    for t in range(nt):
-        lines += [f"add.rn.f16x2 a{t}, a{t}, c{t};", f"mov.b32 {{lo, hi}}, a{t};", "cvt.f32.f16 fl, lo;",
-                  "cvt.f32.f16 fh, hi;", f"add.f32 ${t}, fl, fh;"]
+                x = f"${n_out + 4 + 16 * t + 4 * k + qw}"
+                acc = f"a{qw}" if per_word else (f"c{t}" if k % 2 else f"a{t}")
+                first = k == 0 if per_word else (qw == 0 and k < 2)
+                lines.append(f"mul.rn.f16x2 {acc}, p, {x};" if first else f"fma.rn.f16x2 {acc}, p, {x}, {acc};")
+    if not per_word:
+        lines += [f"add.rn.f16x2 a{t}, a{t}, c{t};" for t in range(nt)]
+    for t in range(n_out):
+        lines += [f"mov.b32 {{lo, hi}}, a{t};", "cvt.f32.f16 fl, lo;", "cvt.f32.f16 fh, hi;", f"add.f32 ${t}, fl, fh;"]
     lines.append("}")
     return "\n".join(lines)
 
@@ -432,23 +438,21 @@ def _unstack_last(a):
     return [p.reshape(p.shape[:-1]) for p in jnp.split(a, a.shape[-1], axis=-1)]
 
 
-def _group_dots(words, xs, decoder):
+def _group_dots(words, xs, decoder, per_word=False):
     """words: the 4 int32 [n, BG] words of each (row, group); xs: per token 16 u32 [n, BG] pair words
-    (index 4k + q) -> per token f32 [n, BG]: each group's sum of E2M1 * 2^-14 * x'. "ptx":
-    `_group_dot_asm` (GPU only); "f16": jnp, products in f32."""
+    (index 4k + q) -> per token f32 [n, BG]: each group's sum of E2M1 * 2^-14 * x' (per_word, one
+    token: the 4 sums over the words q instead). "ptx": `_group_dot_asm` (GPU only); "f16": jnp,
+    products in f32."""
     if decoder == "ptx":
-        nt = len(xs)
-        cons = ",".join(["=f"] * nt + ["r"] * (4 + 16 * nt))
-        return _inline_asm_multi(_group_dot_asm(nt), [*words, *(x for xt in xs for x in xt)], cons, nt, F32)
+        n_out = 4 if per_word else len(xs)
+        cons = ",".join(["=f"] * n_out + ["r"] * (4 + 16 * len(xs)))
+        return _inline_asm_multi(_group_dot_asm(len(xs), per_word), [*words, *(x for xt in xs for x in xt)], cons,
+                                 n_out, F32)
     out = []
     for xt in xs:
-        acc = None
-        for q, w in enumerate(words):
-            for k in range(4):
-                x = xt[4 * k + q]
-                term = _raw_f16(w, 3 - k) * _f16_half(x, False) + _raw_f16(w, 7 - k) * _f16_half(x, True)
-                acc = term if acc is None else acc + term
-        out.append(acc)
+        sums = [sum(_raw_f16(w, 3 - k) * _f16_half(xt[4 * k + q], False) + _raw_f16(w, 7 - k) * _f16_half(xt[4 * k + q], True)
+                    for k in range(4)) for q, w in enumerate(words)]
+        out += sums if per_word else [sum(sums)]
     return out
 
 
@@ -465,16 +469,17 @@ def _tile_index(e, rows, g0, BG, words):
     return (e, *(r[:, None, None] if r.ndim else r for r in rows), g[None, :, None], q[None, None, :])
 
 
-def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG, decoder, depth, factor=None):
+def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG, decoder, depth, per_word=False):
     """[[f32 [n] per token] per row set]: W_e[rows] @ x[tok] (true values) for the tokens `toks`
     (int32 scalars), streaming K inputs in steps of BG scale groups; the weights, scales and the
-    tokens' activations are loaded `depth` steps ahead. xq_ref[*x_lead, tok]: u32 [>= K / 32, W]
-    (the pair layout above, a group's W words in a row); each (row, group) sum is scaled once by
-    2^(scale - 127) (scale byte 0, 2^-127, reads as 0) and the group's factor: word 16 of the group
-    (W = 20), or the constant `factor` for every group (W = 16)."""
+    tokens' activations are loaded `depth` steps ahead. xq_ref[*x_lead, tok]: u32 [>= K / 32, 20]
+    (the pair layout above, a group's 20 words in a row); each (row, group) sum is scaled once by
+    2^(scale - 127) (scale byte 0, 2^-127, reads as 0) and the group's factor, word 16; per_word
+    (one token): each word q's sum by its own factor, word 16 + q."""
     n = r_ok.shape[0]
     K_groups = K // BLOCK
     nk = -(-K_groups // BG)
+    nf = 4 if per_word else 1
     g_iota = lax.broadcasted_iota(jnp.int32, (BG,), 0)
 
     def load_step(kk):
@@ -489,8 +494,8 @@ def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG,
         xmask = jnp.broadcast_to(gmask[:, None], (BG, _PAIR_WORDS))
         xs = tuple(_load(xq_ref, (*x_lead, t, pl.ds(g0, BG), pl.ds(0, _PAIR_WORDS)), mask=xmask, other=0)
                    for t in toks)
-        xf = () if factor is not None else tuple(
-            _load(xq_ref, (*x_lead, t, pl.ds(g0, BG), jnp.int32(_PAIR_WORDS)), mask=gmask, other=0) for t in toks)
+        xf = tuple(_load(xq_ref, (*x_lead, t, pl.ds(g0, BG), pl.ds(_PAIR_WORDS, nf)),
+                         mask=jnp.broadcast_to(gmask[:, None], (BG, nf)), other=0) for t in toks)
         return tuple(ws), xs, xf
 
     def body(kk, carry):
@@ -498,39 +503,28 @@ def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG,
         ahead = load_step(kk + depth)
         (ws, xs, xf), queue = queue[0], (*queue[1:], ahead)
         xw = [[jnp.broadcast_to(x[None], (n, BG)) for x in _unstack_last(xt)] for xt in xs]  # 16 x [n, BG]
-        if factor is None:
-            xf = [lax.bitcast_convert_type(f, F32)[None, :] for f in xf]
+        xf = [[lax.bitcast_convert_type(f, F32)[None, :] for f in _unstack_last(ft)] for ft in xf]  # nf x [1, BG]
         new = []
         for r, acc_r in enumerate(accs):
             words = _unstack_last(lax.bitcast_convert_type(ws[2 * r], jnp.int32))  # 4 x [n, BG]
             f = _exp2(ws[2 * r + 1], 0)  # 2^(scale - 127)
-            sums = _group_dots(words, xw, decoder)
-            if factor is None:
-                new.append(tuple(acc + s * (f * xft) for acc, s, xft in zip(acc_r, sums, xf)))
+            sums = _group_dots(words, xw, decoder, per_word)
+            if per_word:
+                sums = [sum(sq * fq for sq, fq in zip(sums, xf[0]))]
+                new.append((acc_r[0] + sums[0] * f,))
             else:
-                new.append(tuple(acc + s * f for acc, s in zip(acc_r, sums)))
+                new.append(tuple(acc + s * (f * xft[0]) for acc, s, xft in zip(acc_r, sums, xf)))
         return tuple(new), queue
 
     zeros = tuple(tuple(jnp.zeros((n, BG), F32) for _ in toks) for _ in row_sets)
     accs, _ = lax.fori_loop(0, nk, body, (zeros, tuple(load_step(d) for d in range(depth))))
-    scale = 1.0 if factor is None else factor
-    return [[jnp.sum(a, axis=1) * scale for a in acc_r] for acc_r in accs]
+    return [[jnp.sum(a, axis=1) for a in acc_r] for acc_r in accs]
 
 
 def _swiglu(hg, hl, bg, bl, limit, alpha):
     gate = jnp.minimum(hg + bg, limit)
     lin = jnp.clip(hl + bl, -limit, limit)
     return gate * (1.0 / (1.0 + jnp.exp(-alpha * gate))) * (lin + 1.0)
-
-
-def _act_exponent(limit, alpha):
-    """Smallest e with |act| < 2^e for every input (act = g sigmoid(alpha g) (l + 1), g <= limit,
-    |l| <= limit; |g sigmoid(alpha g)| < max(limit, 0.2785 / alpha) for alpha > 0), with room for the
-    rounding to bf16; None where act is unbounded (alpha <= 0 or an infinite limit)."""
-    if not (alpha > 0 and 0 < limit < math.inf):
-        return None
-    bound = max(limit, 0.2785 / alpha) * (limit + 1.0) * (1 + 2.0 ** -7)
-    return max(math.ceil(math.log2(bound)), _E_MIN + 14)
 
 
 def _zero_out(out_ref, j, zero_cols):
@@ -571,11 +565,12 @@ def _gate_up_kernel(ids_ref, x_ref, wq_ref, sc_ref, b_ref, act_ref, *out_ref, T,
 
 
 def _fma_gate_up_kernel(ids_ref, xq_ref, wq_ref, sc_ref, b_ref, actq_ref, out_ref, *, T, k, H, BF, limit, alpha,
-                        act_e, dtype, zero_cols, fma):
+                        dtype, zero_cols, fma):
     """FMA path of gate_up: experts chosen by at most fma.tokens tokens; grid (slot, I / BF). Program j
     owns act columns [BF j, BF (j + 1)) (BF / 8 blocks of 8) and writes them in kernel 2's pair layout
-    (16 words a scale group, the fixed factor 2^act_e): block b's pair k is (act[8b + 3 - k],
-    act[8b + 7 - k]) at word 16 (b // 4) + 4 k + b % 4."""
+    with one factor 2^e_b per block b (|act| < 2^e_b in the block): block b's pair k is
+    (act[8b + 3 - k], act[8b + 7 - k]) * 2^(14 - e_b) at word 20 (b // 4) + 4 k + b % 4, its factor at
+    word 20 (b // 4) + 16 + b % 4."""
     s, j = pl.program_id(0), pl.program_id(1)
     if zero_cols:
         pl.when(s == 0)(lambda: _zero_out(out_ref, j, zero_cols))
@@ -586,16 +581,27 @@ def _fma_gate_up_kernel(ids_ref, xq_ref, wq_ref, sc_ref, b_ref, actq_ref, out_re
         m = lax.broadcasted_iota(jnp.int32, (BF // 2,), 0)
         blk, kk = j * (BF // 8) + m // 4, m % 4  # 8-column block and pair of each word
         lo = 8 * blk + 3 - kk
-        at = (blk // 4) * _PAIR_WORDS + 4 * kk + blk % 4
+        at = (blk // 4) * _GROUP_WORDS + 4 * kk + blk % 4
         ok = jnp.ones(lo.shape, jnp.bool_)
         sets = [(lo, jnp.int32(_GATE)), (lo + 4, jnp.int32(_GATE)), (lo, jnp.int32(_LIN)), (lo + 4, jnp.int32(_LIN))]
         hs = [h for [h] in _fma_rows(xq_ref, (), [s // k], wq_ref, sc_ref, e, sets, ok, K=H, BG=fma.groups,
                                      decoder=fma.decoder, depth=fma.prefetch)]
         b = [_load(b_ref, (e, *rows)).astype(F32) for rows in sets]
-        f = 2.0 ** (14 - act_e)
         a_lo, a_hi = (_swiglu(hs[h], hs[2 + h], b[h], b[2 + h], limit, alpha).astype(dtype).astype(F32)
                       for h in (0, 1))
-        _store(actq_ref, (s, at), _pack_f16x2(a_lo * f, a_hi * f))
+        big = jnp.maximum(jnp.abs(a_lo), jnp.abs(a_hi))
+        nb = BF // 8
+        c = lax.broadcasted_iota(jnp.int32, (nb,), 0)
+        ex = jnp.zeros(m.shape, jnp.int32)  # each 8-column block's exponent, per word ...
+        ex_b = jnp.zeros((nb,), jnp.int32)  # ... and per block
+        for i in range(nb):
+            e_i = _group_exponent(jnp.max(jnp.where(m // 4 == i, big, 0.0)))
+            ex, ex_b = jnp.where(m // 4 == i, e_i, ex), jnp.where(c == i, e_i, ex_b)
+        sc = _pow2_f32(14 - ex)
+        _store(actq_ref, (s, at), _pack_f16x2(a_lo * sc, a_hi * sc))
+        blk_b = j * nb + c
+        factor = lax.bitcast_convert_type(_pow2_f32(ex_b), jnp.uint32)
+        _store(actq_ref, (s, (blk_b // 4) * _GROUP_WORDS + _PAIR_WORDS + blk_b % 4), factor)
 
 
 def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H, I, BN, BG, decode,
@@ -622,7 +628,7 @@ def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, out
 
 
 def _fma_down_kernel(ids_ref, w_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H, I, BN,
-                     act_e, interpret, fma):
+                     interpret, fma):
     """FMA path of down + combine; grid (slot, H / BN)."""
     del out_in_ref  # aliased with out_ref
     s, j = pl.program_id(0), pl.program_id(1)
@@ -633,7 +639,7 @@ def _fma_down_kernel(ids_ref, w_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref
     @pl.when(jnp.sum(is_e.astype(jnp.int32)) <= fma.tokens)
     def _fma():
         [[y]] = _fma_rows(actq_ref, (), [s], wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, K=I, BG=fma.groups,
-                          decoder=fma.decoder, depth=fma.prefetch, factor=2.0 ** act_e)
+                          decoder=fma.decoder, depth=fma.prefetch, per_word=True)
         b = _load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
         _combine(out_ref, jnp.broadcast_to(s // k, (BN,)), cols, (y + b) * w_ref[s], n_ok, interpret)
 
@@ -703,8 +709,7 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     if cfg.decode not in _DECODERS:
         raise ValueError(f"mxfp4_moe: decode {cfg.decode!r}, expected one of {sorted(_DECODERS)}")
     decode = _decode_f16 if interpret else _DECODERS[cfg.decode]
-    act_e = _act_exponent(limit, alpha)
-    fma = _Fma(tokens=min(cfg.fma_tokens, T) if act_e is not None else 0, groups=cfg.fma_groups,
+    fma = _Fma(tokens=min(cfg.fma_tokens, T), groups=cfg.fma_groups,
                prefetch=cfg.fma_prefetch, decoder="ptx" if cfg.decode == "ptx" and not interpret else "f16")
     P, Pp = T * k, _pow2(T * k)
     nc = -(-T // TOKEN_TILE)
@@ -746,9 +751,9 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     if fma.tokens:  # kernel 1, FMA path (zeroes out)
         actq, out = pl.pallas_call(
             functools.partial(_fma_gate_up_kernel, T=T, k=k, H=H, BF=BF, limit=float(limit), alpha=float(alpha),
-                              act_e=act_e, dtype=x.dtype, zero_cols=zero_cols, fma=fma),
+                              dtype=x.dtype, zero_cols=zero_cols, fma=fma),
             grid=(P, nf1),
-            out_shape=(jax.ShapeDtypeStruct((P, Gf2 * _PAIR_WORDS), jnp.uint32), out),
+            out_shape=(jax.ShapeDtypeStruct((P, Gf2 * _GROUP_WORDS), jnp.uint32), out),
             compiler_params=fma_params, interpret=interpret, name="mxfp4_moe_gate_up_fma",
         )(ids_flat, xq.reshape(*xq.shape[:2], _GROUP_WORDS), gu_w, gu_s, gu_b)
     if mma:  # kernel 1, MMA path (zeroes out where no FMA kernel did)
@@ -762,12 +767,12 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
         out = zeroed[0] if zeroed else out
     if fma.tokens:  # kernel 2, FMA path
         out = pl.pallas_call(
-            functools.partial(_fma_down_kernel, T=T, k=k, H=H, I=I, BN=BNf, act_e=act_e, interpret=interpret, fma=fma),
+            functools.partial(_fma_down_kernel, T=T, k=k, H=H, I=I, BN=BNf, interpret=interpret, fma=fma),
             grid=(P, nf2),
             out_shape=jax.ShapeDtypeStruct((To, Ho), F32),
             input_output_aliases={6: 0},
             compiler_params=fma_params, interpret=interpret, name="mxfp4_moe_down_fma",
-        )(ids_flat, w_flat, actq.reshape(P, Gf2, _PAIR_WORDS), dn_w, dn_s, dn_b, out)
+        )(ids_flat, w_flat, actq.reshape(P, Gf2, _GROUP_WORDS), dn_w, dn_s, dn_b, out)
     if mma:  # kernel 2, MMA path
         out = pl.pallas_call(
             functools.partial(_down_kernel, T=T, k=k, H=H, I=I, BN=BN, BG=BG, decode=decode, interpret=interpret,
