@@ -260,7 +260,8 @@ class MoE(nnx.Module):
 
     def _kernel(self, x, norm):
         """Few tokens on a GPU: norm, router and top k in two kernels (pallas/moe_route.py), then each
-        selected expert's packed weights read once (pallas/moe.py). f32 [N, H]."""
+        (token, expert) pair's packed expert weights streamed from HBM or, for experts shared by tokens,
+        mostly from L2 (pallas/moe.py). f32 [N, H]."""
         from eagle3_jax.pallas import moe as moe_kernel
         from eagle3_jax.pallas import moe_route
 
