@@ -265,15 +265,19 @@ _DECODERS = {"bits": _decode_bits, "ptx": _decode_ptx, "f16": _decode_f16}
 
 # -- routing inside the kernels -----------------------------------------------------------------
 
+def _pair_expert(ids_ref, s, P):
+    """Expert e of pair s (of P), is_e bool [Pp]: pair q chose e, and q int32 [Pp]."""
+    e = ids_ref[s]
+    q = lax.broadcasted_iota(jnp.int32, (_pow2(P),), 0)
+    return e, _load(ids_ref, pl.ds(0, q.shape[0]), mask=q < P, other=-1) == e, q
+
+
 def _slot_tokens(ids_ref, s, c, *, T, k):
     """Expert of pair s, whether s is its first pair, which tokens of chunk c chose it, and all pairs.
     Returns (e, first, member bool [16], eq bool [16, kp], flat index int32 [16, kp] into [T * k],
-    is_e bool [Pp]: pair q chose e, q int32 [Pp])."""
-    P, Pp, kp = T * k, _pow2(T * k), _pow2(k)
-    e = ids_ref[s]
-    q = lax.broadcasted_iota(jnp.int32, (Pp,), 0)
-    flat = _load(ids_ref, pl.ds(0, Pp), mask=q < P, other=-1)
-    is_e = flat == e
+    is_e bool [Pp]: pair q chose e)."""
+    kp = _pow2(k)
+    e, is_e, q = _pair_expert(ids_ref, s, T * k)
     first = jnp.sum((is_e & (q < s)).astype(jnp.int32)) == 0
     t = c * TOKEN_TILE + lax.broadcasted_iota(jnp.int32, (TOKEN_TILE, kp), 0)
     j = lax.broadcasted_iota(jnp.int32, (TOKEN_TILE, kp), 1)
@@ -282,7 +286,7 @@ def _slot_tokens(ids_ref, s, c, *, T, k):
     mine = _load(ids_ref, idx, mask=ok, other=-1)
     eq = (mine == e) & ok
     member = jnp.sum(eq.astype(jnp.int32), axis=1) > 0
-    return e, first, member, eq, idx, is_e, q
+    return e, first, member, eq, idx, is_e
 
 
 def _expert_rows(x_ref, x_lead, wq_ref, sc_ref, e, row_sets, r_ok, c, *, K, BG, decode, x_rows, depth, perm):
@@ -551,7 +555,7 @@ def _gate_up_kernel(ids_ref, x_ref, wq_ref, sc_ref, b_ref, act_ref, *out_ref, T,
     s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if out_ref:
         pl.when((s == 0) & (c == 0))(lambda: _zero_out(out_ref[0], j, zero_cols))
-    e, first, member, _, _, is_e, _ = _slot_tokens(ids_ref, s, c, T=T, k=k)
+    e, first, member, _, _, is_e = _slot_tokens(ids_ref, s, c, T=T, k=k)
     u = j * BI + lax.broadcasted_iota(jnp.int32, (BI,), 0)
     i_ok = u < I
     row_sets = [(pl.ds(j * BI, BI), jnp.int32(_GATE)), (pl.ds(j * BI, BI), jnp.int32(_LIN))]
@@ -570,7 +574,7 @@ def _gate_up_kernel(ids_ref, x_ref, wq_ref, sc_ref, b_ref, act_ref, *out_ref, T,
 
 def _fma_gate_up_kernel(ids_ref, xq_ref, wq_ref, sc_ref, b_ref, actq_ref, out_ref, *, T, k, H, BF, limit, alpha,
                         dtype, zero_cols, fma):
-    """FMA path of gate_up: experts chosen by at most fma.tokens tokens; grid (slot, I / BF). Program j
+    """FMA path of gate_up: experts chosen by at most fma.tokens tokens; grid (pair, I / BF). Program j
     owns act columns [BF j, BF (j + 1)) (BF / 8 blocks of 8) and writes them in kernel 2's pair layout
     with one factor 2^e_b per block b (|act| < 2^e_b in the block): block b's pair k is
     (act[8b + 3 - k], act[8b + 7 - k]) * 2^(14 - e_b) at word 20 (b // 4) + 4 k + b % 4, its factor at
@@ -578,7 +582,7 @@ def _fma_gate_up_kernel(ids_ref, xq_ref, wq_ref, sc_ref, b_ref, actq_ref, out_re
     s, j = pl.program_id(0), pl.program_id(1)
     if zero_cols:
         pl.when(s == 0)(lambda: _zero_out(out_ref, j, zero_cols))
-    e, _, _, _, _, is_e, _ = _slot_tokens(ids_ref, s, 0, T=T, k=k)
+    e, is_e, _ = _pair_expert(ids_ref, s, T * k)
 
     @pl.when(jnp.sum(is_e.astype(jnp.int32)) <= fma.tokens)
     def _fma():
@@ -613,7 +617,7 @@ def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, out
     """MMA path of down + combine; grid (slot, chunk, H tile)."""
     del out_in_ref  # aliased with out_ref
     s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    e, first, member, eq, idx, is_e, _ = _slot_tokens(ids_ref, s, c, T=T, k=k)
+    e, first, member, eq, idx, is_e = _slot_tokens(ids_ref, s, c, T=T, k=k)
     cols = j * BN + lax.broadcasted_iota(jnp.int32, (BN,), 0)
     n_ok = cols < H
 
@@ -633,10 +637,10 @@ def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, out
 
 def _fma_down_kernel(ids_ref, w_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H, I, BN,
                      interpret, fma):
-    """FMA path of down + combine; grid (slot, H / BN)."""
+    """FMA path of down + combine; grid (pair, H / BN)."""
     del out_in_ref  # aliased with out_ref
     s, j = pl.program_id(0), pl.program_id(1)
-    e, _, _, _, _, is_e, _ = _slot_tokens(ids_ref, s, 0, T=T, k=k)
+    e, is_e, _ = _pair_expert(ids_ref, s, T * k)
     cols = j * BN + lax.broadcasted_iota(jnp.int32, (BN,), 0)
     n_ok = cols < H
 
