@@ -10,12 +10,15 @@ and returns what `moe.mxfp4_moe` consumes:
                            equal logits to the lower expert id (`lax.top_k`)
   weights f32 [T, k]       softmax over those k logits
 
-  1. norm + router, grid (E / 16 expert tiles, K splits of 3 x 256 inputs, token tiles of 16):
-     each program sums its token rows' squares over all of H (unrolled: independent loads), then
-     multiplies its share of the normalized rows (rounded to h.dtype) with its 16 router columns on
-     the tensor cores and stores the partial logits. Each K step's x and xq are written by one
-     program of the split (xq's (low, high) pairs gathered from h in pair order and normalized again,
-     so that no layout conversion happens in registers).
+  1. norm + router, grid (E / 16 expert tiles, H / 256 input chunks, token tiles of 16; of 1 at one
+     token): each program loads its token rows whole (the norm's sum of squares), its chunk of them,
+     its [256, 16] router tile and the norm's scales, all before any use (one round trip to memory),
+     multiplies the normalized chunk (rounded to h.dtype) with the tile (tensor cores; at one token
+     products and a sum) and stores the partial logits. The expert tile 0 programs write x; the
+     chunk's eight scale groups of xq are spread over the expert tiles' programs, each group's
+     (low, high) pairs gathered from h in pair order and normalized again, so that no layout
+     conversion happens in registers. gpt-oss-120b at one token: 96 programs, 3.7 us on an H200
+     (7.4 us with 32 programs of three chunks each, whose xq groups fell to 12 programs).
   2. top k + softmax, one program per token tile: the partial logits summed, the bias added, then
      k rounds of (row max, lowest id at the max).
 
@@ -38,10 +41,9 @@ from jax.experimental.pallas import triton as plgpu
 from eagle3_jax.pallas import moe
 
 F32 = jnp.float32
-TOKEN_TILE = 16  # token rows per program (also at one token: one-row programs were no faster)
+TOKEN_TILE = 16  # token rows per program (one at one token)
 EXPERT_TILE = 16  # router columns per program (the tensor cores' smallest N)
 CHUNK = 256  # inputs per K step of kernel 1
-SPLIT_CHUNKS = 3  # K steps per kernel-1 program (gpt-oss-120b: 4 programs split the 2880 inputs)
 MAX_TOKENS = moe.MAX_TOKENS
 
 
@@ -54,90 +56,88 @@ def _normalized(h, r, scale, dtype):
     return (h * r * scale).astype(dtype).astype(F32)
 
 
-def _router_kernel(h_ref, s_ref, w_ref, x_ref, xq_ref, lg_ref, *, T, H, E, eps, normalize, dtype):
-    i, ks, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows = c * TOKEN_TILE + lax.broadcasted_iota(jnp.int32, (TOKEN_TILE,), 0)
+def _router_kernel(h_ref, s_ref, w_ref, x_ref, xq_ref, lg_ref, *, T, TT, H, E, eps, normalize, dtype):
+    i, kk, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = c * TT + lax.broadcasted_iota(jnp.int32, (TT,), 0)
     r_ok = rows < T
     k_iota = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+    e_ok = i * EXPERT_TILE + lax.broadcasted_iota(jnp.int32, (EXPERT_TILE,), 0) < E
 
-    def chunk(kk):
-        kk = jnp.asarray(kk, jnp.int32)  # a traced start: the last chunk runs past H (masked)
-        cols = kk * CHUNK + k_iota
-        m = r_ok[:, None] & (cols < H)[None, :]
-        return cols, m, moe._load(h_ref, (pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(kk * CHUNK, CHUNK)),
-                              mask=m, other=0).astype(F32)
+    def h_chunk(k):
+        k = jnp.asarray(k, jnp.int32)  # a traced start: the static bounds check would reject the last
+        return moe._load(h_ref, (pl.ds(c * TT, TT), pl.ds(k * CHUNK, CHUNK)),
+                         mask=r_ok[:, None] & (k * CHUNK + k_iota < H)[None, :], other=0).astype(F32)
 
-    r = None
-    if normalize:  # the whole rows, unrolled: independent loads, one round trip
-        ss = sum(jnp.sum(h * h, axis=1) for h in (chunk(kk)[2] for kk in range(-(-H // CHUNK))))
-        r = lax.rsqrt(ss / H + eps)
+    # every load before any use (one round trip to memory): the whole rows for the norm, this
+    # program's chunk of them (again: kk is traced), its router tile and the norm's scales
+    c_ok = kk * CHUNK + k_iota < H  # the last chunk runs past H (masked)
+    whole = [h_chunk(k) for k in range(-(-H // CHUNK))] if normalize else []
+    h = h_chunk(kk)
+    w = moe._load(w_ref, (pl.ds(kk * CHUNK, CHUNK), pl.ds(i * EXPERT_TILE, EXPERT_TILE)),
+                  mask=c_ok[:, None] & e_ok[None, :], other=0)
+    scale = moe._load(s_ref, pl.ds(kk * CHUNK, CHUNK), mask=c_ok, other=0) if normalize else None
+    r = lax.rsqrt(sum(jnp.sum(t * t, axis=1) for t in whole) / H + eps) if normalize else None
 
-    e_cols = i * EXPERT_TILE + lax.broadcasted_iota(jnp.int32, (EXPERT_TILE,), 0)
-    e_ok = e_cols < E
-    acc = jnp.zeros((TOKEN_TILE, EXPERT_TILE), F32)
-    for t in range(SPLIT_CHUNKS):  # this program's share of the inputs
-        kk = ks * SPLIT_CHUNKS + t
-        cols, m, h = chunk(kk)
-        scale = moe._load(s_ref, pl.ds(kk * CHUNK, CHUNK), mask=cols < H, other=0) if normalize else None
-        x = _normalized(h, r, scale, dtype).astype(dtype)
-        w = moe._load(w_ref, (pl.ds(kk * CHUNK, CHUNK), pl.ds(i * EXPERT_TILE, EXPERT_TILE)),
-                  mask=(cols < H)[:, None] & e_ok[None, :], other=0)
-        acc = acc + jnp.dot(x, w.astype(dtype), preferred_element_type=F32)
+    x = _normalized(h, r, scale, dtype).astype(dtype)
+    if TT == 1:  # one token: products and a sum (the tensor cores' dot needs 16 rows)
+        acc = jnp.sum(x.astype(F32).reshape(CHUNK, 1) * w.astype(F32), axis=0, keepdims=True)
+    else:
+        acc = jnp.dot(x, w.astype(dtype), preferred_element_type=F32)
+    moe._store(lg_ref, (kk, pl.ds(c * TT, TT), pl.ds(i * EXPERT_TILE, EXPERT_TILE)), acc,
+               mask=r_ok[:, None] & e_ok[None, :])
 
-        @pl.when(i == t % pl.num_programs(0))  # x and xq of chunk kk: one program each, in parallel
+    @pl.when(i == 0)
+    def _():
+        moe._store(x_ref, (pl.ds(c * TT, TT), pl.ds(kk * CHUNK, CHUNK)), x, mask=r_ok[:, None] & c_ok[None, :])
+
+    ne, BG = pl.num_programs(0), CHUNK // moe.BLOCK
+    for j in range(BG):  # the chunk's scale groups of xq, spread over the expert tiles' programs
+        @pl.when(i == j % ne)
         def _():
-            moe._store(x_ref, (pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(kk * CHUNK, CHUNK)), x, mask=m)
-            _pair_layout(h_ref, s_ref, xq_ref, rows, r, kk, H=H, dtype=dtype)
-
-    moe._store(lg_ref, (ks, pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(i * EXPERT_TILE, EXPERT_TILE)), acc,
-           mask=r_ok[:, None] & e_ok[None, :])
+            _pair_layout(h_ref, s_ref, xq_ref, rows, r, kk * BG + j, H=H, dtype=dtype)
 
 
-def _pair_layout(h_ref, s_ref, xq_ref, rows, r, kk, *, H, dtype):
-    """Writes the CHUNK / 32 scale groups of chunk kk, rows `rows`, of xq [T, G * 20] (moe's pair layout
-    of the normalized h): the low and high inputs of each group's 16 pair words are loaded from h in
-    pair order, normalized, scaled by the group's power of two and packed; the group's factor 2^e and
-    three zero words follow."""
-    G, BG = H // moe.BLOCK, CHUNK // moe.BLOCK
-    lo, hi, at = moe._pair_inputs(BG * moe._PAIR_WORDS)  # [BG * 16] each, groups 0 .. BG - 1
-    lo, hi, at = (a.reshape(BG, moe._PAIR_WORDS) for a in (lo, hi, at))
-    g_iota = lax.broadcasted_iota(jnp.int32, (BG,), 0)
-    t_iota = lax.broadcasted_iota(jnp.int32, (BG, 4), 1)
-    g_ok = kk * BG + g_iota < G
-    m = (rows < xq_ref.shape[0])[:, None, None] & g_ok[None, :, None]  # [16, BG, 1]
-    m16 = jnp.broadcast_to(m, (rows.shape[0], BG, moe._PAIR_WORDS))
-    base = kk * CHUNK
+def _pair_layout(h_ref, s_ref, xq_ref, rows, r, g, *, H, dtype):
+    """Writes scale group g, rows `rows`, of xq [T, G * 20] (moe's pair layout of the normalized h):
+    the low and high inputs of the group's 16 pair words are loaded from h in pair order, normalized,
+    scaled by the group's power of two and packed; the group's factor 2^e and three zero words follow."""
+    lo, hi, at = moe._pair_inputs(moe._PAIR_WORDS)  # [16] each
+    q_iota = lax.broadcasted_iota(jnp.int32, (4,), 0)
+    m = (rows < xq_ref.shape[0]) & (g < H // moe.BLOCK)  # [TT]
+    m16 = jnp.broadcast_to(m[:, None], (rows.shape[0], moe._PAIR_WORDS))
+    base = g * moe.BLOCK
 
     def half(cols):
-        v = moe._load(h_ref, (rows[:, None, None], base + cols[None]), mask=m16, other=0).astype(F32)
-        s = None if r is None else moe._load(s_ref, base + cols, mask=g_ok[:, None], other=0)
+        v = moe._load(h_ref, (rows[:, None], base + cols[None]), mask=m16, other=0).astype(F32)
+        s = None if r is None else moe._load(s_ref, base + cols, mask=jnp.broadcast_to(g < H // moe.BLOCK, cols.shape),
+                                             other=0)
         return _normalized(v, r, s, dtype)
 
-    a, b = half(lo), half(hi)  # [16, BG, 16]
-    e = moe._group_exponent(jnp.max(jnp.maximum(jnp.abs(a), jnp.abs(b)), axis=2))  # [16, BG]
-    f = moe._pow2_f32(14 - e)[:, :, None]
-    word_at = kk * BG * moe._GROUP_WORDS + at
-    moe._store(xq_ref, (rows[:, None, None], word_at[None]), moe._pack_f16x2(a * f, b * f), mask=m16)
-    factor = lax.bitcast_convert_type(moe._pow2_f32(e), jnp.uint32)[:, :, None]  # [16, BG, 1]
-    trailer = jnp.where(t_iota[None] == 0, factor, jnp.uint32(0))  # [16, BG, 4]
-    t_at = (kk * BG + g_iota)[:, None] * moe._GROUP_WORDS + moe._PAIR_WORDS + t_iota
-    moe._store(xq_ref, (rows[:, None, None], t_at[None]), trailer, mask=jnp.broadcast_to(m, trailer.shape))
+    a, b = half(lo), half(hi)  # [TT, 16]
+    e = moe._group_exponent(jnp.max(jnp.maximum(jnp.abs(a), jnp.abs(b)), axis=1))  # [TT]
+    f = moe._pow2_f32(14 - e)[:, None]
+    word0 = g * moe._GROUP_WORDS
+    moe._store(xq_ref, (rows[:, None], word0 + at[None]), moe._pack_f16x2(a * f, b * f), mask=m16)
+    factor = lax.bitcast_convert_type(moe._pow2_f32(e), jnp.uint32)[:, None]  # [TT, 1]
+    trailer = jnp.where(q_iota[None] == 0, factor, jnp.uint32(0))  # [TT, 4]
+    moe._store(xq_ref, (rows[:, None], word0 + moe._PAIR_WORDS + q_iota[None]), trailer,
+               mask=jnp.broadcast_to(m[:, None], trailer.shape))
 
 
-def _top_k_kernel(lg_ref, b_ref, ids_ref, w_ref, *, T, E, k):
+def _top_k_kernel(lg_ref, b_ref, ids_ref, w_ref, *, T, TT, E, k):
     c = pl.program_id(0)
     Ep, kp = moe._pow2(E), moe._pow2(k)
-    rows = c * TOKEN_TILE + lax.broadcasted_iota(jnp.int32, (TOKEN_TILE,), 0)
+    rows = c * TT + lax.broadcasted_iota(jnp.int32, (TT,), 0)
     r_ok = rows < T
-    e_iota = lax.broadcasted_iota(jnp.int32, (TOKEN_TILE, Ep), 1)
-    j_iota = lax.broadcasted_iota(jnp.int32, (TOKEN_TILE, kp), 1)
+    e_iota = lax.broadcasted_iota(jnp.int32, (TT, Ep), 1)
+    j_iota = lax.broadcasted_iota(jnp.int32, (TT, kp), 1)
     m = r_ok[:, None] & (e_iota < E)
-    lg = sum(moe._load(lg_ref, (jnp.int32(s), pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(0, Ep)), mask=m, other=0)
+    lg = sum(moe._load(lg_ref, (jnp.int32(s), pl.ds(c * TT, TT), pl.ds(0, Ep)), mask=m, other=0)
              for s in range(lg_ref.shape[0]))  # the K splits' partial sums
     lg = lg + moe._load(b_ref, pl.ds(0, Ep), mask=lax.broadcasted_iota(jnp.int32, (Ep,), 0) < E, other=0).astype(F32)[None, :]
     free = e_iota < E
-    ids = jnp.zeros((TOKEN_TILE, kp), jnp.int32)
-    top = jnp.zeros((TOKEN_TILE, kp), F32)
+    ids = jnp.zeros((TT, kp), jnp.int32)
+    top = jnp.zeros((TT, kp), F32)
     first = None
     for j in range(k):
         best = jnp.max(jnp.where(free, lg, -jnp.inf), axis=1)
@@ -150,8 +150,8 @@ def _top_k_kernel(lg_ref, b_ref, ids_ref, w_ref, *, T, E, k):
         free = free & (e_iota != at[:, None])
     p = jnp.where(j_iota < k, jnp.exp(top - first[:, None]), 0.0)
     m = r_ok[:, None] & (j_iota < k)
-    moe._store(ids_ref, (pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(0, kp)), ids, mask=m)
-    moe._store(w_ref, (pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(0, kp)), p / jnp.sum(p, axis=1, keepdims=True), mask=m)
+    moe._store(ids_ref, (pl.ds(c * TT, TT), pl.ds(0, kp)), ids, mask=m)
+    moe._store(w_ref, (pl.ds(c * TT, TT), pl.ds(0, kp)), p / jnp.sum(p, axis=1, keepdims=True), mask=m)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "k", "interpret"))
@@ -168,29 +168,29 @@ def route(h, norm_scale, router_w, router_b, *, eps: float, k: int, interpret: b
     if norm_scale is not None and norm_scale.shape != (H,):
         raise ValueError(f"moe_route: norm_scale {norm_scale.shape}, expected ({H},)")
     G = H // moe.BLOCK
-    nc, ne, nk = -(-T // TOKEN_TILE), -(-E // EXPERT_TILE), -(-H // CHUNK)
-    ns = -(-nk // SPLIT_CHUNKS)
+    TT = 1 if T == 1 else TOKEN_TILE
+    nc, ne, nk = -(-T // TT), -(-E // EXPERT_TILE), -(-H // CHUNK)
     normalize = norm_scale is not None
     scale = norm_scale.astype(F32) if normalize else jnp.zeros((1,), F32)
     Ep, kp = moe._pow2(E), moe._pow2(k)
     # the interpreter cannot read or write past an array's end (the Triton kernels mask such accesses):
     # there every array is padded to whole tiles
-    Tp, Hp, Wq = ((nc * TOKEN_TILE, ns * SPLIT_CHUNKS * CHUNK, ns * SPLIT_CHUNKS * CHUNK // moe.BLOCK * moe._GROUP_WORDS)
+    Tp, Hp, Wq = ((nc * TT, nk * CHUNK, nk * CHUNK // moe.BLOCK * moe._GROUP_WORDS)
                   if interpret else (T, H, G * moe._GROUP_WORDS))
     bias = router_b
     if interpret:
         h, router_w, bias = moe._pad(h, (Tp, Hp)), moe._pad(router_w, (Hp, ne * EXPERT_TILE)), moe._pad(bias, (Ep,))
         scale = moe._pad(scale, (Hp,)) if normalize else scale
     x, xq, lg = pl.pallas_call(
-        functools.partial(_router_kernel, T=T, H=H, E=E, eps=float(eps), normalize=normalize, dtype=h.dtype),
-        grid=(ne, ns, nc),
+        functools.partial(_router_kernel, T=T, TT=TT, H=H, E=E, eps=float(eps), normalize=normalize, dtype=h.dtype),
+        grid=(ne, nk, nc),
         out_shape=(jax.ShapeDtypeStruct((Tp, Hp), h.dtype), jax.ShapeDtypeStruct((Tp, Wq), jnp.uint32),
-                   jax.ShapeDtypeStruct((ns, Tp, max(Ep, ne * EXPERT_TILE) if interpret else E), F32)),
+                   jax.ShapeDtypeStruct((nk, Tp, max(Ep, ne * EXPERT_TILE) if interpret else E), F32)),
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="moe_router",
     )(h, scale, router_w)
     ids, weights = pl.pallas_call(
-        functools.partial(_top_k_kernel, T=T, E=E, k=k),
+        functools.partial(_top_k_kernel, T=T, TT=TT, E=E, k=k),
         grid=(nc,),
         out_shape=(jax.ShapeDtypeStruct((Tp, kp if interpret else k), jnp.int32),
                    jax.ShapeDtypeStruct((Tp, kp if interpret else k), F32)),
