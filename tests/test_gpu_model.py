@@ -38,31 +38,38 @@ def _cached_logits(m, tokens, nxt):
 
 
 def test_cached_step_matches_reference(model, monkeypatch):
-    # the kernels' bf16 error against float64 is no worse than the plain jnp path's in bf16
+    # the kernels' bf16 error against float64 is no worse than the plain jnp path's in bf16, over
+    # several random prompts (one draw alone is noisy: near-ties in the router pick other experts in
+    # one bf16 path and not the other, which moves this random model's logits by up to ~15% of their
+    # largest)
     cfg, w, m = model
     assert gpt_oss.glue_kernels(jnp.zeros((1,), jnp.bfloat16))
     rng = np.random.default_rng()
-    B, T = 2, 20  # 40 tokens: the MoE kernels' path; 20 > the sliding window 8
-    tokens = rng.integers(0, cfg["vocab_size"], (B, T))
-    nxt = rng.integers(0, cfg["vocab_size"], (B, 1))
-    ref, _ = reference_forward(cfg, w, np.concatenate([tokens, nxt], 1))
-    want = (ref[:, :T], ref[:, T])
+    B, T, draws = 2, 20, 4  # 40 tokens: the MoE kernels' path; 20 > the sliding window 8
+    cases = []
+    for _ in range(draws):
+        tokens = rng.integers(0, cfg["vocab_size"], (B, T))
+        nxt = rng.integers(0, cfg["vocab_size"], (B, 1))
+        ref, _ = reference_forward(cfg, w, np.concatenate([tokens, nxt], 1))
+        cases.append((tokens, nxt, (ref[:, :T], ref[:, T])))
 
-    def errors(got):
-        return [np.max(np.abs(g - r)) / np.max(np.abs(r)) for g, r in zip(got, want)]
+    def mean_errors():  # [step of 20 tokens, step of 1] relative max errors, averaged over the draws
+        errs = []
+        for tokens, nxt, want in cases:
+            got = _cached_logits(m, tokens, nxt)
+            errs.append([np.max(np.abs(g - r)) / np.max(np.abs(r)) for g, r in zip(got, want)])
+        return np.mean(errs, axis=0)
 
-    err = errors(_cached_logits(m, tokens, nxt))
+    err = mean_errors()
     monkeypatch.setattr(gpt_oss, "glue_kernels", lambda x: False)
     for blk in m.layers:
         blk.mlp.path = "gathered"
     try:
-        err_jnp = errors(_cached_logits(m, tokens, nxt))
+        err_jnp = mean_errors()
     finally:
         for blk in m.layers:
             blk.mlp.path = None
-    # (bf16 alone moves this random model's logits by up to ~15% of their largest: near-ties in the
-    # router pick other experts)
-    assert all(e < max(1.5 * ej, 0.05) for e, ej in zip(err, err_jnp)), (err, err_jnp)
+    assert np.all(err < np.maximum(1.5 * err_jnp, 0.04)), (err, err_jnp)
 
 
 def test_speculative_decode_is_lossless(model):

@@ -20,7 +20,8 @@ and returns what `moe.mxfp4_moe` consumes:
      conversion happens in registers. gpt-oss-120b at one token: 96 programs, 3.7 us on an H200
      (7.4 us with 32 programs of three chunks each, whose xq groups fell to 12 programs).
   2. top k + softmax, one program per token tile: the partial logits summed, the bias added, then
-     k rounds of (row max, lowest id at the max).
+     k rounds of (row max, lowest id at the max). One warp at one token (its reductions stay in the
+     warp): 1.74 us instead of 2.00 with four on an H200.
 
 At one token this replaces the ten XLA kernels of the plain path (the norm's reduce and scale, the
 padding of the router input and of its weight for a split-K GEMM, the GEMM, its reduce, the top k's
@@ -194,7 +195,7 @@ def route(h, norm_scale, router_w, router_b, *, eps: float, k: int, interpret: b
         grid=(nc,),
         out_shape=(jax.ShapeDtypeStruct((Tp, kp if interpret else k), jnp.int32),
                    jax.ShapeDtypeStruct((Tp, kp if interpret else k), F32)),
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=1 if TT == 1 else 4, num_stages=1),
         interpret=interpret, name="moe_top_k",
     )(lg, bias)
     xq = xq[:T, :G * moe._GROUP_WORDS].reshape(T, G, moe._PAIR_ROWS, 4)
