@@ -13,7 +13,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax.pallas.attention import attention, attention_pallas, attention_reference, mask_words
+from eagle3_jax.pallas.attention import (attention, attention_pallas, attention_reference, mask_words,
+                                          rope_attention, rope_attention_reference)
 from eagle3_jax.pallas.tree_mask import tree_mask_reference
 
 TOL = 1.5e-2
@@ -154,3 +155,85 @@ def test_split_counts_gpu(case, ov):
     ref = jax.jit(lambda *a: attention_reference(*a, **kw))(*args)
     out = jax.jit(lambda *a: attention_pallas(*a, **kw, **ov))(*args)
     assert rel_err(out, ref) < TOL
+
+
+def rope_inputs(seed, B, Nq, Hq, Hkv, D, S, kind, lengths, bias=True):
+    """make_inputs' caches, lengths, positions, mask and sinks, with a fused projection qkv, its bias and
+    the rows' cos, sin instead of q, k, v."""
+    _, _, _, kc, vc, lengths, positions, mask, sinks = make_inputs(seed, B, Nq, Hq, Hkv, D, S, kind=kind,
+                                                                   lengths=lengths)
+    rng = np.random.default_rng(seed + 1)
+    qkv = jnp.asarray(rng.normal(size=(B, Nq, (Hq + 2 * Hkv) * D)), jnp.bfloat16)
+    b = jnp.asarray(rng.normal(size=((Hq + 2 * Hkv) * D,)), jnp.bfloat16) if bias else None
+    ang = rng.uniform(0, 2 * np.pi, (B, Nq, D // 2))
+    return qkv, b, jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32), kc, vc, \
+        lengths, positions, mask, sinks
+
+
+ROPE_CASES = [c for c in CPU_CASES if c[0] in ("decode_splitk_len0", "decode_splitk_no_preload", "tree_siblings_N40",
+                                                "causal_chunk_window", "random_mask_N33_D24_mha")]
+
+
+@pytest.mark.parametrize("case", ROPE_CASES, ids=[c[0] for c in ROPE_CASES])
+def test_rope_attention_matches_reference_interpret(case):
+    # q/k/v formed in the attention kernel from the fused projection, and the new K/V written to the
+    # caches (poisoned past lengths), against rope_write_reference + attention_reference
+    name, B, Nq, Hq, Hkv, D, S, kind, window, ov, lengths = case
+    args = rope_inputs(zlib.crc32(name.encode()), B, Nq, Hq, Hkv, D, S, kind, lengths, bias=name != "tree_siblings_N40")
+    kw = dict(num_heads=Hq, num_kv_heads=Hkv, window=window, scale=D ** -0.5)
+    ref = jax.jit(lambda *a: rope_attention_reference(*a, **kw))(*args)
+    got = jax.jit(lambda *a: rope_attention(*a, **kw, interpret=True, **ov))(*args)
+    assert rel_err(got[0], ref[0]) < TOL
+    for c, rc in zip(got[1:], ref[1:]):  # the caches: new slots one bf16 step apart at most, the rest as they were
+        c, rc = np.asarray(c, np.float64), np.asarray(rc, np.float64)
+        assert c.shape == rc.shape
+        np.testing.assert_allclose(c, rc, rtol=2 ** -7, atol=1e-6)
+        assert np.mean(c != rc) < 1e-3
+
+
+def test_rope_attention_cache_slots_interpret():
+    # D = 8 (< the kernel's 16 columns), slots past the cache's end dropped (S = 10, T = 3, lengths 9),
+    # and the written K against the float64 rotation of the rounded, biased projection
+    B, T, Hq, Hkv, D, S = 2, 3, 4, 2, 8, 10
+    args = rope_inputs(11, B, T, Hq, Hkv, D, S, "causal", [9, 2])
+    kw = dict(num_heads=Hq, num_kv_heads=Hkv, window=None, scale=D ** -0.5)
+    ref = rope_attention_reference(*args, **kw)
+    got = rope_attention(*args, **kw, interpret=True)
+    assert rel_err(got[0], ref[0]) < TOL
+    for c, rc in zip(got[1:], ref[1:]):
+        np.testing.assert_array_equal(np.asarray(c, np.float32), np.asarray(rc, np.float32))
+    qkv, b, cos, sin = (np.asarray(a, np.float64) for a in args[:4])
+    x = np.asarray(jnp.asarray(qkv + b, jnp.bfloat16), np.float64)[..., Hq * D:(Hq + Hkv) * D]
+    x = x.reshape(B, T, Hkv, D)
+    c, s_ = cos[:, :, None], sin[:, :, None]
+    want = np.concatenate([x[..., :D // 2] * c - x[..., D // 2:] * s_, x[..., D // 2:] * c + x[..., :D // 2] * s_], -1)
+    kc = np.asarray(got[1], np.float64)
+    for bi, L in enumerate([9, 2]):
+        n = min(T, S - L)
+        np.testing.assert_allclose(kc[bi, :, L:L + n], want[bi, :n].transpose(1, 0, 2), rtol=2 ** -7, atol=1e-30)
+
+
+def test_rope_attention_rejects_bad_input():
+    args = rope_inputs(3, 1, 2, 4, 2, 16, 32, "tree", [3])
+    kw = dict(num_heads=4, num_kv_heads=2, window=None, scale=0.25, interpret=True)
+    with pytest.raises(ValueError, match="cos"):
+        rope_attention(args[0], args[1], args[2][:, :1], *args[3:], **kw)
+    with pytest.raises(ValueError, match="bfloat16"):
+        rope_attention(args[0].astype(jnp.float32), *args[1:], **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_rope_attention_matches_reference_gpu(case):
+    B, Nq, kind, window, S, lengths = case
+    args = rope_inputs(zlib.crc32(repr(case).encode()), B, Nq, 64, 8, 64, S, kind, lengths)
+    kw = dict(num_heads=64, num_kv_heads=8, window=window, scale=0.125)
+    ref = jax.jit(lambda *a: rope_attention_reference(*a, **kw))(*args)
+    # in place: the caches donated to the jitted call
+    f = jax.jit(lambda *a: rope_attention(*a, **kw), donate_argnums=(4, 5))
+    got = f(*args[:4], jnp.array(args[4]), jnp.array(args[5]), *args[6:])
+    assert rel_err(got[0], ref[0]) < TOL
+    for c, rc in zip(got[1:], ref[1:]):
+        c, rc = np.asarray(c, np.float64), np.asarray(rc, np.float64)
+        np.testing.assert_allclose(c, rc, rtol=2 ** -7, atol=1e-6)
+        assert np.mean(c != rc) < 1e-3

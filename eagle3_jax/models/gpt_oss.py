@@ -3,8 +3,8 @@
 Pre-norm residual blocks: `x += Attn(RMSNorm(x)); x += MoE(RMSNorm(x))`, a final RMSNorm and an
 untied `lm_head`. On GPUs with bf16 activations the glue between the GEMMs runs as Pallas kernels
 (`glue_kernels`): each MoE output is added to the stream by the next norm's kernel (pallas/norm.py),
-q/k/v bias, RoPE and the cache write are one kernel (pallas/qkv.py), and the MoE's norm, router and
-top k two (pallas/moe_route.py). Attention has biases, GQA, one learned sink logit per query head,
+q/k/v bias, RoPE and the cache write run inside the attention kernel (`attention.rope_attention`),
+and the MoE's norm, router and top k are two kernels (pallas/moe_route.py). Attention has biases, GQA, one learned sink logit per query head,
 YaRN RoPE and a sliding window on the layers `config.layer_types` marks. The MoE routes each token to its top-k
 experts (softmax over the selected logits) through an interleaved, clamped SwiGLU; experts are
 kept packed as MXFP4 (`Mxfp4Experts`) or dense (`DenseExperts`), both in [out, in] layout.
@@ -27,8 +27,7 @@ from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.models import mxfp4, rope
 from eagle3_jax.models.config import GptOssConfig
 from eagle3_jax.pallas import norm as norm_kernel
-from eagle3_jax.pallas import qkv as qkv_kernel
-from eagle3_jax.pallas.attention import attention
+from eagle3_jax.pallas.attention import attention, rope_attention
 
 F32 = jnp.float32
 # (token, expert) pairs up to which the MoE gathers each pair's expert weights (decode, verify);
@@ -45,8 +44,8 @@ def _normal(rngs, shape, std, dtype):
 
 
 def glue_kernels(x) -> bool:
-    """Whether the model's glue runs as Pallas kernels (pallas/norm.py, qkv.py, moe_route.py): bf16
-    activations on a GPU. They have no gradients; training runs float32 models."""
+    """Whether the model's glue runs as Pallas kernels (pallas/norm.py, attention.rope_attention,
+    moe_route.py): bf16 activations on a GPU. They have no gradients; training runs float32 models."""
     return x.dtype == jnp.bfloat16 and jax.default_backend() == "gpu"
 
 
@@ -126,14 +125,16 @@ class Attention(nnx.Module):
         B, T, _ = x.shape
         bqkv = None if self.bqkv is None else self.bqkv[...]
         qkv = x @ self.wqkv[...]
-        if k_cache.shape[2] and glue_kernels(x):  # bias, RoPE and the cache write in one kernel
-            q, k, v, k_cache, v_cache = qkv_kernel.rope_write(qkv, bqkv, cos, sin, k_cache, v_cache, lengths,
-                                                              num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
+        kw = dict(window=self.window, scale=self.head_dim ** -0.5)
+        if k_cache.shape[2] and glue_kernels(x) and self.head_dim <= 256:
+            # bias, RoPE, the cache write and attention in one kernel
+            o, k_cache, v_cache = rope_attention(qkv, bqkv, cos, sin, k_cache, v_cache, lengths, positions, mask,
+                                                 self.sinks[...], num_heads=self.num_heads,
+                                                 num_kv_heads=self.num_kv_heads, **kw)
         else:
             q, k, v = qkv_rope(qkv, bqkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
             k_cache, v_cache = kvc.write_before_read(k_cache, v_cache, k, v, lengths)
-        o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, self.sinks[...],
-                      window=self.window, scale=self.head_dim ** -0.5)
+            o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, self.sinks[...], **kw)
         return self._proj(o.reshape(B, T, -1), self.wo, self.bo), k_cache, v_cache
 
 

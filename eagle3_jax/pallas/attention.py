@@ -9,6 +9,10 @@ lowering; `interpret=True` runs it on CPU): GQA folded into the kernel rows, K/V
 the [B, Hkv, S, D] cache, per-sequence lengths, split-K over the prefix with a log-sum-exp merge,
 sliding layers reading only the keys inside the window. `attention` (the model's entry point)
 dispatches to the kernel when the default backend is a GPU, to the reference otherwise.
+`rope_attention` is the same kernel fed by the fused q/k/v projection: the bias, RoPE and the new
+tokens' cache write happen inside it (`rope_attention_reference`: `rope_write_reference` then
+`attention_reference`); gpt-oss-120b B=1 decode on an H200: 2.70 -> 2.63 ms/token without the
+separate prologue kernel (experiments/results/moe_e2e_h200.json).
 
 Measured on an H200 (experiments/results/kernels_h200.json; device kernel time incl. the split-K
 merge, K/V bytes over the copy bandwidth of the same run, 3.98 TB/s): 32K prefix, 64/8 heads, D 64:
@@ -184,9 +188,25 @@ def _exp2_affine(sc, c, m, interpret):
     return p
 
 
-def _attn_kernel(len_ref, pos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, mask_ref, sinks_ref, *outs,
-                 Nq, G, Hkv, D, Dp, RB, BK, BKn, NS, window, scale, causal, preload_new, interpret):
+def _round_bf16(x):
+    """f32 -> f32 holding the nearest bf16 (ties to even), in integer ops: XLA on CPUs (interpret mode)
+    may drop a conversion pair f32 -> bf16 -> f32 whose result only feeds f32 math."""
+    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    u = (u + (0x7FFF + (jax.lax.shift_right_logical(u, jnp.uint32(16)) & 1))) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(u, jnp.float32)
+
+
+def _attn_kernel(len_ref, pos_ref, *refs, Nq, G, Hkv, D, Dp, RB, BK, BKn, NS, window, scale, causal,
+                 preload_new, interpret, rope):
+    """rope None: refs = (q, k, v, k_cache, v_cache, mask, sinks, *outs). rope (Hq, has_bias, S):
+    refs = (qkv, bias, cos, sin, k_cache, v_cache, mask, sinks, k_cache out, v_cache out, *outs); q, k and
+    v are formed from the fused projection as `rope_write_reference` forms them, and the programs of row
+    block 0 in the last split write the new tokens' K/V to the caches."""
     f32 = jnp.float32
+    if rope is None:
+        q_ref, k_ref, v_ref, kc_ref, vc_ref, mask_ref, sinks_ref, *outs = refs
+    else:
+        qkv_ref, bias_ref, cos_ref, sin_ref, kc_ref, vc_ref, mask_ref, sinks_ref, kc_out, vc_out, *outs = refs
     rb, s, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = bh // Hkv, bh % Hkv
     length = len_ref[b]
@@ -205,7 +225,35 @@ def _attn_kernel(len_ref, pos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, mask_ref
         m = rows_ok[:, None] if full_d else rows_ok[:, None] & d_ok[None, :]
         return jnp.broadcast_to(m, (rows_ok.shape[0], Dp))
 
-    q = plgpu.load(q_ref.at[b, i_r[:, None], hq_r[:, None], d[None, :]], mask=dmask(row_ok), other=0)
+    if rope is not None:
+        Hq, has_bias, S = rope
+        half = D // 2
+        partner = jnp.where(d < half, d + half, d - half)  # the other half of the NeoX rotation
+        first_half = (d < half)[None, :]
+
+        def projected(tok, col0, ok, rotate):
+            """Rows tok [n] (clamped), columns col0 [n] + d of qkv (+ bias), rounded to bf16; rotate:
+            then rotated by the rows' cos, sin (NeoX half split). f32 [n, Dp]."""
+            m = dmask(ok)
+
+            def biased(cols):
+                x = plgpu.load(qkv_ref.at[b, tok[:, None], cols], mask=m, other=0).astype(f32)
+                if has_bias:
+                    x = x + plgpu.load(bias_ref.at[cols], mask=m, other=0).astype(f32)
+                return _round_bf16(x)
+
+            x = biased(col0[:, None] + d[None, :])
+            if not rotate:
+                return x
+            xp = biased(col0[:, None] + partner[None, :])
+            cs = (d % half)[None, :]
+            c_ = plgpu.load(cos_ref.at[b, tok[:, None], cs], mask=m, other=0)
+            s_ = plgpu.load(sin_ref.at[b, tok[:, None], cs], mask=m, other=0)
+            return jnp.where(first_half, x * c_ - xp * s_, x * c_ + xp * s_)
+
+        q = projected(i_r, hq_r * D, row_ok, True).astype(kc_ref.dtype)
+    else:
+        q = plgpu.load(q_ref.at[b, i_r[:, None], hq_r[:, None], d[None, :]], mask=dmask(row_ok), other=0)
     pos_r = plgpu.load(pos_ref.at[b, i_r])
     sink = plgpu.load(sinks_ref.at[hq_r]).astype(f32) * _LOG2E
 
@@ -244,9 +292,32 @@ def _attn_kernel(len_ref, pos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, mask_ref
         if window is not None:
             pos_j = plgpu.load(pos_ref.at[b, jnp.minimum(jj, Nq - 1)])
             vis = vis & (pos_j[None, :] > pos_r[:, None] - window)
-        kt = plgpu.load(k_ref.at[b, pl.ds(js, BKn), h, pl.ds(0, Dp)], mask=dmask(j_ok), other=0)
-        vt = plgpu.load(v_ref.at[b, pl.ds(js, BKn), h, pl.ds(0, Dp)], mask=dmask(j_ok), other=0)
+        kt, vt = new_kv(js, on)
         return kt, vt, vis
+
+    def new_kv(js, on):
+        """K/V [BKn, Dp] of new tokens js .. js + BKn - 1 (zero past Nq; `on` False: nothing loaded)."""
+        jj = js + jnp.arange(BKn, dtype=jnp.int32)
+        j_ok = (jj < Nq) & on
+        if rope is None:
+            kt = plgpu.load(k_ref.at[b, pl.ds(js, BKn), h, pl.ds(0, Dp)], mask=dmask(j_ok), other=0)
+            vt = plgpu.load(v_ref.at[b, pl.ds(js, BKn), h, pl.ds(0, Dp)], mask=dmask(j_ok), other=0)
+            return kt, vt
+        tok = jnp.minimum(jj, Nq - 1)
+        col = jnp.full((BKn,), 0, jnp.int32)
+        kt = projected(tok, col + (Hq + h) * D, j_ok, True).astype(kc_ref.dtype)
+        vt = projected(tok, col + (Hq + Hkv + h) * D, j_ok, False).astype(kc_ref.dtype)
+        return kt, vt
+
+    def write_new(js, kt, vt):
+        """Cache slots length + js .. of new tokens js .. js + BKn - 1 (the last split's row block 0
+        only; slots at or past S are not written: the interpreter's caches have a spare slot S)."""
+        jj = js + jnp.arange(BKn, dtype=jnp.int32)
+        slot = length + jj
+        ok = (jj < Nq) & (slot < S) & (rb == 0) & last
+        slot = jnp.minimum(slot, S)
+        plgpu.store(kc_out.at[b, h, slot[:, None], d[None, :]], kt, mask=dmask(ok))
+        plgpu.store(vc_out.at[b, h, slot[:, None], d[None, :]], vt, mask=dmask(ok))
 
     # --- committed prefix, split s of NS
     if window is None:
@@ -293,6 +364,8 @@ def _attn_kernel(len_ref, pos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, mask_ref
     carry = jax.lax.fori_loop(nfull, nblk, functools.partial(prefix_step, masked=True), carry)
     if preload:  # (a no-op in the other splits: nothing visible)
         m, l, acc = update(carry, *first_new)
+        if rope is not None:
+            write_new(0, *first_new[:2])
     else:
         if causal:
             jmax = jnp.minimum(jnp.max(jnp.where(row_ok, i_r, 0)) + 1, Nq)
@@ -308,6 +381,10 @@ def _attn_kernel(len_ref, pos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, mask_ref
             return update(carry, kt, vt, vis)
 
         m, l, acc = jax.lax.fori_loop(0, nnew, new_step, carry)
+        if rope is not None:  # every new token's K/V to the cache (the loop above may stop early)
+            n_write = jnp.where(last & (rb == 0), (jnp.int32(Nq) + BKn - 1) // BKn, jnp.int32(0))
+            jax.lax.fori_loop(jnp.int32(0), n_write,
+                              lambda t, c_: (write_new(t * BKn, *new_kv(t * BKn, True)), c_)[1], jnp.int32(0))
 
     if NS == 1:
         (out_ref,) = outs
@@ -347,13 +424,95 @@ def attention_pallas(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
     `config` (or keyword overrides of its fields) fixes the launch; default: `attention_config`.
     """
     B, Nq, Hq, D = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    return _launch((q, k, v), None, k_cache, v_cache, lengths, positions, mask, sinks, B=B, Nq=Nq, Hq=Hq, D=D,
+                   dtype=q.dtype, window=window, scale=scale, config=config, interpret=interpret, overrides=overrides)
+
+
+def rope_attention(qkv, bias, cos, sin, k_cache, v_cache, lengths, positions, mask, sinks, *, num_heads: int,
+                   num_kv_heads: int, window, scale, config: AttnConfig | None = None, interpret: bool = False,
+                   **overrides):
+    """Attention's prologue and `attention_pallas` in one kernel: the fused projection qkv [B, T, (Hq + 2 Hkv) D]
+    bf16 (before its bias [(Hq + 2 Hkv) D] or None), cos, sin f32 [B, T, D / 2] -> (out [B, T, Hq, D],
+    k_cache, v_cache with the new tokens' K/V written at slots lengths .. lengths + T - 1, in place).
+    q and the new K/V are formed in the kernel as `rope_write_reference` forms them (bias, NeoX RoPE);
+    slots at or past the cache's end are not written. The model's cached steps on GPUs (one launch less
+    per layer than a separate prologue kernel)."""
+    B, T, N = qkv.shape
+    Hq, Hkv = num_heads, num_kv_heads
+    D = N // (Hq + 2 * Hkv)
+    S = k_cache.shape[2]
+    if (N != (Hq + 2 * Hkv) * D or D % 2 or k_cache.shape != (B, Hkv, S, D) or v_cache.shape != k_cache.shape
+            or cos.shape != (B, T, D // 2) or sin.shape != cos.shape or (bias is not None and bias.shape != (N,))):
+        raise ValueError(f"rope_attention: qkv {qkv.shape} for {Hq} + 2 x {Hkv} heads, bias "
+                         f"{None if bias is None else bias.shape}, cos {cos.shape}, sin {sin.shape} (expected "
+                         f"{(B, T, D // 2)}), caches {k_cache.shape} / {v_cache.shape} (expected (B, {Hkv}, S, {D}))")
+    if qkv.dtype != jnp.bfloat16 or k_cache.dtype != jnp.bfloat16:
+        raise ValueError(f"rope_attention: qkv and the caches must be bfloat16, got {qkv.dtype}, {k_cache.dtype}")
+    has_bias = bias is not None
+    b_in = bias if has_bias else jnp.zeros((1,), qkv.dtype)
+    kc, vc = k_cache, v_cache
+    Dp = _pow2(max(16, D))
+    if interpret:  # the interpreter touches no index past an array's end, even masked: pad them
+        qkv = jnp.pad(qkv, ((0, 0), (0, 0), (0, Dp - D)))
+        b_in = jnp.pad(b_in, (0, N + Dp - D - b_in.shape[0]))
+        kc, vc = (jnp.pad(c, ((0, 0), (0, 0), (0, 1), (0, Dp - D))) for c in (k_cache, v_cache))
+    srcs = (qkv, b_in, cos.astype(jnp.float32), sin.astype(jnp.float32))
+    out, kc, vc = _launch(srcs, (Hq, has_bias, S), kc, vc, lengths, positions, mask, sinks, B=B, Nq=T, Hq=Hq,
+                          D=D, dtype=qkv.dtype, window=window, scale=scale, config=config, interpret=interpret,
+                          overrides=overrides)
+    if interpret:
+        kc, vc = kc[:, :, :S, :D], vc[:, :, :S, :D]
+    return out, kc, vc
+
+
+def rope_attention_reference(qkv, bias, cos, sin, k_cache, v_cache, lengths, positions, mask, sinks, *,
+                             num_heads: int, num_kv_heads: int, window, scale):
+    """Plain-jnp `rope_attention`: `rope_write_reference`, then `attention_reference`."""
+    q, k, v, k_cache, v_cache = rope_write_reference(qkv, bias, cos, sin, k_cache, v_cache, lengths,
+                                                     num_heads=num_heads, num_kv_heads=num_kv_heads)
+    out = attention_reference(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, window=window, scale=scale)
+    return out, k_cache, v_cache
+
+
+def rope_write_reference(qkv, bias, cos, sin, k_cache, v_cache, lengths, *, num_heads: int, num_kv_heads: int):
+    """q/k/v of the fused projection and the cache write, as `rope_attention` forms them: q and k
+    (qkv + bias) rounded to qkv.dtype, then the NeoX half-split rotation (x1 c - x2 s, x2 c + x1 s) in
+    f32, rounded; v qkv + bias, rounded; k and v written at slots lengths .. lengths + T - 1 (slots past
+    the cache's end dropped). -> (q [B, T, Hq, D], k, v [B, T, Hkv, D], k_cache, v_cache)."""
+    B, T, N = qkv.shape
+    Hq, Hkv = num_heads, num_kv_heads
+    D = N // (Hq + 2 * Hkv)
+    x = qkv if bias is None else qkv + bias
+    # XLA may keep the biased values in f32 inside a fusion (excess precision); the kernel rounds them
+    x = jax.lax.reduce_precision(x.astype(jnp.float32), jnp.finfo(qkv.dtype).nexp, jnp.finfo(qkv.dtype).nmant)
+    qk = x[..., :(Hq + Hkv) * D].reshape(B, T, Hq + Hkv, D)
+    x1, x2 = qk[..., :D // 2], qk[..., D // 2:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    qk = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(qkv.dtype)
+    v = x[..., (Hq + Hkv) * D:].reshape(B, T, Hkv, D).astype(qkv.dtype)
+    k = qk[:, :, Hq:]
+    S = k_cache.shape[2]
+    slots = lengths[:, None] + jnp.arange(T)  # [B, T]
+    bi = jnp.arange(B)[:, None]
+    # out-of-range slots go to index S, which mode="drop" discards
+    slots = jnp.where(slots < S, slots, S)
+    k_cache = k_cache.at[bi, :, slots].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[bi, :, slots].set(v.astype(v_cache.dtype), mode="drop")
+    return qk[:, :, :Hq], k, v, k_cache, v_cache
+
+
+def _launch(srcs, rope, k_cache, v_cache, lengths, positions, mask, sinks, *, B, Nq, Hq, D, dtype, window, scale,
+            config, interpret, overrides):
+    """Both entry points' launch: srcs (q, k, v) or, with rope, (qkv, bias, cos, sin) -> out [B, Nq, Hq, D]
+    (with rope: and the two caches, written in place)."""
+    Hkv = k_cache.shape[1]
     G = Hq // Hkv
+    S_cfg = k_cache.shape[2] if rope is None else rope[2]
     if config is None:
         sms = 132
         if not interpret:
             sms = getattr(jax.devices()[0], "core_count", None) or 132
-        config = attention_config(B, Nq, Hq, Hkv, D, S, window, num_sms=sms, **overrides)
+        config = attention_config(B, Nq, Hq, Hkv, D, S_cfg, window, num_sms=sms, **overrides)
     RB, NS = config.block_rows, config.num_splits
     Dp = _pow2(max(16, D))
     R = Nq * G
@@ -369,25 +528,32 @@ def attention_pallas(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
         raise ValueError(f"attention: scale must be positive, got {scale}")
     kern = functools.partial(_attn_kernel, Nq=Nq, G=G, Hkv=Hkv, D=D, Dp=Dp, RB=RB, BK=config.block_k,
                              BKn=config.block_new, NS=NS, window=window, scale=float(scale), causal=causal,
-                             preload_new=config.preload_new, interpret=interpret)
+                             preload_new=config.preload_new, interpret=interpret, rope=rope)
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
-    out_final = jax.ShapeDtypeStruct((B, Nq, Hq, D), q.dtype)
+    out_final = jax.ShapeDtypeStruct((B, Nq, Hq, D), dtype)
     if NS == 1:
-        out_shape = out_final
+        out_shape = (out_final,)
     else:
         f32 = jnp.float32
         out_shape = (jax.ShapeDtypeStruct((B * Hkv, n_rb, NS, RB, Dp), f32),
                      jax.ShapeDtypeStruct((B * Hkv, n_rb, NS, RB), f32),
                      jax.ShapeDtypeStruct((B * Hkv, n_rb, NS, RB), f32))
-    res = pl.pallas_call(kern, out_shape=out_shape, grid=(n_rb, NS, B * Hkv), compiler_params=params,
-                         interpret=interpret, name="tree_attention")(
-        lengths, positions, q, k, v, k_cache, v_cache, mask_arg, sinks)
+    caches, aliases = (), {}
+    if rope is not None:  # the caches (inputs 2 + len(srcs), + 1) are outputs 0 and 1, in place
+        caches = (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+        aliases = {2 + len(srcs): 0, 3 + len(srcs): 1}
+    res = pl.pallas_call(kern, out_shape=caches + out_shape, grid=(n_rb, NS, B * Hkv), compiler_params=params,
+                         input_output_aliases=aliases, interpret=interpret, name="tree_attention")(
+        lengths, positions, *srcs, k_cache, v_cache, mask_arg, sinks)
+    caches, res = res[:len(caches)], res[len(caches):]
     if NS == 1:
-        return res
-    merge = functools.partial(_merge_kernel, G=G, Hkv=Hkv, D=D, Dp=Dp, RB=RB, NS=NS, NSp=_pow2(NS))
-    return pl.pallas_call(merge, out_shape=out_final, grid=(R, B * Hkv), interpret=interpret,
-                          compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
-                          name="tree_attention_merge")(*res)
+        (out,) = res
+    else:
+        merge = functools.partial(_merge_kernel, G=G, Hkv=Hkv, D=D, Dp=Dp, RB=RB, NS=NS, NSp=_pow2(NS))
+        out = pl.pallas_call(merge, out_shape=out_final, grid=(R, B * Hkv), interpret=interpret,
+                             compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+                             name="tree_attention_merge")(*res)
+    return (out, *caches) if rope is not None else out
 
 
 def attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale):
