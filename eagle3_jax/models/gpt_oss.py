@@ -126,7 +126,7 @@ class Attention(nnx.Module):
         bqkv = None if self.bqkv is None else self.bqkv[...]
         qkv = x @ self.wqkv[...]
         kw = dict(window=self.window, scale=self.head_dim ** -0.5)
-        if k_cache.shape[2] and glue_kernels(x) and self.head_dim <= 256:
+        if k_cache.shape[2] and glue_kernels(x) and k_cache.dtype == jnp.bfloat16 and self.head_dim <= 256:
             # bias, RoPE, the cache write and attention in one kernel
             o, k_cache, v_cache = rope_attention(qkv, bqkv, cos, sin, k_cache, v_cache, lengths, positions, mask,
                                                  self.sinks[...], num_heads=self.num_heads,
