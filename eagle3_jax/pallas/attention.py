@@ -11,7 +11,7 @@ sliding layers reading only the keys inside the window. `attention` (the model's
 dispatches to the kernel when the default backend is a GPU, to the reference otherwise.
 `rope_attention` is the same kernel fed by the fused q/k/v projection: the bias, RoPE and the new
 tokens' cache write happen inside it (`rope_attention_reference`: `rope_write_reference` then
-`attention_reference`); gpt-oss-120b B=1 decode on an H200: 2.70 -> 2.63 ms/token without the
+`attention_reference`); gpt-oss-120b B=1 decode on an H200: 2.70 -> 2.66 ms/token without the
 separate prologue kernel (experiments/results/moe_e2e_h200.json).
 
 Measured on an H200 (experiments/results/kernels_h200.json; device kernel time incl. the split-K
