@@ -304,9 +304,9 @@ def _attn_kernel(len_ref, pos_ref, *refs, Nq, G, Hkv, D, Dp, RB, BK, BKn, NS, wi
             vt = plgpu.load(v_ref.at[b, pl.ds(js, BKn), h, pl.ds(0, Dp)], mask=dmask(j_ok), other=0)
             return kt, vt
         tok = jnp.minimum(jj, Nq - 1)
-        col = jnp.full((BKn,), 0, jnp.int32)
-        kt = projected(tok, col + (Hq + h) * D, j_ok, True).astype(kc_ref.dtype)
-        vt = projected(tok, col + (Hq + Hkv + h) * D, j_ok, False).astype(kc_ref.dtype)
+        first_col = jnp.zeros((BKn,), jnp.int32)  # + the head's first column of qkv
+        kt = projected(tok, first_col + (Hq + h) * D, j_ok, True).astype(kc_ref.dtype)
+        vt = projected(tok, first_col + (Hq + Hkv + h) * D, j_ok, False).astype(kc_ref.dtype)
         return kt, vt
 
     def write_new(js, kt, vt):

@@ -49,7 +49,7 @@ MAX_TOKENS = moe.MAX_TOKENS
 
 
 def _normalized(h, r, scale, dtype):
-    """RMSNorm of loaded rows: h f32 [16, ...] times r [16] (one per row) times scale [...] (None:
+    """RMSNorm of loaded rows: h f32 [TT, ...] times r [TT] (one per row) times scale [...] (None:
     h as it is), rounded to dtype and back to f32."""
     if r is None:
         return h
