@@ -4,8 +4,9 @@ Pre-norm residual blocks: `x += Attn(RMSNorm(x)); x += MoE(RMSNorm(x))`, a final
 untied `lm_head`. On GPUs with bf16 activations the glue between the GEMMs runs as Pallas kernels
 (`glue_kernels`): each MoE output is added to the stream by the next norm's kernel (pallas/norm.py),
 q/k/v bias, RoPE and the cache write run inside the attention kernel (`attention.rope_attention`),
-and the MoE's norm, router and top k are two kernels (pallas/moe_route.py). Attention has biases, GQA, one learned sink logit per query head,
-YaRN RoPE and a sliding window on the layers `config.layer_types` marks. The MoE routes each token to its top-k
+and the MoE's norm, router and top k are two kernels (pallas/moe_route.py). Attention has biases,
+GQA, one learned sink logit per query head, YaRN RoPE and a sliding window on the layers
+`config.layer_types` marks. The MoE routes each token to its top-k
 experts (softmax over the selected logits) through an interleaved, clamped SwiGLU; experts are
 kept packed as MXFP4 (`Mxfp4Experts`) or dense (`DenseExperts`), both in [out, in] layout.
 
