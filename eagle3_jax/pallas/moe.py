@@ -400,12 +400,14 @@ def _group_dot_asm(nt: int, per_word: bool = False) -> str:
     (pair k of word q); per_word (nt = 1): four results, $q the sum over word q's 8 nibbles.
     Each word is first rewritten byte by byte: zo holds its odd nibbles (each byte's high one), ze its
     even ones, each as the high byte of an f16 of E2M1 * 2^-14 (sign in bit 7, magnitude bits in 1-3;
-    0.5 is an f16 subnormal). Pair k (nibbles n = 3 - k and n + 4, bytes n // 2 and n // 2 + 2) is
-    then one byte permute into an f16x2 with zero low bytes, and one f16x2 multiply-add per token,
-    into two accumulators (even and odd k: two shorter dependency chains; per_word: one a word). A
-    sum (16 products a half, at most 96 in magnitude) goes to f32 once. About 11 instructions a word
-    for the decode (15 with per-pair shifts, measured: 9% fewer instructions in gate_up at T=1, 2%
-    faster), 4 a word for the fma, 4 a sum."""
+    0.5 is an f16 subnormal): zo = (w >> 3 & 0x0E..) | (w & 0x80..), ze = (w << 1 & 0x0E..) |
+    (w << 4 & 0x80..). Pair k (nibbles n = 3 - k and n + 4, bytes n // 2 and n // 2 + 2) is then one
+    byte permute into an f16x2 with zero low bytes, and one f16x2 multiply-add per token, into two
+    accumulators (even and odd k: two shorter dependency chains; per_word: one a word). A
+    sum (16 products a half, at most 96 in magnitude) goes to f32 once. Decode: about 12 instructions a word
+    in SASS, 4 of them byte permutes (Nsight, gate_up at T=1: 6.84M instructions; the earlier
+    (u | u >> 3) & mask form took 13 a word, 7.12M, and was 2% slower in both kernels; per-pair
+    shifts take 15), 4 a word for the fma, 4 a sum."""
     assert nt == 1 or not per_word
     n_out = 4 if per_word else nt
     accs = [f"a{q}" for q in range(4)] if per_word else [r for t in range(nt) for r in (f"a{t}", f"c{t}")]
@@ -413,9 +415,9 @@ def _group_dot_asm(nt: int, per_word: bool = False) -> str:
              ".reg .f16 lo, hi;", ".reg .f32 fl, fh;"]
     for qw in range(4):
         w = f"${n_out + qw}"
-        lines += [f"and.b32 u, {w}, 0xF0F0F0F0;", "shr.b32 v, u, 3;", "or.b32 zo, u, v;", "and.b32 zo, zo, 0x8E8E8E8E;",
-                  f"shl.b32 u, {w}, 4;", "and.b32 u, u, 0xF0F0F0F0;", "shr.b32 v, u, 3;", "or.b32 ze, u, v;",
-                  "and.b32 ze, ze, 0x8E8E8E8E;"]
+        lines += [f"shr.b32 u, {w}, 3;", "and.b32 u, u, 0x0E0E0E0E;", f"and.b32 v, {w}, 0x80808080;",
+                  "or.b32 zo, u, v;", f"shl.b32 u, {w}, 1;", "and.b32 u, u, 0x0E0E0E0E;", f"shl.b32 v, {w}, 4;",
+                  "and.b32 v, v, 0x80808080;", "or.b32 ze, u, v;"]
         for k in range(4):
             n = 3 - k
             b = n // 2
