@@ -1,7 +1,8 @@
 """Timing a speculative step and its parts, and a baseline decode step, the way decode runs them.
 
-Every timing runs its work `iters` times inside one jitted `fori_loop` with the caches carried
-(donated, updated in place) as decode's `while_loop` does, parameters passed as arguments. Parts:
+Every timing runs its work in one jitted `fori_loop` with the caches carried (donated, updated in
+place) as decode's `while_loop` does, parameters passed as arguments, and takes off the cost of the
+call itself (`loop_time`). Parts:
 draft (tree + mask), verify (target over the N nodes), accept, rewind (trees only), extend (draft
 over the accepted tokens). Caches hold noise; the context is `ctx` committed tokens. Verify
 (the target over the N nodes and the argmax at every node) runs over the step's own sequence of
@@ -35,38 +36,52 @@ def parse_shape(s):
     return dict(depth=int(d), topk=int(k), num_nodes=int(n))
 
 
-def loop_time(graphdef, params, fn, carry, iters, profile=False):
-    """Seconds per iteration of `carry = fn(models, carry)` run `iters` times in one jitted
-    fori_loop (parameters passed as arguments, the carry donated so caches update in place).
+def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3):
+    """Seconds per iteration of `carry = fn(models, carry)` run in one jitted fori_loop (parameters
+    passed as arguments, the carry donated so caches update in place), without the call's own cost:
+    (best time of a call of n iterations - best time of a call of none) / n, n = `iters`, raised
+    4x at a time (to at most 64 * iters) until the call takes at least twice the empty one. The trip
+    count is an argument, so every call shares one executable. The call's own cost is host work that
+    does not overlap the device's: handing over the ~550 parameter arrays of gpt-oss-120b takes about
+    a millisecond (on CPU: 0.8-1.8 ms, against 13-50 us for a call with one array), which divided by
+    8 iterations added ~0.1-0.2 ms to each figure before this (and was most of the accept part's).
+    Callers keep the context fixed across iterations, so any n sees the same work.
     With `profile`, also the device kernel seconds per iteration by kernel family
-    (`timing.kernel_group`, plus "launches": kernels per iteration); else {}."""
-    def run(params, c):
+    (`timing.kernel_group`, plus "launches": kernels per iteration; `iters` iterations); else {}."""
+    def run(params, c, n):
         m = nnx.merge(graphdef, params)
-        return jax.lax.fori_loop(0, iters, lambda i, c: fn(m, c), c)
+        return jax.lax.fori_loop(0, n, lambda i, c: fn(m, c), c)
 
     run = jax.jit(run, donate_argnums=1)
-    carry = jax.tree.map(jnp.copy, carry)  # the caller keeps its arrays; the loop owns these
-    carry = jax.block_until_ready(run(params, carry))  # compile + warm
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        carry = jax.block_until_ready(run(params, carry))
-        best = min(best, time.perf_counter() - t0)
+    box = [jax.tree.map(jnp.copy, carry)]  # the caller keeps its arrays; the loop owns these
+
+    def call(n):
+        box[0] = run(params, box[0], jnp.int32(n))
+        return box[0]
+
+    def best_of(n):
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(call(n))
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    jax.block_until_ready(call(iters))  # compile + warm
+    empty, n = best_of(0), iters
+    full = best_of(n)
+    while full < 2 * empty and n < 64 * iters:
+        n *= 4
+        full = best_of(n)
     groups = {}
     if profile:
-        box = [carry]
-
-        def again():
-            box[0] = run(params, box[0])
-            return box[0]
-
-        recs = timing.kernel_records(again, repeats=1)
+        recs = timing.kernel_records(lambda: call(iters), repeats=1)
         for name, _, dur in recs:
             g = timing.kernel_group(name)
             groups[g] = groups.get(g, 0.0) + dur * 1e-9 / iters
         if recs:
             groups["launches"] = len(recs) / iters
-    return best / iters, groups
+    return (full - empty) / n, groups
 
 
 def once(graphdef, params, fn, *args):
