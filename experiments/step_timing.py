@@ -43,8 +43,10 @@ def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3):
     4x at a time (to at most 64 * iters) until the call takes at least twice the empty one. The trip
     count is an argument, so every call shares one executable. The call's own cost is host work that
     does not overlap the device's: handing over the ~550 parameter arrays of gpt-oss-120b takes about
-    a millisecond (on CPU: 0.8-1.8 ms, against 13-50 us for a call with one array), which divided by
-    8 iterations added ~0.1-0.2 ms to each figure before this (and was most of the accept part's).
+    a millisecond (on CPU: 0.8-1.8 ms, against 13-50 us for a call with one array); divided by 8
+    iterations it had added 0.27-0.36 ms to each baseline and step figure of bench.py on the H200, and
+    0.21 ms of the accept part's 0.23. With a trip count that is an argument, the loop reads its
+    condition on the host each iteration, as decode's while_loop does (about 3 us of device time).
     Callers keep the context fixed across iterations, so any n sees the same work.
     With `profile`, also the device kernel seconds per iteration by kernel family
     (`timing.kernel_group`, plus "launches": kernels per iteration; `iters` iterations); else {}."""

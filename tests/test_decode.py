@@ -41,7 +41,7 @@ def test_greedy_decode_is_lossless(regime, prompts):
     t, d = pair(regime)
     for batch in (prompts, prompts[1:2]):
         want = generate(t, batch, 14, eos_ids=(), prefill_chunk=8).tokens
-        # one sequence alone: the chain and tree shapes of the gates (each shape compiles its own decode)
+        # one sequence alone: chain3 and the tree (each shape compiles its own decode)
         shapes = [1, 3, 5] if len(batch) > 1 else [3]
         for kw in [dict(num_spec_tokens=k) for k in shapes] + [TREE]:
             out = decode(t, d, batch, 14, eos_ids=(), prefill_chunk=8, **kw)

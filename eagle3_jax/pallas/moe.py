@@ -403,8 +403,8 @@ def _group_dot_asm(nt: int, per_word: bool = False) -> str:
     0.5 is an f16 subnormal): zo = (w >> 3 & 0x0E..) | (w & 0x80..), ze = (w << 1 & 0x0E..) |
     (w << 4 & 0x80..). Pair k (nibbles n = 3 - k and n + 4, bytes n // 2 and n // 2 + 2) is then one
     byte permute into an f16x2 with zero low bytes, and one f16x2 multiply-add per token, into two
-    accumulators (even and odd k: two shorter dependency chains; per_word: one a word). A
-    sum (16 products a half, at most 96 in magnitude) goes to f32 once. Decode: about 12 instructions a word
+    accumulators (even and odd k: two shorter dependency chains; per_word: one a word). A sum (16
+    products a half, at most 96 in magnitude) goes to f32 once. Decode: about 12 instructions a word
     in SASS, 4 of them byte permutes (Nsight, gate_up at T=1: 6.84M instructions; the earlier
     (u | u >> 3) & mask form took 13 a word, 7.12M, and was 2% slower in both kernels; per-pair
     shifts take 15), 4 a word for the fma, 4 a sum."""
