@@ -43,13 +43,15 @@ maximum flush; act: of its 8-column block's), each group's 32 products are summe
 group's factor (scale byte 0 reads as 0). The interpreter (XLA:CPU flushes f32 subnormals) decodes
 through f16 with f32 products (`decode="f16"`).
 
-Status (H200, JAX 0.11.2, experiments/results/moe_h200.json): by device kernel time 44 / 56 / 59 /
-57 / 35% of the HBM roofline at T = 1 / 4 / 8 / 16 / 64 (T=1: gate_up 17.2 + down 10.9 + the
+Status (H200, JAX 0.11.2, experiments/results/moe_h200.json): by device kernel time 44 / 55 / 58 /
+55 / 35% of the HBM roofline at T = 1 / 4 / 8 / 16 / 64 (T=1: gate_up 16.7 + down 10.6 + the
 pair-layout fusion 1.6 us; the old 64-row kernels: 41 / 45 / 45 / 40 / 13%). Nsight Compute,
-FMA gate_up at T=1: 158 registers (12 one-warp programs per SM), 0.47 instructions issued per
-scheduler cycle, 7.1M instructions (~3.4 a weight): the decode's issue rate, not the access pattern,
-is now the limit. What did not move the old 64-row kernel off ~32 us at T=1 (measured, H200): 9%
-fewer instructions; 8 warps a program; activations loaded per element; Triton's own load pipelining.
+FMA gate_up at T=1: 158 registers (12 one-warp programs per SM), 0.45-0.48 instructions issued per
+scheduler cycle, 6.8M instructions (~3.3 a weight; stalls per issued instruction: long scoreboard
+1.5, not selected 0.7, short scoreboard 0.6, math-pipe throttle 0.5 cycles; DRAM at 40% of peak):
+the decode's issue rate and latency, not the access pattern, are the limit. What did not move the
+old 64-row kernel off ~32 us at T=1 (measured, H200): 9% fewer instructions; 8 warps a program;
+activations loaded per element; Triton's own load pipelining.
 The MMA path is bound by L1 / shared-memory traffic (the layout conversions, 75-85% busy).
 
 `mxfp4_moe_reference` is the plain-jnp function of the same signature (dequantize the selected
