@@ -10,6 +10,7 @@ import pytest
 
 import jax
 import jax.numpy as jnp
+from hf_fixtures import dequantize_mxfp4_np
 
 from eagle3_jax.pallas import moe
 
@@ -59,6 +60,20 @@ def _check(args, config=None, interpret=True, tol=2e-3):
     err = _rel(out, ref)
     assert err < tol, err
     return err
+
+
+def test_dequantize_every_byte_and_scale():
+    # every byte value under every scale byte whose results are normal f32 values, against float64;
+    # scale byte 255 (E8M0's NaN) gives NaN; bf16 holds the same values exactly
+    blocks = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (250, 1, 1))  # [250, 16 groups, 16]
+    scales = np.repeat(np.arange(3, 253, dtype=np.uint8)[:, None], 16, axis=1)
+    want = dequantize_mxfp4_np(blocks, scales)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = moe.dequantize(jnp.asarray(blocks), jnp.asarray(scales), dtype)
+        assert got.dtype == dtype and got.shape == (250, 16 * 32)
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32), np.float64), want)
+    assert np.isnan(np.asarray(moe.dequantize(jnp.asarray(blocks[:1]), jnp.full((1, 16), 255, jnp.uint8)),
+                               np.float32)).all()
 
 
 def test_decoders_match_dequantize():

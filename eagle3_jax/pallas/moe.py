@@ -802,13 +802,23 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
 
 # -- reference ---------------------------------------------------------------------------------
 
+# byte -> (E2M1 value of its low nibble, of its high nibble): one table gather per byte in `dequantize`
+_BYTE_PAIRS = np.stack([np.tile(E2M1, 16), np.repeat(E2M1, 16)], axis=-1)  # f32 [256, 2]
+
+
 def dequantize(blocks, scales, dtype=jnp.bfloat16):
-    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> [..., G * 32] in `dtype` (exact for bf16/f32)."""
-    lut = jnp.asarray(E2M1)
-    lo = lut[(blocks & 0x0F).astype(jnp.int32)]
-    hi = lut[(blocks >> 4).astype(jnp.int32)]
-    vals = jnp.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], BLOCK)  # [..., G, 32]
-    vals = jnp.ldexp(vals, scales.astype(jnp.int32)[..., None] - SCALE_BIAS)
+    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> [..., G * 32] in `dtype`: E2M1 * 2^(scale - 127),
+    exact for bf16/f32 wherever that is a normal float (scale bytes 3..252 always; a backend that flushes
+    f32 subnormals returns 0 below), NaN for scale byte 255 (E8M0's NaN). One gather of both nibbles'
+    values per byte and one multiply by the group's power of two, built from its exponent bits. The
+    earlier form (two nibble lookups, a stack, ldexp) ran on an H200 as two XLA passes of about 41 us
+    each for one gpt-oss-120b expert's gate_up; in the grouped prefill path (gpt_oss.MoE._grouped, 2048
+    tokens) one layer took 32.5 ms of device time with it and 14.4 ms with this one."""
+    vals = jnp.asarray(_BYTE_PAIRS)[blocks.astype(jnp.int32)]  # [..., G, 16, 2]
+    sc = scales.astype(jnp.int32)
+    bits = jnp.where(sc == 0, 0x00400000, jnp.where(sc == 255, 0x7FC00000, lax.shift_left(sc, 23)))  # 2^-127, NaN
+    f = lax.bitcast_convert_type(bits, F32)  # [..., G]
+    vals = vals.reshape(*blocks.shape[:-1], BLOCK) * f[..., None]
     return vals.reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK).astype(dtype)
 
 
