@@ -115,6 +115,13 @@ def test_moe_paths_agree(ckpt):
     ref = np.asarray(moe(x, path="gathered"), np.float64)
     for path in ("grouped", "dense"):
         assert rel_err(moe(x, path=path), ref) < 1e-5, path
+    # skewed routing: 300 tokens all on experts 0..3 (random order and weights), more pairs an expert
+    # than the grouped path's largest tile (256 rows): experts over several tiles
+    rng = np.random.default_rng()
+    xs = jnp.asarray(rng.normal(size=(300, x.shape[1])), x.dtype)
+    ids = jnp.asarray(np.argsort(rng.random((300, 4)), axis=1), jnp.int32)
+    ws = jax.nn.softmax(jnp.asarray(rng.normal(size=(300, 4)), jnp.float32), axis=-1)
+    assert rel_err(moe._grouped(xs, ids, ws), np.asarray(moe._gathered(xs, ids, ws), np.float64)) < 1e-5
     moe.path = "dense"
     try:
         assert rel_err(moe(x), ref) < 1e-5

@@ -34,7 +34,7 @@ F32 = jnp.float32
 # (token, expert) pairs up to which the MoE gathers each pair's expert weights (decode, verify);
 # above it tokens are grouped by expert so each expert's weights are read once per tile.
 GATHER_MAX_PAIRS = 64
-GROUP_TILE = 64
+GROUP_TILE = 64  # smallest rows of a grouped-path tile (`MoE._grouped` takes about 2 P / E, at most 256)
 # Tokens up to which the router picks its top k by rank counting (gpt_oss.top_k_by_rank): one fusion
 # in place of lax.top_k's GPU sort (3.2 us per layer at one token on an H200).
 RANK_TOP_K_ROWS = 64
@@ -281,11 +281,14 @@ class MoE(nnx.Module):
         return jnp.einsum("nko,nk->no", y, w)
 
     def _grouped(self, x, ids, w):
-        """Many tokens: sort (token, expert) pairs by expert into tiles of GROUP_TILE rows, each tile
-        holding one expert's tokens; a scan reads (dequantizes) each tile's expert once and skips empty
-        tiles. No per-token copy of expert weights. Returns f32 [N, H]."""
+        """Many tokens: sort (token, expert) pairs by expert into tiles of tm rows, each tile holding one
+        expert's tokens; a scan reads (dequantizes) each tile's expert once and skips empty tiles. No
+        per-token copy of expert weights. tm: twice the mean pairs an expert, as a power of two in
+        [GROUP_TILE, 256], so that most experts fit one tile (each tile dequantizes its expert).
+        Returns f32 [N, H]."""
         N, H = x.shape
-        E, P, tm = self.router_w[...].shape[1], ids.size, GROUP_TILE
+        E, P = self.router_w[...].shape[1], ids.size
+        tm = min(256, max(GROUP_TILE, 1 << max(0, (2 * P // E - 1).bit_length())))
         num_tiles = -(-P // tm) + E  # >= sum_e ceil(count_e / tm)
         flat_e = ids.reshape(-1)
         order = jnp.argsort(flat_e, stable=True)
