@@ -815,9 +815,7 @@ def dequantize(blocks, scales, dtype=jnp.bfloat16):
     each for one gpt-oss-120b expert's gate_up; in the grouped prefill path (gpt_oss.MoE._grouped, 2048
     tokens) one layer took 32.5 ms of device time with it and 14.4 ms with this one."""
     vals = jnp.asarray(_BYTE_PAIRS)[blocks.astype(jnp.int32)]  # [..., G, 16, 2]
-    sc = scales.astype(jnp.int32)
-    bits = jnp.where(sc == 0, 0x00400000, jnp.where(sc == 255, 0x7FC00000, lax.shift_left(sc, 23)))  # 2^-127, NaN
-    f = lax.bitcast_convert_type(bits, F32)  # [..., G]
+    f = jnp.where(scales == 0, np.float32(2.0 ** -127), jnp.where(scales == 255, np.nan, _exp2(scales, 0)))  # [..., G]
     vals = vals.reshape(*blocks.shape[:-1], BLOCK) * f[..., None]
     return vals.reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK).astype(dtype)
 
