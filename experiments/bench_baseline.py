@@ -71,8 +71,8 @@ def main(argv):
         prefill_seconds=t_prefill, prefill_tokens_per_second=FLAGS.batch * FLAGS.prompt_len / t_prefill,
         seconds_per_generated_token=per_token, generated_tokens_per_second=FLAGS.batch / per_token,
         paths=(f"GPU: Pallas attention kernel (rope_attention); Pallas norm, routing and MXFP4 expert kernels for "
-               f"<= {gpt_oss.MoE.KERNEL_MAX_TOKENS} tokens per call (decode); expert-grouped jnp tiles for the MoE in "
-               "prefill" if jax.default_backend() == "gpu" else "CPU: jnp reference attention and jnp MoE"),
+               f"<= {gpt_oss.MoE.KERNEL_MAX_TOKENS} tokens per call (decode); in prefill, tokens grouped into expert "
+               "tiles through the Pallas grouped MXFP4 kernels" if jax.default_backend() == "gpu" else "CPU: jnp reference attention and jnp MoE"),
     )
     print(json.dumps(result, indent=1))
     timing.write_json(FLAGS.out, result)

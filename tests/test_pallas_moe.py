@@ -252,6 +252,63 @@ def test_interpret_tiny_and_unclamped_act():
     assert np.isfinite(np.asarray(out)).all() and _rel(out, ref) < 2e-3
 
 
+def _grouped_case(seed, tm, tile_expert, num_live, E, H, I):
+    """Tiles of tm rows for `mxfp4_moe_grouped`: live tiles get random rows (the last live tile's tail
+    zero rows of weight 0: padding), dead tiles random rows that must not matter."""
+    rng = np.random.default_rng(seed)
+    experts = _experts(rng, E, H, I)
+    n = len(tile_expert)
+    x = rng.normal(0, 1, (n, tm, H))
+    w = rng.random((n, tm))
+    x[num_live - 1, tm // 2:] = 0
+    w[num_live - 1, tm // 2:] = 0
+    return (jnp.asarray(x, jnp.bfloat16), jnp.asarray(tile_expert, jnp.int32), jnp.int32(num_live),
+            jnp.asarray(w, jnp.float32)) + experts
+
+
+def _check_grouped(args, num_live, config=None, interpret=True, tol=2e-3):
+    x, te, _, w, *experts = args
+    n, tm, H = x.shape
+    got = np.asarray(moe.mxfp4_moe_grouped(*args, limit=LIMIT, alpha=ALPHA, config=config, interpret=interpret))
+    assert got.shape == (n, tm, H) and got.dtype == np.float32
+    live = slice(0, num_live * tm)
+    ids = jnp.repeat(te[:num_live], tm)[:, None]
+    ref = moe.mxfp4_moe_reference(x.reshape(-1, H)[live], ids, w.reshape(-1, 1)[live], *experts,
+                                  limit=LIMIT, alpha=ALPHA)
+    got = got.reshape(-1, H)[live]
+    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    err = _rel(got, ref)
+    assert err < tol, err
+    return err
+
+
+@pytest.mark.parametrize("tm,seed", [(16, 0), (32, 1)])
+def test_interpret_grouped_tiles(tm, seed):
+    # 6 tiles over 5 experts: expert 3 spans tiles 1 and 2, tile 4 is the last live one (half padding),
+    # tile 5 is dead; H = 96 is 3 scale groups (not a multiple of the 2-group K step), I = 160 is 5
+    # groups and not a multiple of the output blocks either
+    cfg = moe.GroupedConfig(block_i=16 * 128 // tm, block_h=32 * 128 // tm, groups=2, prefetch=2)
+    _check_grouped(_grouped_case(seed, tm, [0, 3, 3, 1, 4, 2], 5, E=5, H=96, I=160), 5, cfg)
+
+
+def test_interpret_model_grouped_path_uses_kernel():
+    # the model's grouped path through the kernels agrees with its gathered path: 300 tokens on 6
+    # experts, most on experts 0..3, so that experts span several tiles of 128 rows
+    from flax import nnx
+
+    from eagle3_jax.models import GptOssConfig, gpt_oss
+
+    cfg = GptOssConfig.preset("gpt-oss-120b").replace(hidden_size=64, intermediate_size=64, num_local_experts=6)
+    layer = gpt_oss.MoE(cfg, jnp.bfloat16, nnx.Rngs(3))
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(300, 64)), jnp.bfloat16)
+    ids = jnp.asarray(np.argsort(rng.random((300, 6)) + np.array([0, 0, 0, 0, 0.6, 0.9]), axis=1)[:, :4], jnp.int32)
+    w = jax.nn.softmax(jnp.asarray(rng.normal(size=(300, 4)), jnp.float32), axis=-1)
+    got = layer._grouped(x, ids, w, interpret=True)
+    ref = layer._gathered(x, ids, w)
+    assert np.isfinite(np.asarray(got)).all() and _rel(got, ref) < 2e-3
+
+
 def test_rejects_bad_input():
     args = _case(0, 2, E=4, H=64, I=64)
     with pytest.raises(ValueError, match="tokens"):
@@ -263,6 +320,11 @@ def test_rejects_bad_input():
         moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(decode="nope"), interpret=True)
     with pytest.raises(ValueError, match="fma_prefetch must be >= 1"):
         moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(fma_prefetch=0), interpret=True)
+    g = _grouped_case(0, 16, [0, 1], 2, E=4, H=64, I=64)
+    with pytest.raises(ValueError, match="do not fit"):
+        moe.mxfp4_moe_grouped(g[0][:, :, :32], *g[1:], limit=LIMIT, alpha=ALPHA, interpret=True)
+    with pytest.raises(ValueError, match="do not fit"):  # tiles of 12 rows: not a power of two
+        moe.mxfp4_moe_grouped(g[0][:, :12], g[1], g[2], g[3][:, :12], *g[4:], limit=LIMIT, alpha=ALPHA, interpret=True)
     with pytest.raises(ValueError, match="fma_block_i 8, 16"):  # FMA act words are written 8 columns at a time
         moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(fma_block_i=4), interpret=True)
 
@@ -326,3 +388,28 @@ def test_gpu_model_moe_uses_kernel(T):
         got = jax.jit(lambda m, v: m(v, norm=nm))(layer, x)
         ref = jax.jit(lambda m, v: m(v, path="gathered", norm=nm))(layer, x)
         assert _rel(got.astype(jnp.float32), ref.astype(jnp.float32)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tm", [64, 128, 256])
+def test_gpu_grouped_tiles(tm):
+    # gpt-oss sizes (H = I = 2880), 7 tiles over 5 experts (expert 3 over two tiles), one dead tile
+    _check_grouped(_grouped_case(tm, tm, [0, 3, 3, 1, 4, 2, 0], 6, E=5, H=2880, I=2880), 6, interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_model_grouped_path_uses_kernel(monkeypatch):
+    # prefill-sized calls (300 tokens, 32 experts at gpt-oss sizes) take the grouped path through the
+    # kernels on a GPU; they agree with the grouped path's scan (each tile's expert dequantized in XLA)
+    from flax import nnx
+
+    from eagle3_jax.models import GptOssConfig, gpt_oss
+
+    cfg = GptOssConfig.preset("gpt-oss-120b").replace(num_local_experts=32)
+    layer = gpt_oss.MoE(cfg, jnp.bfloat16, nnx.Rngs(5))
+    x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)), (300, cfg.hidden_size), jnp.bfloat16)
+    assert layer._path_for(x) == "grouped"
+    got = jax.jit(lambda m, v: m(v, dtype=jnp.float32))(layer, x)
+    monkeypatch.setattr(gpt_oss, "glue_kernels", lambda v: False)
+    ref = jax.jit(lambda m, v: m(v, path="grouped", dtype=jnp.float32))(layer, x)
+    assert _rel(got, ref) < 2e-3
