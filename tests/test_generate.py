@@ -88,4 +88,24 @@ def test_bad_input_raises(tiny, prompts, kw, match):
 
 def test_length_plan_buckets():
     cfg = GptOssConfig.preset("tiny")
-    assert plan_lengths(cfg, [[1] * 300], 10, 256, None) == (512, 512, 256)
+    assert plan_lengths(cfg, [[1] * 300], 10, 256, None) == (512, 512, 256, 256)
+    # the cache holds the padded prompt even where the chunk is longer than prompt + budget
+    assert plan_lengths(cfg, [[1] * 530], 6, 512, None) == (1024, 1024, 256, 512)
+    # automatic chunks: one row up to 2048 tokens, split evenly above; 2048 tokens over the batch
+    assert plan_lengths(cfg, [[1] * 300], 10, None, None) == (512, 512, 256, 512)
+    big = GptOssConfig.preset("gpt-oss-120b")
+    assert plan_lengths(big, [[1] * 2100], 10, None, None) == (2560, 2560, 256, 1280)
+    assert plan_lengths(cfg, [[1] * 700] * 4, 10, None, None)[3] == 256 * 2
+    assert plan_lengths(cfg, [[1] * 700] * 16, 10, None, None)[3] == 256
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        plan_lengths(cfg, [[1] * 30], 10, 0, None)
+
+
+def test_chunk_longer_than_the_budget_keeps_the_prompt(tiny):
+    # a 530-token prompt in 512-token chunks (padded to 1024 > prompt + budget rounded up, 768): the
+    # second chunk's padding must not overwrite the prompt's cache slots (it did before the cache held
+    # the padded prompt); automatic chunks give the same tokens
+    prompt = np.random.default_rng().integers(3, 256, 530).tolist()
+    want = generate(tiny, [prompt], 6, eos_ids=(), prefill_chunk=256).tokens
+    assert generate(tiny, [prompt], 6, eos_ids=(), prefill_chunk=512).tokens == want
+    assert generate(tiny, [prompt], 6, eos_ids=()).tokens == want

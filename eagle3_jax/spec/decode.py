@@ -18,7 +18,8 @@ from flax import nnx
 from eagle3_jax.models import eagle3, gpt_oss
 from eagle3_jax.spec.step import step as step_fn
 
-PREFILL_CHUNK = 256
+PREFILL_CHUNK = 256  # unit of the automatic prefill chunk (tokens)
+PREFILL_TOKENS = 2048  # tokens over the batch an automatic prefill chunk holds at most (at least PREFILL_CHUNK a row)
 LENGTH_BUCKET = 256
 
 
@@ -47,11 +48,27 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[
     return out
 
 
-def plan_lengths(config, prompts, max_new_tokens: int, chunk: int, max_cache_len: int | None, slack: int = 0):
-    """(padded prompt length, cache slots, output slots); raises if a prompt plus its budget (plus
-    `slack` scratch slots a speculative step writes past the length) does not fit."""
+def prefill_chunk_for(batch: int, longest: int) -> int:
+    """The automatic prefill chunk (prefill_chunk=None): the fewest chunks of at most PREFILL_TOKENS
+    tokens over the batch (at least PREFILL_CHUNK a row), the longest prompt split evenly between them
+    and rounded up to a multiple of PREFILL_CHUNK. The MoE runs more efficiently on more tokens a call:
+    gpt-oss-120b, one 2048-token prompt on an H200, prefill 0.63 / 0.37 / 0.27 / 0.20 s with chunks of
+    256 / 512 / 1024 / 2048 tokens."""
+    cap = max(PREFILL_CHUNK, PREFILL_TOKENS // batch // PREFILL_CHUNK * PREFILL_CHUNK)
+    n = -(-longest // cap)
+    return _round_up(-(-longest // n), PREFILL_CHUNK)
+
+
+def plan_lengths(config, prompts, max_new_tokens: int, chunk: int | None, max_cache_len: int | None,
+                 slack: int = 0):
+    """(padded prompt length, cache slots, output slots, prefill chunk); chunk None: `prefill_chunk_for`.
+    The cache holds the padded prompt (prefill writes whole chunks; slots past a prompt are scratch).
+    Raises if a prompt plus its budget (plus `slack` scratch slots a speculative step writes past the
+    length) does not fit."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"prefill_chunk: must be >= 1 (or None for automatic), got {chunk}")
     longest = max(len(p) for p in prompts)
     need = longest + max_new_tokens + slack
     limit = config.max_position_embeddings if max_cache_len is None else max_cache_len
@@ -60,7 +77,9 @@ def plan_lengths(config, prompts, max_new_tokens: int, chunk: int, max_cache_len
         extra = f" + {slack} speculative scratch slots" if slack else ""
         raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens}{extra} = {need} does not "
                          f"fit {what}={limit}")
-    return _round_up(longest, chunk), _round_up(need, LENGTH_BUCKET), _round_up(max_new_tokens, LENGTH_BUCKET)
+    chunk = prefill_chunk_for(len(prompts), longest) if chunk is None else chunk
+    padded = _round_up(longest, chunk)
+    return padded, max(_round_up(need, LENGTH_BUCKET), padded), _round_up(max_new_tokens, LENGTH_BUCKET), chunk
 
 
 def pad_prompts(prompts, padded_len: int, pad_id: int = 0):
@@ -136,18 +155,19 @@ def compiled(fn, static: dict, graphdef, *args):
 
 def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: float = 0.0,
              eos_ids: Sequence[int] | None = None, seed: int = 0, *, max_cache_len: int | None = None,
-             prefill_chunk: int = PREFILL_CHUNK) -> Output:
+             prefill_chunk: int | None = None) -> Output:
     """Baseline autoregressive generation (greedy at temperature 0, else sampling), batched and ragged.
 
     prompts: list of token-id lists (any lengths). eos_ids default to the config's; a slot stops at
-    its first eos (included in its output) or after `max_new_tokens`.
+    its first eos (included in its output) or after `max_new_tokens`. prefill_chunk: tokens a row per
+    prefill step (prompts are padded to a multiple of it); None: `prefill_chunk_for`.
     """
     cfg = target.config
     prompts = validate_prompts(prompts, cfg.vocab_size)
     if temperature < 0:
         raise ValueError(f"temperature: must be >= 0, got {temperature}")
     eos = _eos_array(cfg, eos_ids)
-    padded, cache_len, out_len = plan_lengths(cfg, prompts, max_new_tokens, prefill_chunk, max_cache_len)
+    padded, cache_len, out_len, prefill_chunk = plan_lengths(cfg, prompts, max_new_tokens, prefill_chunk, max_cache_len)
     tokens, lengths = pad_prompts(prompts, padded)
     graphdef, state = nnx.split(target)
     args = (state, tokens, lengths, np.int32(max_new_tokens), eos, np.float32(max(temperature, 1e-6)),
@@ -258,12 +278,13 @@ def _draft_prefill(draft, dcache, next_tokens, feats, prompt_lengths, chunk: int
 def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens: int, num_spec_tokens: int = 3,
            topk: int = 1, num_draft_tokens: int | None = None, temperature: float = 0.0,
            eos_ids: Sequence[int] | None = None, seed: int = 0, *, max_cache_len: int | None = None,
-           prefill_chunk: int = PREFILL_CHUNK) -> Output:
+           prefill_chunk: int | None = None) -> Output:
     """EAGLE-3 speculative decoding; lossless against `generate` (greedy: token for token).
 
     num_spec_tokens: draft depth; topk: children per expanded node (1 = chain); num_draft_tokens:
     tree nodes N including the root (default: num_spec_tokens + 1 for a chain; required <=
-    1 + topk + (depth - 1) * topk^2 for a tree). Output as `generate`, with acceptance metrics.
+    1 + topk + (depth - 1) * topk^2 for a tree); prefill_chunk as in `generate`. Output as
+    `generate`, with acceptance metrics.
     """
     cfg = target.config
     _check_pair(target, draft)
@@ -284,7 +305,8 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
         raise ValueError(f"temperature: must be >= 0, got {temperature}")
     eos = _eos_array(cfg, eos_ids)
     slack = num_draft_tokens + num_spec_tokens + 1  # verify writes N slots, rewind depth + 1 past the length
-    padded, cache_len, out_len = plan_lengths(cfg, prompts, max_new_tokens, prefill_chunk, max_cache_len, slack)
+    padded, cache_len, out_len, prefill_chunk = plan_lengths(cfg, prompts, max_new_tokens, prefill_chunk,
+                                                             max_cache_len, slack)
     tokens, lengths = pad_prompts(prompts, padded)
     graphdef, state = nnx.split((target, draft))
     args = (state, tokens, lengths, np.int32(max_new_tokens), eos, np.float32(max(temperature, 1e-6)),
