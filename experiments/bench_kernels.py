@@ -293,6 +293,72 @@ flags.DEFINE_bool("attn_torch", True, "attention: torch flex_attention / SDPA si
 flags.DEFINE_bool("attn_sweep", True, "attention: sweep launch configs at the 32K, Nq in {1, 16} shapes")
 flags.DEFINE_bool("kernels_quick", False, "attention/tree/accept/rewind: small shapes (CPU smoke runs)")
 
+# -- moe_grouped: the prefill MoE through the grouped MXFP4 kernels (pallas/moe.py mxfp4_moe_grouped) --
+
+flags.DEFINE_list("grouped_tokens", ["256", "2048", "4096"], "moe_grouped: tokens per call (prefill chunks)")
+flags.DEFINE_bool("grouped_scan", True, "moe_grouped: also time the grouped path's XLA scan (each tile's expert "
+                  "dequantized in turn)")
+
+
+def bench_moe_grouped():
+    """One MoE layer of --moe_preset (random packed experts, its random router) on N tokens through
+    gpt_oss.MoE._grouped: the Pallas grouped kernels, and the XLA scan over the same tiles. Bytes
+    roofline: the distinct selected experts' packed bytes over the copy bandwidth; FLOP/s: of the
+    pairs' useful work (padding rows of the tiles excluded)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from eagle3_jax.models import GptOssConfig, gpt_oss
+    from eagle3_jax.pallas import moe as mk
+
+    cfg = GptOssConfig.preset(FLAGS.moe_preset)
+    H, I, E, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok
+    layer = gpt_oss.MoE(cfg, jnp.bfloat16, nnx.Rngs(0))
+    gdef, state = nnx.split(layer)
+    ex = layer.experts
+    per_expert = mk.expert_bytes(ex.gate_up_blocks[...], ex.gate_up_scales[...], ex.gate_up_bias[...],
+                                 ex.down_blocks[...], ex.down_scales[...], ex.down_bias[...])
+    interp = jax.default_backend() != "gpu"  # CPU smoke run: the kernels interpreted
+    bw = _copy_bw()
+    res = dict(copy_bandwidth_bytes_per_s=bw, expert_bytes=per_expert, config=dataclasses.asdict(mk.GroupedConfig()),
+               rows=[], table=[])
+    route = jax.jit(lambda st, x: nnx.merge(gdef, st).route(x))
+
+    def grouped(kernel):
+        return lambda st, x, i, w: nnx.merge(gdef, st)._grouped(x, i, w, kernel=kernel, interpret=interp and kernel)
+
+    for N in map(int, FLAGS.grouped_tokens):
+        x = jax.random.normal(jax.random.key(N), (N, H), jnp.bfloat16)
+        ids, w = route(state, x)
+        counts = np.bincount(np.asarray(ids).ravel(), minlength=E)
+        tm = gpt_oss.group_tile(N * k, E, kernel=True)
+        row = dict(tokens=N, tile_rows=tm, live_tiles=int(np.sum(-(-counts // tm))),
+                   distinct_experts=int((counts > 0).sum()))
+        row["roofline_s"] = row["distinct_experts"] * per_expert / bw
+        flops = N * k * 2 * (2 * I * H + H * I)
+        sets = [(state, x, ids, w)]
+        out = {}
+        for name, kernel in (("kernel", True), ("scan", False)) if FLAGS.grouped_scan else (("kernel", True),):
+            fn = grouped(kernel)
+            out[name] = np.asarray(jax.jit(fn)(*sets[0]), np.float64)
+            row[f"{name}_seconds"] = _loop_time(fn, *sets[0], calls=2, repeats=3)
+            prof = _safe_profile(fn, sets)
+            row[f"{name}_device"] = prof
+            t = prof.get("kernel_seconds", row[f"{name}_seconds"])
+            row[f"{name}_tflops"] = flops / t / 1e12
+            row[f"{name}_roofline_fraction"] = row["roofline_s"] / t
+        if "scan" in out:
+            row["rel_err_kernel_vs_scan"] = float(np.linalg.norm(out["kernel"] - out["scan"]) / np.linalg.norm(out["scan"]))
+        res["rows"].append(row)
+        dev = {n: row[f"{n}_device"].get("kernel_seconds", row[f"{n}_seconds"]) * 1e3 for n in out}
+        res["table"].append(f"moe_grouped N={N} tm={tm} tiles={row['live_tiles']}: kernels {dev['kernel']:.3f} ms "
+                            f"({row['kernel_tflops']:.0f} TFLOP/s, {row['kernel_roofline_fraction']:.2f} of the bytes "
+                            f"roofline)" + (f", scan {dev['scan']:.3f} ms, rel err {row['rel_err_kernel_vs_scan']:.1e}"
+                                            if "scan" in dev else ""))
+    return res
+
+
 _BW = {}
 
 
@@ -665,6 +731,7 @@ def bench_kv_rewind():
 
 SECTIONS = {
     "moe": bench_moe,
+    "moe_grouped": _guard(bench_moe_grouped),
     "attention": bench_attention,
     "tree_mask": bench_tree_mask,
     "accept": bench_accept,

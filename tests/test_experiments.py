@@ -142,3 +142,12 @@ def test_make_data_train_and_eval_pair(tmp_path):
     assert [a["shape"] for a in r["acceptance"]] == ["chain2"]
     assert all(a["identical"] and a["tau"] >= 1 for a in r["acceptance"]) and r["identical_float32"] == {"chain2": True}
     assert r["speed"][0]["speedup"] > 0
+
+
+def test_bench_kernels_moe_grouped_writes_json(tmp_path):
+    # the prefill MoE section on the tiny preset (kernels interpreted on CPU): kernels agree with the scan
+    path = tmp_path / "g.json"
+    run("bench_kernels.py", "--only", "moe_grouped", "--moe_preset", "tiny", "--grouped_tokens", "80",
+        "--out", str(path))
+    (row,) = json.loads(path.read_text())["moe_grouped"]["rows"]
+    assert row["tokens"] == 80 and row["live_tiles"] >= 1 and row["rel_err_kernel_vs_scan"] < 1e-3

@@ -122,6 +122,8 @@ def test_moe_paths_agree(ckpt):
     ids = jnp.asarray(np.argsort(rng.random((300, 4)), axis=1), jnp.int32)
     ws = jax.nn.softmax(jnp.asarray(rng.normal(size=(300, 4)), jnp.float32), axis=-1)
     assert rel_err(moe._grouped(xs, ids, ws), np.asarray(moe._gathered(xs, ids, ws), np.float64)) < 1e-5
+    with pytest.raises(ValueError, match="grouped kernels"):  # float32 activations: the kernels take bf16
+        moe._grouped(xs, ids, ws, kernel=True)
     moe.path = "dense"
     try:
         assert rel_err(moe(x), ref) < 1e-5

@@ -290,17 +290,21 @@ class MoE(nnx.Module):
         y = self._ffn(jnp.broadcast_to(x[:, None], ids.shape + x.shape[-1:]), w1, b1, w2, b2, "nkh,nkoh->nko")
         return jnp.einsum("nko,nk->no", y, w)
 
-    def _grouped(self, x, ids, w, *, interpret: bool = False):
+    def _grouped(self, x, ids, w, *, kernel: bool | None = None, interpret: bool = False):
         """Many tokens: sort (token, expert) pairs by expert into tiles of tm rows, each tile holding one
         expert's tokens, so that each tile reads its expert once (tm: `group_tile`). Packed (MXFP4) experts
         on bf16 activations on a GPU (or with interpret, in the Pallas interpreter) go through
         pallas.moe.mxfp4_moe_grouped: every tile at once, decoded in registers, on the tensor cores;
-        otherwise a scan over the tiles dequantizes each tile's expert and skips empty tiles. No
-        per-token copy of expert weights. Returns f32 [N, H]."""
+        otherwise (or with kernel=False) a scan over the tiles dequantizes each tile's expert and skips
+        empty tiles. No per-token copy of expert weights. Returns f32 [N, H]."""
         N, H = x.shape
         E, P = self.router_w[...].shape[1], ids.size
         ex = self.experts
-        kernel = isinstance(ex, Mxfp4Experts) and x.dtype == jnp.bfloat16 and (interpret or glue_kernels(x))
+        fits = isinstance(ex, Mxfp4Experts) and x.dtype == jnp.bfloat16
+        if kernel and not fits:
+            raise ValueError(f"MoE grouped kernels: need packed MXFP4 experts and bf16 activations, got "
+                             f"{type(ex).__name__} and {x.dtype}")
+        kernel = fits and (interpret or glue_kernels(x)) if kernel is None else kernel
         tm = group_tile(P, E, kernel)
         num_tiles = -(-P // tm) + E  # >= sum_e ceil(count_e / tm)
         flat_e = ids.reshape(-1)
