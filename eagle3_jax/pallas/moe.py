@@ -703,6 +703,22 @@ def _pad(a, shape, value=0):
     return jnp.pad(a, [(0, n - m) for m, n in zip(a.shape, shape)], constant_values=value)
 
 
+def _kernel_experts(gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias, pad=None):
+    """The packed experts as the kernels read them, ((gate_up words, scales, bias), (down words, scales,
+    bias)): blocks as u32 words, gate_up rows as [I, 2] (gate, linear); free reshapes of the HF layout.
+    pad (the interpreter): (gate_up rows I', its groups, down rows, its groups) to pad up to."""
+    E, R1, G1, _ = gate_up_blocks.shape
+    I = R1 // 2
+    gu = (_as_words(gate_up_blocks).reshape(E, I, 2, G1, 4), gate_up_scales.reshape(E, I, 2, G1),
+          gate_up_bias.reshape(E, I, 2))
+    dn = (_as_words(down_blocks), down_scales, down_bias)
+    if pad is None:
+        return gu, dn
+    r1, g1, r2, g2 = pad
+    return ((_pad(gu[0], (E, r1, 2, g1, 4)), _pad(gu[1], (E, r1, 2, g1)), _pad(gu[2], (E, r1, 2))),
+            (_pad(dn[0], (E, r2, g2, 4)), _pad(dn[1], (E, r2, g2)), _pad(dn[2], (E, r2))))
+
+
 @functools.partial(jax.jit, static_argnames=("limit", "alpha", "config", "interpret"))
 def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias,
               *, limit: float, alpha: float, config: MoeConfig | None = None, interpret: bool = False, xq=None):
@@ -759,19 +775,13 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
         xq = f16_pairs(x.astype(F32))  # the FMA path's activations
     elif tuple(xq.shape) != (T, G1, _PAIR_ROWS, 4) or xq.dtype != jnp.uint32:
         raise ValueError(f"mxfp4_moe: xq {xq.shape} {xq.dtype}, expected uint32 {(T, G1, _PAIR_ROWS, 4)}")
-    # gate_up rows as [I, 2] (gate, linear): free reshapes of the HF layout
-    gu_w = _as_words(gate_up_blocks).reshape(E, I, 2, G1, 4)
-    gu_s, gu_b = gate_up_scales.reshape(E, I, 2, G1), gate_up_bias.reshape(E, I, 2)
-    dn_w, dn_s, dn_b = _as_words(down_blocks), down_scales, down_bias
+    pad = (nj1 * BI, max(Gp1, Gf1), max(nj2 * BN, nf2 * BNf), max(Gp2, Gf2)) if interpret else None
+    (gu_w, gu_s, gu_b), (dn_w, dn_s, dn_b) = _kernel_experts(gate_up_blocks, gate_up_scales, gate_up_bias,
+                                                             down_blocks, down_scales, down_bias, pad)
     if interpret:
-        Gi1, Gi2 = max(Gp1, Gf1), max(Gp2, Gf2)
         ids_flat = _pad(ids_flat, (Pp,), -1)
         x = _pad(x, (Tp, Gp1 * BLOCK))
         xq = _pad(xq, (T, Gf1, _PAIR_ROWS, 4))
-        gu_w, gu_s, gu_b = (_pad(gu_w, (E, nj1 * BI, 2, Gi1, 4)), _pad(gu_s, (E, nj1 * BI, 2, Gi1)),
-                            _pad(gu_b, (E, nj1 * BI, 2)))
-        rows2 = max(nj2 * BN, nf2 * BNf)
-        dn_w, dn_s, dn_b = _pad(dn_w, (E, rows2, Gi2, 4)), _pad(dn_s, (E, rows2, Gi2)), _pad(dn_b, (E, rows2))
         params = fma_params = None
     else:
         params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -912,16 +922,13 @@ def mxfp4_moe_grouped(x_tiles, tile_expert, num_live, row_weight, gate_up_blocks
     Gp1, Gp2 = -(-G1 // BG) * BG, -(-G2 // BG) * BG
     Ia = max(Gp2 * BLOCK, nj1 * BI)  # act columns: every K step of kernel 2 and every store of kernel 1 in bounds
     Ho = nj2 * BN if interpret else H
-    gu_w = _as_words(gate_up_blocks).reshape(E, I, 2, G1, 4)
-    gu_s, gu_b = gate_up_scales.reshape(E, I, 2, G1), gate_up_bias.reshape(E, I, 2)
-    dn_w, dn_s, dn_b = _as_words(down_blocks), down_scales, down_bias
+    (gu_w, gu_s, gu_b), (dn_w, dn_s, dn_b) = _kernel_experts(
+        gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias,
+        (nj1 * BI, Gp1, Ho, Gp2) if interpret else None)
     te = tile_expert.astype(jnp.int32)
     nl = jnp.reshape(num_live, (1,)).astype(jnp.int32)
     if interpret:
         x_tiles = _pad(x_tiles, (n, TM, Gp1 * BLOCK))
-        gu_w, gu_s, gu_b = (_pad(gu_w, (E, nj1 * BI, 2, Gp1, 4)), _pad(gu_s, (E, nj1 * BI, 2, Gp1)),
-                            _pad(gu_b, (E, nj1 * BI, 2)))
-        dn_w, dn_s, dn_b = _pad(dn_w, (E, Ho, Gp2, 4)), _pad(dn_s, (E, Ho, Gp2)), _pad(dn_b, (E, Ho))
         params = None
     else:
         params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
