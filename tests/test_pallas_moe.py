@@ -318,8 +318,8 @@ def test_rejects_bad_input():
         moe.mxfp4_moe(args[0][:, :32], *args[1:], limit=LIMIT, alpha=ALPHA, interpret=True)
     with pytest.raises(ValueError, match="decode"):
         moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(decode="nope"), interpret=True)
-    with pytest.raises(ValueError, match="fma_prefetch must be >= 1"):
-        moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(fma_prefetch=0), interpret=True)
+    with pytest.raises(ValueError, match="fma_prefetch >= 0"):
+        moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(fma_prefetch=-1), interpret=True)
     g = _grouped_case(0, 16, [0, 1], 2, E=4, H=64, I=64)
     with pytest.raises(ValueError, match="do not fit"):
         moe.mxfp4_moe_grouped(g[0][:, :, :32], *g[1:], limit=LIMIT, alpha=ALPHA, interpret=True)

@@ -228,8 +228,9 @@ class MoE(nnx.Module):
 
     # Tokens up to which packed (MXFP4) bf16 experts run the Pallas kernel on a GPU when the path is
     # chosen by size: every decode and verify size (pallas.moe.MAX_TOKENS). One gpt-oss-120b layer on
-    # an H200 (device time) at 16 / 32 / 64 tokens: 0.30 / 0.54 / 0.98 ms, the grouped path's kernels
-    # 0.81 / 1.21 / 1.61 ms (its XLA scan, before them: 6.7x the kernel's time at 32 tokens).
+    # an H200 (device time) at 16 / 32 / 64 tokens: 0.30 / 0.54 / 0.98 ms (0.26 / - / 0.90 with session
+    # 16's launch), the grouped path's kernels 0.81 / 1.21 / 1.61 ms (its XLA scan, before them: 6.7x the
+    # kernel's time at 32 tokens).
     KERNEL_MAX_TOKENS = 64
     PATHS = ("kernel", "gathered", "grouped", "dense")
 

@@ -44,12 +44,16 @@ maximum flush; act: of its 8-column block's), each group's 32 products are summe
 group's factor (scale byte 0 reads as 0). The interpreter (XLA:CPU flushes f32 subnormals) decodes
 through f16 with f32 products (`decode="f16"`).
 
-Status (H200, JAX 0.11.2, experiments/results/moe_h200.json): by device kernel time 44 / 55 / 58 /
-55 / 35% of the HBM roofline at T = 1 / 4 / 8 / 16 / 64 (T=1: gate_up 16.7 + down 10.6 + the
-pair-layout fusion 1.6 us; the old 64-row kernels: 41 / 45 / 45 / 40 / 13%). Nsight Compute,
-FMA gate_up at T=1: 158 registers (12 one-warp programs per SM), 0.45-0.48 instructions issued per
-scheduler cycle, 6.8M instructions (~3.3 a weight; stalls per issued instruction: long scoreboard
-1.5, not selected 0.7, short scoreboard 0.6, math-pipe throttle 0.5 cycles; DRAM at 40% of peak):
+Status (H200, JAX 0.11.2, experiments/results/moe_h200.json): by device kernel time 26.9 / 80.0 /
+141 / 256 / 901 us = 50 / 65 / 69 / 67 / 40% of the HBM roofline at T = 1 / 4 / 8 / 16 / 64 (copy
+bandwidth 3.97 TB/s in that run; T=1: gate_up 15.2 + down 10.2 + the pair-layout fusion 1.6 us). The
+FMA path's launch (`MoeConfig`: loads at the start of each 32-group K step, nothing prefetched into
+registers across steps, two warps a program) took 7-13% off the one before (28.8 / 89.3 / 159 / 296 /
+983 us in one process; the old 64-row kernels: 41 / 45 / 45 / 40 / 13%). Nsight Compute, the
+earlier FMA gate_up at T=1 (one warp, one step prefetched): 158 registers (12 programs per SM),
+0.45-0.48 instructions issued per scheduler cycle, 6.8M instructions (~3.3 a weight; stalls per
+issued instruction: long scoreboard 1.5, not selected 0.7, short scoreboard 0.6, math-pipe throttle
+0.5 cycles; DRAM at 40% of peak):
 the decode's issue rate and latency, not the access pattern, are the limit. What did not move the
 old 64-row kernel off ~32 us at T=1 (measured, H200): 9% fewer instructions; 8 warps a program;
 activations loaded per element; Triton's own load pipelining. Nor did the K steps as straight-line
@@ -108,11 +112,27 @@ class MoeConfig:
     fma_block_i: act columns per gate_up
     program (8, 16 or 32: 8-column blocks of the pair layout), fma_block_h: down outputs per program,
     fma_warps: warps per program, fma_groups: 32-input scale groups per K step (power of 2),
-    fma_prefetch: K steps whose loads are issued ahead of the math (>= 1). Measured at T=1, H200:
-    fma_block_i 16 or fma_warps 2 or 4, fma_groups 8 or 32, fma_prefetch 2, fma_block_h 16 or 32 were all
-    as fast or slower than the defaults (0-9 us slower a call), and so was Triton's pipelining (loads
-    in the loop body, num_stages 2-4). fma_tokens 1 (experts of several tokens on the MMA path) was
-    slower at every T: 4 / 16 / 64 tokens 157 / 403 (at 2) / 2760 us against 88 / 290 / 982.
+    fma_prefetch: K steps whose loads are issued ahead of the math (0: each step's loads at its start,
+    so no loaded tile is held across steps). Device time per call, gpt-oss-120b layer, H200, one
+    process (scratch A/B, model-router routing), T = 1 / 4 / 8 / 16 / 64 (prefetch, groups, warps,
+    block_h, block_i):
+      0, 32, 2, 16, 8 (the defaults)        26.8 / 79.6 / 139 / 257 / 897 us
+      1, 16, 1,  8, 8 (the defaults before)  28.8 / 89.3 / 159 / 296 / 983 us
+      0, 16, 1,  8, 8                        29.4 / 91.6 /  -  / 299 /  -
+      0, 32, 1,  8, 8                        28.0 / 84.1 / 150 / 273 / 886 us
+      0, 64, 1,  8, 8                        40.2 / 118 / 210 / 396 / 1458 us
+      0, 16, 2,  8, 8                        29.2 / 89.0 /  -  / 297 / 1011 us
+      0, 32, 2,  8, 8                        26.8 / 80.5 / 144 / 268 / 937 us
+      0, 32, 4,  8, 8                        28.2 / 84.4 /  -  / 289 / 1055 us
+      1, 32, 2,  8, 8                        30.0 / 87.4 /  -  / 300 / 1089 us
+      0, 32, 2, 32, 8                        29.2 / 81.4 / 143 / 264 / 908 us
+      0, 32, 2, 16, 16                       27.7 / 79.7 / 139 / 254 / 861 us
+    Earlier (prefetch 1, 16 groups, 1 warp, T=1): fma_prefetch 2 and Triton's pipelining (loads in the
+    loop body, num_stages 2-4) were slower. fma_tokens 1 (experts of several tokens on the MMA path) was
+    slower at every T: 4 / 16 / 64 tokens 157 / 403 (at 2) / 2760 us against 88 / 290 / 982. So were
+    programs that decode an expert's weights once for two or four of its pairs (separate launches for
+    the groups of pairs sharing an expert; 2 pairs a program: 107 / 197 / 358 / 1181 us at T = 4 / 8 /
+    16 / 64 against 89 / 159 / 296 / 984): a two-token program took longer than two one-token ones.
 
     MMA path: block_i: SwiGLU outputs per gate_up program (it reads 2*block_i rows); block_h: outputs
     per down program; groups: scale groups per K step (power of 2); num_warps, num_stages: Triton's;
@@ -133,11 +153,11 @@ class MoeConfig:
     prefetch: int = 2
     layout: str = "interleave"
     fma_tokens: int = MAX_TOKENS
-    fma_groups: int = 16
-    fma_prefetch: int = 1
+    fma_groups: int = 32
+    fma_prefetch: int = 0
     fma_block_i: int = 8
-    fma_block_h: int = 8
-    fma_warps: int = 1
+    fma_block_h: int = 16
+    fma_warps: int = 2
 
 
 DEFAULT_CONFIG = MoeConfig()
@@ -500,11 +520,14 @@ def _tile_index(e, rows, g0, BG, words):
 
 def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG, decoder, depth, per_word=False):
     """[[f32 [n] per token] per row set]: W_e[rows] @ x[tok] (true values) for the tokens `toks`
-    (int32 scalars), streaming K inputs in steps of BG scale groups; the weights, scales and the
-    tokens' activations are loaded `depth` steps ahead. xq_ref[*x_lead, tok]: u32 [>= K / 32, 20]
-    (the pair layout above, a group's 20 words in a row); each (row, group) sum is scaled once by
-    2^(scale - 127) (scale byte 0, 2^-127, reads as 0) and the group's factor, word 16; per_word
-    (one token): each word q's sum by its own factor, word 16 + q."""
+    (int32 scalars), streaming K inputs in steps of BG scale groups (the last step's groups past K
+    masked: loading nothing, decoded as zeros); the weights, scales and the tokens' activations are
+    loaded `depth` steps ahead (0: at the start of the step that uses them). xq_ref[*x_lead, tok]: u32
+    [>= K / 32, 20] (the pair layout above, a group's 20 words in a row); each (row, group) sum is
+    scaled once by 2^(scale - 127) (scale byte 0, 2^-127, reads as 0) and the group's factor, word 16;
+    per_word (one token): each word q's sum by its own factor, word 16 + q. gpt-oss's 90 groups a row
+    in steps of 32 decode 6 masked groups; the 26 left as straight-line steps of 16, 8 and 2 groups
+    instead made the calls 19-23% slower (gate_up 24-34%, down 9-14%; H200, T = 1..64)."""
     n = r_ok.shape[0]
     K_groups = K // BLOCK
     nk = -(-K_groups // BG)
@@ -529,8 +552,11 @@ def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG,
 
     def body(kk, carry):
         accs, queue = carry
-        ahead = load_step(kk + depth)
-        (ws, xs, xf), queue = queue[0], (*queue[1:], ahead)
+        if depth:
+            ahead = load_step(kk + depth)
+            (ws, xs, xf), queue = queue[0], (*queue[1:], ahead)
+        else:  # loaded where used: no loaded tile is carried from one step to the next
+            ws, xs, xf = load_step(kk)
         xw = [[jnp.broadcast_to(x[None], (n, BG)) for x in _unstack_last(xt)] for xt in xs]  # 16 x [n, BG]
         xf = [[lax.bitcast_convert_type(f, F32)[None, :] for f in _unstack_last(ft)] for ft in xf]  # nf x [1, BG]
         new = []
@@ -745,9 +771,9 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     for bsz in (cfg.block_i, cfg.block_h, cfg.groups, cfg.fma_groups, cfg.fma_block_h):
         if bsz != _pow2(bsz):
             raise ValueError(f"mxfp4_moe: tile sizes must be powers of two, got {cfg}")
-    if min(cfg.prefetch, cfg.fma_prefetch) < 1 or cfg.fma_tokens < 0 or cfg.fma_block_i not in (8, 16, 32):
-        raise ValueError(f"mxfp4_moe: prefetch and fma_prefetch must be >= 1, fma_tokens >= 0, and fma_block_i 8, 16 "
-                         f"or 32, got {cfg}")
+    if cfg.prefetch < 1 or cfg.fma_prefetch < 0 or cfg.fma_tokens < 0 or cfg.fma_block_i not in (8, 16, 32):
+        raise ValueError(f"mxfp4_moe: prefetch must be >= 1, fma_prefetch >= 0, fma_tokens >= 0, and fma_block_i 8, "
+                         f"16 or 32, got {cfg}")
     if cfg.layout not in ("interleave", "perm") or (cfg.layout == "perm" and cfg.groups < 4):
         raise ValueError(f"mxfp4_moe: layout must be 'interleave' or 'perm' (perm: groups >= 4), got {cfg}")
     perm = cfg.layout == "perm"
