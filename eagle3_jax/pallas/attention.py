@@ -149,6 +149,10 @@ def attention_config(batch, nq, hq, hkv, head_dim, cache_len, window, *, num_sms
     32 splits 22.7 us, merge 1.7). The new tokens' K/V are loaded before the prefix loop where that
     costs no occupancy (<= 2 programs per SM): B=1 Nq=16 35.8 -> 32.3 us, sliding layers 4.1 -> 3.6 us;
     at 4 programs per SM its registers (95 -> 148 at 32 rows) cut the resident programs (B=4 Nq=4: 74 -> 94 us).
+    Nq=16 (128 rows) stays one 8-warp block: two 64-row blocks (4 warps) took 36.6 us against 29.0 at B=1
+    and 113 against 91 at B=4, 32-row blocks 62.5 / 229, 128-key steps 36.4 / 109 (main kernel, H200); an
+    exp2 in f16x2 (ex2.approx.f16x2, two logits a MUFU op) was slower too (33.6 against 32.0 us, 103
+    against 96): the softmax's chain, not the exp units' throughput, bounds it.
     """
     G = hq // hkv
     R = nq * G
