@@ -127,8 +127,9 @@ class MoeConfig:
       1, 32, 2,  8, 8                        30.0 / 87.4 /  -  / 300 / 1089 us
       0, 32, 2, 32, 8                        29.2 / 81.4 / 143 / 264 / 908 us
       0, 32, 2, 16, 16                       27.7 / 79.7 / 139 / 254 / 861 us
-    Earlier (prefetch 1, 16 groups, 1 warp, T=1): fma_prefetch 2 and Triton's pipelining (loads in the
-    loop body, num_stages 2-4) were slower. fma_tokens 1 (experts of several tokens on the MMA path) was
+    Triton's num_stages 2 or 3 on these kernels: no change (26.9 / 79.4 / - / 257 / 898 us). Earlier
+    (prefetch 1, 16 groups, 1 warp, T=1): fma_prefetch 2 and Triton's pipelining (loads in the loop
+    body, num_stages 2-4) were slower. fma_tokens 1 (experts of several tokens on the MMA path) was
     slower at every T: 4 / 16 / 64 tokens 157 / 403 (at 2) / 2760 us against 88 / 290 / 982. So were
     programs that decode an expert's weights once for two or four of its pairs (separate launches for
     the groups of pairs sharing an expert; 2 pairs a program: 107 / 197 / 358 / 1181 us at T = 4 / 8 /
