@@ -152,7 +152,10 @@ def attention_config(batch, nq, hq, hkv, head_dim, cache_len, window, *, num_sms
     Nq=16 (128 rows) stays one 8-warp block: two 64-row blocks (4 warps) took 36.6 us against 29.0 at B=1
     and 113 against 91 at B=4, 32-row blocks 62.5 / 229, 128-key steps 36.4 / 109 (main kernel, H200); an
     exp2 in f16x2 (ex2.approx.f16x2, two logits a MUFU op) was slower too (33.6 against 32.0 us, 103
-    against 96): the softmax's chain, not the exp units' throughput, bounds it.
+    against 96): the softmax's chain, not the exp units' throughput, bounds it. The split-K merge stays a
+    kernel of its own: the last split of each block merging in the main kernel (an acq_rel ticket per
+    block, zeroed counters) was slower at every shape, its serial tail longer than the merge kernel
+    (B=1 Nq=1/4/16: 24.5/30.0/53.1 us against 22.7/25.7/32.4; B=4 Nq=1 68.9 against 67.5; H200).
     """
     G = hq // hkv
     R = nq * G
