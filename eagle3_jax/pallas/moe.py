@@ -133,7 +133,11 @@ class MoeConfig:
     slower at every T: 4 / 16 / 64 tokens 157 / 403 (at 2) / 2760 us against 88 / 290 / 982. So were
     programs that decode an expert's weights once for two or four of its pairs (separate launches for
     the groups of pairs sharing an expert; 2 pairs a program: 107 / 197 / 358 / 1181 us at T = 4 / 8 /
-    16 / 64 against 89 / 159 / 296 / 984): a two-token program took longer than two one-token ones.
+    16 / 64 against 89 / 159 / 296 / 984): a two-token program took longer than two one-token ones. So
+    were both FMA kernels in one launch (gate_up programs first, each down program spinning on an
+    acq_rel count of its pair's finished gate_up programs): 29.6 / 80.9 / 268 / 1030 us at T = 1 / 4 /
+    16 / 64 against 25.1 / 78.3 / 256 / 896 for the two kernels (one process): the waiting programs
+    hold SM slots, and no down work overlaps gate_up's.
 
     MMA path: block_i: SwiGLU outputs per gate_up program (it reads 2*block_i rows); block_h: outputs
     per down program; groups: scale groups per K step (power of 2); num_warps, num_stages: Triton's;
