@@ -15,12 +15,12 @@ tokens' cache write happen inside it (`rope_attention_reference`: `rope_write_re
 separate prologue kernel (experiments/results/moe_e2e_h200.json).
 
 Measured on an H200 (experiments/results/kernels_h200.json; device kernel time incl. the split-K
-merge, K/V bytes over the copy bandwidth of the same run, 3.98 TB/s): 32K prefix, 64/8 heads, D 64:
-B=1 Nq=1/4/8/16: 22.4/24.5/25.5/32.3 us (75/69/66/52% of the roofline); B=4: 67.5/72.8/69.8/95.7 us
-(100/93/97/71%); 128K B=1 Nq=1 67.2 us (100%); sliding layers 3.6-5.7 us at 32K and 128K alike. torch in
-the same run: SDPA 43 / 527 / 98 / 1046 us and flex_attention 138 / 289 / 154 / 1178 us for (B, Nq) =
-(1, 1), (1, 16), (4, 1), (4, 16). B=1 has about 5 us of fixed cost per call (a 2K prefix takes 4.5 us
-+ 1.5 us merge); Nq=16 is bound by the softmax's issue rate and exp units (MUFU.EX2 is the top stall).
+merge, K/V bytes over the copy bandwidth of the same run, 4.12 TB/s): 32K prefix, 64/8 heads, D 64:
+B=1 Nq=1/4/8/16: 22.4/24.7/25.6/32.1 us (73/66/64/51% of the roofline); B=4: 67.9/71.7/72.1/95.0 us
+(96/91/90/69%); 128K B=1 Nq=1 68.0 us (96%); sliding layers 3.6-5.8 us at 32K and 128K alike. torch in
+the same run: SDPA 45 / 525 / 97 / 1033 us and flex_attention 93 / 282 / 151 / 1147 us for (B, Nq) =
+(1, 1), (1, 16), (4, 1), (4, 16). B=1 has about 5 us of fixed cost per call (a 2K prefix takes 4.8 us
++ 1.3 us merge); Nq=16 is bound by the softmax's issue rate and exp units (MUFU.EX2 is the top stall).
 """
 
 from __future__ import annotations
@@ -142,7 +142,10 @@ def attention_config(batch, nq, hq, hkv, head_dim, cache_len, window, *, num_sms
     """Launch parameters; any field can be overridden by keyword.
 
     From sweeps on an H200 (experiments/results/kernels_h200.json, JAX 0.11.2, 32K prefix, B in
-    {1, 4}, Nq in {1, 4, 8, 16}): 64-key blocks, 3 stages, 4 warps (8 for 128-row blocks), and as
+    {1, 4}, Nq in {1, 4, 8, 16}): 64-key blocks, 3 stages, 4 warps (8 for 128-row blocks; 2 where blocks
+    of <= 32 rows stream >= 1024 keys a program: B=1 Nq=1 22.9 -> 22.5 us, Nq=4 25.9 -> 24.7; B=4 Nq=1
+    68.7 -> 67.9, Nq=4 73.6 -> 71.5; but short ranges ran slower with 2: sliding layers 3.6 -> 3.8, 2K
+    prefix 6.1 -> 6.3, 256 keys 4.6 -> 4.9; 8 warps at Nq=4: 35.9 / 124; 2 at Nq=8: 25.7 -> 27.0), and as
     many splits as give about 2 programs per SM (4 for blocks of <= 32 rows while each split keeps
     >= 1024 keys: B=4 Nq=4 ran at 82% of the roofline with 18 splits, 72% with 9), rounded down to a
     power of two: the merge pads the split count to one (B=1 Nq=1: 33 splits 23.9 us, merge 2.5;
@@ -170,8 +173,9 @@ def attention_config(batch, nq, hq, hkv, head_dim, cache_len, window, *, num_sms
         want = 2 * num_sms // programs
     num_splits = max(1, min(want, max_keys // (4 * block_k)))
     num_splits = 1 << (num_splits.bit_length() - 1)
+    streaming = RB <= 32 and max_keys >= 1024 * num_splits  # long key ranges a program: 2 warps
     cfg = dict(block_rows=RB, block_k=block_k, block_new=block_new, num_splits=num_splits,
-               num_warps=4 if RB <= 64 else 8, num_stages=3,
+               num_warps=2 if streaming else 4 if RB <= 64 else 8, num_stages=3,
                preload_new=programs * num_splits <= 2 * num_sms)
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     return AttnConfig(**cfg)
