@@ -31,7 +31,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("moe_tokens", ["1", "4", "8", "16", "32", "64"], "token counts T (top-4 routing)")
 flags.DEFINE_list("moe_sweep", [], "MoeConfig variants to time at --moe_sweep_tokens before the main table, "
                   "each 'key=value/key=value' (e.g. decode=ptx/block_i=64); the fastest correct one is used")
-flags.DEFINE_list("moe_sweep_tokens", ["1", "16"], "token counts of the sweep (the sum of times ranks variants)")
+flags.DEFINE_list("moe_sweep_tokens", ["1", "16"], "token counts of the sweep (the sum of device kernel times ranks "
+                  "variants; wall times where the profiler gives none)")
 flags.DEFINE_integer("moe_routings", 4, "distinct random routings cycled inside one timed call (defeats L2 reuse; "
                      "each is its own kernel instance, compiled separately)")
 flags.DEFINE_bool("moe_e2e", False, "also build the random full-size gpt-oss-120b and time B=1 decode and its parts")
@@ -130,6 +131,14 @@ def bench_moe():
                     t = _loop_time(kernel_loop(c), xs, ids, ws, *packed) / R
                     row[f"us_T{T}"] = t * 1e6
                     row[f"roofline_T{T}"] = roofline(T, ids)[2] / t
+                    prof = _safe_profile(lambda x, i, w, *p, c=c: mk.mxfp4_moe(x, i, w, *p, limit=lim, alpha=alpha,
+                                                                              config=c, interpret=interp),
+                                         [(xs[r], ids[r], ws[r], *packed) for r in range(R)])
+                    if "kernels" in prof:  # device time: what the GPU spends, free of the host's share
+                        t = prof["kernel_seconds"]
+                        row[f"device_us_T{T}"] = t * 1e6
+                        row[f"device_roofline_T{T}"] = roofline(T, ids)[2] / t
+                        row[f"kernels_us_T{T}"] = {n: v * 1e6 for n, v in prof["kernels"].items()}
                     tot += t
                 row["ok"] = bool(row["rel_err_T5"] < 1e-2)
                 row["total_s"] = tot

@@ -51,6 +51,34 @@ def test_from_hf_both_rope_spellings(spelling):
     assert scale == pytest.approx(ref_scale)
 
 
+def test_from_hf_defaults_are_transformers():
+    """Fields a config.json leaves out take transformers' GptOssConfig defaults: head_dim 64 (not
+    hidden / heads), YaRN factor 32 over 4096 positions; an explicit null rope_scaling is plain RoPE."""
+    hf = tiny_hf_config()
+    del hf["head_dim"], hf["rope_scaling"]
+    c = GptOssConfig.from_hf(hf)
+    assert c.head_dim == 64 and c.num_attention_heads * c.head_dim != c.hidden_size
+    assert c.rope == RopeConfig(theta=hf["rope_theta"], rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                original_max_position_embeddings=4096, truncate=False)
+    assert GptOssConfig.from_hf(dict(tiny_hf_config(), rope_scaling=None)).rope.rope_type == "default"
+
+
+@pytest.mark.parametrize("mscale,mscale_all_dim", [(1.0, 1.0), (1.0, 0.0), (0.707, 1.0)])
+def test_yarn_mscale_as_transformers(mscale, mscale_all_dim):
+    """attention_factor from mscale / mscale_all_dim where both are set (transformers'
+    _compute_yarn_parameters: get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)),
+    else 0.1 ln(factor) + 1."""
+    hf = tiny_hf_config()
+    hf["rope_scaling"] = dict(hf["rope_scaling"], factor=8.0, mscale=mscale, mscale_all_dim=mscale_all_dim)
+    _, scale = inv_freq_and_scale(GptOssConfig.from_hf(hf).rope, 16, 2048)
+
+    def get_mscale(m):
+        return 0.1 * m * np.log(8.0) + 1.0
+
+    want = get_mscale(mscale) / get_mscale(mscale_all_dim) if mscale and mscale_all_dim else get_mscale(1.0)
+    assert scale == pytest.approx(want)
+
+
 def test_from_hf_reads_layer_types_and_dense():
     hf = tiny_hf_config(quantization_config=None)
     hf["layer_types"] = [FULL, SLIDING, FULL, FULL]

@@ -176,6 +176,25 @@ def test_config_mismatch_with_tensors(hf):
         load_gpt_oss(path)
 
 
+def test_tensors_the_config_has_no_place_for(hf):
+    """attention_bias false with bias tensors present (or any weight the model would not read): a
+    clear error, not a model that silently drops them."""
+    cfg, w, path = hf
+    write_hf_checkpoint(path, dict(cfg, attention_bias=False), w)
+    with pytest.raises(ValueError, match=r"no place for: model\.layers\.0\.self_attn\.k_proj\.bias"):
+        load_gpt_oss(path)
+
+
+def test_f32_sinks_survive_save(hf, tmp_path):
+    cfg, w, path = hf
+    write_hf_checkpoint(path, cfg, w)
+    m = load_gpt_oss(path, dtype=jnp.float32)
+    sinks = m.layers[0].self_attn.sinks
+    sinks.set_value(sinks[...] + jnp.float32(2.0 ** -12))  # not a bf16 value
+    save_gpt_oss(m, tmp_path / "out")
+    assert_same_params(m, load_gpt_oss(tmp_path / "out", dtype=jnp.float32))
+
+
 def test_random_gpt_oss_packed():
     cfg = GptOssConfig.preset("tiny")
     m = gpt_oss.random_gpt_oss(cfg, seed=3)

@@ -524,6 +524,17 @@ ERRORS = {
                          "missing tensor midlayer.self_attn.q_proj.weight"),
     "lm_head_shape": (dict(edit_w=lambda w: w.update({"lm_head.weight": w["lm_head.weight"][:-1]})),
                       "lm_head.weight: expected shape"),
+    # weights the draft has no place for must not be dropped silently
+    "attention_bias": (dict(edit_w=lambda w: w.update({"midlayer.self_attn.q_proj.bias": np.zeros(48, np.float32)})),
+                       "no place for: midlayer.self_attn.q_proj.bias"),
+    "fc_bias": (dict(edit_w=lambda w: w.update({"fc.bias": np.zeros(48, np.float32)})), "no place for: fc.bias"),
+    "two_layers": (dict(edit_w=lambda w: w.update({"layers.1.mlp.up_proj.weight": w["midlayer.mlp.up_proj.weight"]})),
+                   "no place for: layers.1.mlp.up_proj.weight"),
+    # a 40-token head with no map to target ids: not the identity
+    "no_vocab_map": (dict(edit_w=lambda w: [w.pop(k) for k in ("d2t", "t2d")]), "neither d2t nor t2d"),
+    "t2d_count": (dict(edit_w=lambda w: [w.pop("d2t"), w["t2d"].__setitem__(np.flatnonzero(~w["t2d"])[0], True)]),
+                  "t2d marks 41 target ids for a draft vocabulary of 40"),
+    "t2d_not_mask": (dict(edit_w=lambda w: w.update(t2d=w["t2d"].astype(np.int64) * 2)), "0/1 mask"),
 }
 
 
@@ -559,6 +570,73 @@ def test_full_vocab_head_without_draft_vocab_size(tmp_path):
     d = load_eagle3(tmp_path, TARGET, dtype=jnp.float32)
     assert d.config.own_lm_head and d.config.draft_vocab_size == 256
     np.testing.assert_array_equal(np.asarray(d.lm_head[...]), w["lm_head.weight"])
+
+
+@pytest.mark.parametrize("flag", ["norm_before_fc", "fc_norm"])
+def test_variant_implied_by_its_tensors(tmp_path, flag):
+    """input_norm.weight / fc_norm.*.weight switch their variant on where config.json leaves the flag
+    out (ignored, they would give tau ~ 1): the forward matches the reference with the variant."""
+    seed = fresh_seed()
+    cfg = tiny_draft_config(**{flag: True})
+    w = random_draft_weights(cfg, seed)
+    quiet = {k: v for k, v in cfg.items() if k != flag}
+    write_draft_checkpoint(tmp_path, quiet, w)
+    d = load_eagle3(tmp_path, TARGET, dtype=jnp.float32)
+    assert getattr(d.config, flag)
+    tokens, feats = inputs(seed)
+    want, _ = reference_forward(cfg, w, tokens, feats)
+    assert rel_err(np.asarray(eagle3.forward(d, tokens, feats)), want) < 1e-3
+
+
+@pytest.mark.parametrize("t2d_dtype", ["bool", "int64", "uint8"])
+def test_d2t_derived_from_t2d(tmp_path, t2d_dtype):
+    """A draft that ships only t2d (a bool or 0/1 integer mask): draft id i maps to its i-th marked
+    target id, which is what d2t says."""
+    cfg = tiny_draft_config()
+    w = random_draft_weights(cfg, fresh_seed())
+    d2t = w.pop("d2t")
+    w["t2d"] = w["t2d"].astype(t2d_dtype)
+    write_draft_checkpoint(tmp_path, cfg, w)
+    d = load_eagle3(tmp_path, TARGET, dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(d.d2t[...]), d2t)
+
+
+def test_draft_vocab_from_the_head(tmp_path):
+    """No draft_vocab_size in config.json: the lm_head's rows give it (40 here), d2t maps it."""
+    cfg = tiny_draft_config()
+    w = random_draft_weights(cfg, fresh_seed())
+    write_draft_checkpoint(tmp_path, {k: v for k, v in cfg.items() if k != "draft_vocab_size"}, w)
+    d = load_eagle3(tmp_path, TARGET, dtype=jnp.float32)
+    assert d.config.own_lm_head and d.config.draft_vocab_size == 40
+    np.testing.assert_array_equal(np.asarray(d.d2t[...]), w["d2t"])
+
+
+def test_tied_head_is_the_drafts_embedding(tmp_path):
+    """tie_word_embeddings with the draft's own embed_tokens and no lm_head: the head is that
+    embedding over the full vocabulary (transformers' tying), not the target's lm_head."""
+    cfg = dict(tiny_draft_config(hidden_size=64, draft_vocab_size=None), tie_word_embeddings=True)
+    w = random_draft_weights(cfg, fresh_seed(), lm_head=False)
+    write_draft_checkpoint(tmp_path, cfg, w)
+    d = load_eagle3(tmp_path, target=fake_target(0), dtype=jnp.float32)
+    assert d.config.own_lm_head and d.config.draft_vocab_size == TARGET.vocab_size
+    np.testing.assert_array_equal(np.asarray(d.lm_head[...]), w["embed_tokens.weight"])
+
+
+def test_rotary_buffers_are_not_weights(tmp_path):
+    cfg = tiny_draft_config()
+    w = random_draft_weights(cfg, fresh_seed())
+    w["midlayer.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+    write_draft_checkpoint(tmp_path, cfg, w)
+    load_eagle3(tmp_path, TARGET, dtype=jnp.float32)
+
+
+def test_sliding_window_survives_save(tmp_path):
+    seed = fresh_seed()
+    _, _, path, target, kw = make_variant("sliding_window", tmp_path, seed)
+    a = load_eagle3(path, TARGET, dtype=jnp.float32, **kw)
+    save_eagle3(a, tmp_path / "out")
+    assert load_eagle3(tmp_path / "out", TARGET, dtype=jnp.float32).config.sliding_window == WINDOW
+    assert load_eagle3(path, TARGET, dtype=jnp.float32).config.sliding_window is None  # published drafts: full
 
 
 def test_safetensors_header_shapes_checked(tmp_path):

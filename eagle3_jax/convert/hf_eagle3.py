@@ -28,12 +28,16 @@ LAYER_PREFIXES = ("midlayer.", "layers.0.")
 
 def config_from_hf(cfg: dict, target_config: GptOssConfig, where: str = "config.json", *,
                    aux_layer_ids=None, aux_convention: str | None = None, has_lm_head: bool = True,
-                   has_embed: bool = True, sliding_window: int | None = None) -> Eagle3Config:
+                   has_embed: bool = True, sliding_window: int | None = None, head_rows: int | None = None,
+                   variants: dict | None = None) -> Eagle3Config:
     """Eagle3Config from a draft's config.json dict, checked against the target's config.
 
     The aux-layer convention is `aux_convention` when given, else the config's
     `eagle_config.aux_layer_convention` when present, else "input" when an id equals the target's
-    layer count (only a hidden-state boundary can be L), else "output" (SpecForge / SGLang)."""
+    layer count (only a hidden-state boundary can be L), else "output" (SpecForge / SGLang).
+    head_rows: the lm_head's rows (the draft vocabulary where the config gives no draft_vocab_size);
+    variants: flags the checkpoint's tensors imply (norm_before_fc, fc_norm), switched on whatever the
+    config says; sliding_window None: `eagle_config.sliding_window` (what `save_eagle3` writes), else full."""
     base = dict(cfg.get("transformer_layer_config") or {})  # speculators nest the layer config
     base.update({k: v for k, v in cfg.items() if k != "transformer_layer_config"})
     cfg = base
@@ -55,14 +59,19 @@ def config_from_hf(cfg: dict, target_config: GptOssConfig, where: str = "config.
         raise ValueError(f"{where}: target_hidden_size {Ht} does not match the target's hidden_size "
                          f"{target_config.hidden_size}")
     dv = cfg.get("draft_vocab_size")
-    own_head = has_lm_head  # an lm_head without draft_vocab_size is a full-vocab head of the draft's own
+    if dv is None and has_lm_head and head_rows is not None:
+        dv = head_rows  # no draft_vocab_size: the head's rows say it
+    own_head = has_lm_head
     if dv is not None and dv != V and not has_lm_head:
         raise ValueError(f"{where}: draft_vocab_size is {dv} but the checkpoint has no lm_head.weight (use "
                          "frspec.restrict_head to build a head from the target's rows)")
     ids = aux_layer_ids or eagle.get("eagle_aux_hidden_state_layer_ids") or cfg.get(
         "eagle_aux_hidden_state_layer_ids") or target_config.default_aux_layer_ids()
     conv = aux_convention or eagle.get("aux_layer_convention") or ("input" if L in ids else "output")
-    flag = lambda name, default: bool(cfg.get(name, eagle.get(name, default)))  # noqa: E731
+    implied = variants or {}
+    flag = lambda name, default: bool(cfg.get(name, eagle.get(name, default))) or bool(implied.get(name))  # noqa: E731
+    if sliding_window is None:
+        sliding_window = eagle.get("sliding_window")
     heads = cfg.get("num_attention_heads")
     try:
         return Eagle3Config(
@@ -156,9 +165,14 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
     prefix = next((p for p in LAYER_PREFIXES if p + "self_attn.q_proj.weight" in tensors), None)
     if prefix is None:
         raise ValueError(f"{path}: missing tensor midlayer.self_attn.q_proj.weight (or layers.0.*)")
+    if raw.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["embed_tokens.weight"]  # tied: the draft's own embedding is its head
+    head = tensors.get("lm_head.weight")
+    variants = dict(norm_before_fc="input_norm.weight" in tensors, fc_norm="fc_norm.0.weight" in tensors)
     cfg = config_from_hf(raw, target_config, cfg_file, aux_layer_ids=aux_layer_ids, aux_convention=aux_convention,
-                         has_lm_head="lm_head.weight" in tensors, has_embed="embed_tokens.weight" in tensors,
-                         sliding_window=sliding_window)
+                         has_lm_head=head is not None, has_embed="embed_tokens.weight" in tensors,
+                         sliding_window=sliding_window, head_rows=None if head is None else int(head.shape[0]),
+                         variants=variants)
     if not cfg.own_embed or not cfg.own_lm_head:
         what = "embed_tokens" if not cfg.own_embed else "lm_head"
         if target is None:
@@ -177,23 +191,44 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
         abstract.embed = target.embed
     if not cfg.own_lm_head:
         abstract.lm_head = target.lm_head
+    entries = _entries(cfg, prefix)
+    stio.check_all_used(tensors, {e.key for e in entries} | {"d2t", "t2d"}, path, "EAGLE-3 draft")
     fill = params.Filler()
-    for key, attr, shape, transpose, cols in _entries(cfg, prefix):
+    for key, attr, shape, transpose, cols in entries:
         a = stio.get(tensors, key, shape, path)
         fill.put(_get_attr(abstract, attr), a.T if transpose else a, cols)
     fill.finish()
-    if cfg.own_lm_head:
-        d2t = stio.get(tensors, "d2t", (cfg.draft_vocab_size,), path, "i") if "d2t" in tensors else \
-            np.zeros(cfg.draft_vocab_size, np.int64)
-        check_d2t(d2t, cfg.vocab_size, tensors["d2t"].file + ": d2t" if "d2t" in tensors else path)
-        if "t2d" in tensors:
-            t2d = stio.get(tensors, "t2d", (cfg.vocab_size,), path, "bu")
-            if not np.array_equal(np.flatnonzero(t2d), np.sort(np.arange(cfg.draft_vocab_size) + d2t)):
-                raise ValueError(f"{tensors['t2d'].file}: t2d does not mark exactly the target ids d2t maps to")
-    else:
-        d2t = np.zeros(cfg.draft_vocab_size, np.int64)
-    abstract.d2t.set_value(jnp.asarray(d2t, jnp.int32))
+    abstract.d2t.set_value(jnp.asarray(_draft_to_target(tensors, cfg, path), jnp.int32))
     return abstract
+
+
+def _draft_to_target(tensors, cfg: Eagle3Config, path: str) -> np.ndarray:
+    """d2t offsets [draft_vocab_size]: the checkpoint's d2t, else derived from its t2d mask (the i-th
+    marked target id is draft id i), else zeros for a full-vocab head; checked against t2d."""
+    n, V = cfg.draft_vocab_size, cfg.vocab_size
+    t2d = None
+    if "t2d" in tensors:
+        t2d = stio.get(tensors, "t2d", (V,), path, "biu")
+        if t2d.dtype.kind != "b" and not np.isin(t2d, (0, 1)).all():
+            raise ValueError(f"{tensors['t2d'].file}: t2d must be a 0/1 mask over the target vocabulary")
+        t2d = np.flatnonzero(t2d)
+    if not cfg.own_lm_head:
+        return np.zeros(n, np.int64)
+    if "d2t" in tensors:
+        d2t = stio.get(tensors, "d2t", (n,), path, "i").astype(np.int64)
+    elif t2d is not None:
+        if t2d.size != n:
+            raise ValueError(f"{tensors['t2d'].file}: t2d marks {t2d.size} target ids for a draft vocabulary of {n}")
+        d2t = t2d - np.arange(n)
+    elif n == V:
+        d2t = np.zeros(n, np.int64)
+    else:
+        raise ValueError(f"{path}: draft vocabulary {n} < the target's {V} but the checkpoint has neither d2t nor "
+                         "t2d (the map from draft to target ids)")
+    check_d2t(d2t, V, tensors["d2t"].file + ": d2t" if "d2t" in tensors else path)
+    if t2d is not None and not np.array_equal(t2d, np.sort(np.arange(n) + d2t)):
+        raise ValueError(f"{tensors['t2d'].file}: t2d does not mark exactly the target ids d2t maps to")
+    return d2t
 
 
 def save_eagle3(draft: Eagle3, path: str | os.PathLike) -> None:
@@ -218,6 +253,8 @@ def save_eagle3(draft: Eagle3, path: str | os.PathLike) -> None:
     eagle = {"eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids), "use_aux_hidden_state": True}
     if c.aux_convention == "input":
         eagle["aux_layer_convention"] = "input"
+    if c.sliding_window is not None:  # ours: read back by load_eagle3; serving stacks ignore it
+        eagle["sliding_window"] = c.sliding_window
     cfg = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
                hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,

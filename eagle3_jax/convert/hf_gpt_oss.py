@@ -111,10 +111,12 @@ def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConf
     if config is None:
         config = GptOssConfig.from_hf(path)
     config = config.replace(experts_format=layout(tensors))
+    table = entries(config)
+    stio.check_all_used(tensors, {e.key for e in table}, path, "GPT-OSS config")  # e.g. biases, attention_bias false
     abstract = nnx.eval_shape(lambda: GptOss(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     fill = params.Filler()
-    for e in entries(config):
+    for e in table:
         fill.put(_param(state, e.path), e.to_param(stio.get(tensors, e.key, e.shape, path, e.kinds)), e.cols)
     fill.finish()
     return nnx.merge(graphdef, state)
@@ -122,14 +124,16 @@ def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConf
 
 def save_gpt_oss(model: GptOss, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
     """Writes `model` in the HF layout (config.json, safetensors, sharded with an index when larger
-    than max_shard_bytes); bf16 floats, f32 norms, packed experts as stored."""
+    than max_shard_bytes); bf16 floats, f32 norms and sinks (as the model holds them), packed experts
+    as stored."""
     cfg = model.config
     os.makedirs(path, exist_ok=True)
     state = nnx.state(model)
     shards, cur, size = [], {}, 0
     for e in entries(cfg):
         a = params.columns(_param(state, e.path).get_value(), e.cols)
-        if a.dtype.kind == "f" and "layernorm" not in e.key and e.key != "model.norm.weight":
+        if a.dtype.kind == "f" and "layernorm" not in e.key and e.key != "model.norm.weight" and \
+                not e.key.endswith(".sinks"):
             a = a.astype(ml_dtypes.bfloat16)
         a = np.ascontiguousarray(e.to_hf(a))
         if cur and size + a.nbytes > max_shard_bytes:

@@ -118,3 +118,13 @@ def get(tensors: dict[str, TensorInfo], key: str, shape: tuple, where: str, kind
     if kind not in kinds:
         raise ValueError(f"{info.file}: {key}: unexpected dtype {info.dtype}")
     return info.load()
+
+
+def check_all_used(tensors: dict[str, TensorInfo], used, where: str, what: str) -> None:
+    """Raises ValueError naming the checkpoint tensors outside `used` (rotary `inv_freq` buffers
+    aside): weights a model built from the config would silently leave out."""
+    unused = sorted(set(tensors) - set(used) - {k for k in tensors if k.endswith("rotary_emb.inv_freq")})
+    if unused:
+        more = f" (and {len(unused) - 6} more)" if len(unused) > 6 else ""
+        raise ValueError(f"{where}: tensors this {what} has no place for: {', '.join(unused[:6])}{more}; "
+                         "config.json does not match the checkpoint")

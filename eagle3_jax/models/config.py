@@ -175,6 +175,8 @@ class GptOssConfig:
             experts_format = "mxfp4" if quant is not None else "dense"
         eos = cfg.get("eos_token_id", ())
         eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
+        if "rope_scaling" not in cfg and "rope_parameters" not in cfg:  # absent: transformers' GptOssConfig default
+            cfg = {**cfg, "rope_scaling": dict(GPT_OSS_HF_ROPE_SCALING)}
         kw: dict[str, Any] = dict(
             rope=rope_from_hf(cfg, where), experts_format=experts_format, eos_token_ids=eos,
             pad_token_id=cfg.get("pad_token_id"), bos_token_id=cfg.get("bos_token_id"),
@@ -190,10 +192,8 @@ class GptOssConfig:
                 kw[name] = cfg[name]
         if "num_experts" in cfg and "num_local_experts" not in cfg:
             kw["num_local_experts"] = cfg["num_experts"]
-        if cfg.get("head_dim") is not None:
-            kw["head_dim"] = cfg["head_dim"]
-        elif "hidden_size" in cfg and "num_attention_heads" in cfg:
-            kw["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+        # head_dim absent: transformers' GptOssConfig default (64), not hidden / heads (2880 / 64 = 45)
+        kw["head_dim"] = cfg["head_dim"] if cfg.get("head_dim") is not None else GPT_OSS_HF_HEAD_DIM
         try:
             return cls(**kw)
         except (TypeError, ValueError) as e:
@@ -221,6 +221,17 @@ class GptOssConfig:
                 "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                            "model.embed_tokens", "lm_head"]}
         return out
+
+
+# transformers' GptOssConfig defaults for fields a config.json may leave out (an explicit
+# "rope_scaling": null still means plain RoPE)
+GPT_OSS_HF_HEAD_DIM = 64
+GPT_OSS_HF_ROPE_SCALING = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                               original_max_position_embeddings=4096)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def default_layer_types(n: int) -> tuple[str, ...]:
@@ -265,11 +276,15 @@ def rope_from_hf(cfg: dict, where: str = "config") -> RopeConfig:
             raise ValueError("rope_scaling.original_max_position_embeddings: missing")
         if factor is None:
             factor = cfg["max_position_embeddings"] / orig
+        attention_factor = params.get("attention_factor")
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if attention_factor is None and mscale and mscale_all_dim:  # as transformers' YaRN parameters
+            attention_factor = _yarn_mscale(float(factor), mscale) / _yarn_mscale(float(factor), mscale_all_dim)
         return RopeConfig(
             theta=float(theta), rope_type=rtype, factor=float(factor),
             beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
             original_max_position_embeddings=int(orig), truncate=bool(params.get("truncate", True)),
-            attention_factor=params.get("attention_factor"),
+            attention_factor=attention_factor,
         )
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
