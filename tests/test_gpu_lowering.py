@@ -68,8 +68,8 @@ def _experts():
             _sds((E, H, I // 32, 16), u8), _sds((E, H, I // 32), u8), _sds((E, H), bf16))
 
 
-@pytest.mark.parametrize("config", ["", "fma_tokens=0", "fma_tokens=2", "layout=perm/fma_tokens=0", "decode=bits/fma_tokens=0",
-                                    "fma_split_up=3/fma_split_down=3", "fma_block_i=32/fma_block_h=32/fma_warps=1"])
+@pytest.mark.parametrize("config", ["", "fma_tokens=0", "fma_tokens=2", "layout=perm/fma_tokens=0",
+                                    "decode=bits/fma_tokens=0", "fma_block_i=32/fma_block_h=32/fma_warps=1"])
 @pytest.mark.parametrize("T", [1, 16, 64])
 def test_moe_lowers(config, T):
     kw = {k: (v if k in ("decode", "layout") else int(v)) for k, v in (p.split("=") for p in config.split("/") if p)}

@@ -236,16 +236,6 @@ def test_interpret_fma_tiles(tiles):
     _check(_case(17, 9, E=10, H=96, I=64), moe.MoeConfig(**tiles))
 
 
-@pytest.mark.parametrize("T,fma,split_up,split_down", [(1, 64, 2, 3), (4, 64, 3, 2), (21, 2, 4, 4)])
-def test_interpret_fma_split_k(T, fma, split_up, split_down):
-    # each (pair, block) of the FMA path summed by several programs, one share of the K steps each:
-    # H = 96 is 3 one-group steps (split 2: shares of 2 and 1 steps; 4: one share with no step),
-    # I = 64 is 2; T = 21 with fma = 2 also runs the MMA path (its experts never count in)
-    cfg = moe.MoeConfig(block_i=32, block_h=32, groups=2, fma_tokens=fma, fma_groups=1, fma_split_up=split_up,
-                        fma_split_down=split_down)
-    _check(_case(31 + T, T, E=12, H=96, I=64), cfg)
-
-
 def test_interpret_tiny_and_unclamped_act():
     # act's factors follow its 8-column blocks: gate_up weights near 2^-90 (act near 2^-85) and an
     # infinite limit (act unbounded) both come through the FMA path
@@ -337,8 +327,6 @@ def test_rejects_bad_input():
         moe.mxfp4_moe_grouped(g[0][:, :12], g[1], g[2], g[3][:, :12], *g[4:], limit=LIMIT, alpha=ALPHA, interpret=True)
     with pytest.raises(ValueError, match="fma_block_i 8, 16"):  # FMA act words are written 8 columns at a time
         moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(fma_block_i=4), interpret=True)
-    with pytest.raises(ValueError, match="fma splits >= 1"):
-        moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(fma_split_down=0), interpret=True)
 
 
 # -- GPU ------------------------------------------------------------------------------------------
@@ -378,17 +366,6 @@ def test_gpu_fma_tiles(tiles, T):
     # the FMA path's other tilings, 16 experts (T=64: about 16 pairs an expert, each its own pass)
     cfg = moe.MoeConfig(**{k: int(v) for k, v in (kv.split("=") for kv in tiles.split("/"))})
     _check(_case(T + 7, T, E=16, H=2880, I=2880), cfg, interpret=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("split", ["fma_split_up=3/fma_split_down=3", "fma_groups=16/fma_split_up=2/fma_split_down=6"])
-@pytest.mark.parametrize("T", [1, 9, 64])
-def test_gpu_fma_split_k(split, T):
-    # the FMA path's K steps shared by several programs a (pair, block): gate_up's last program adds
-    # the shares (barrier, acq_rel count, volatile loads), down's programs all add into out
-    cfg = moe.MoeConfig(**{k: int(v) for k, v in (kv.split("=") for kv in split.split("/"))})
-    for seed in (T, T + 50):  # fresh inputs (and fresh counters) through the same executable
-        _check(_case(seed, T, E=16, H=2880, I=2880), cfg, interpret=False)
 
 
 @pytest.mark.gpu

@@ -20,16 +20,15 @@ path, unless the caller passes that layout: `moe_route.route` writes it with the
   8-16-row, 512-byte ones 78-85%: scratch probes, H200). An expert shared by tokens is read once per
   pair; the copies of one tile run at about the same time, so the later ones come from L2 (Nsight
   Compute, T=16: 460 MB read from DRAM for 52 distinct experts' 445 MB of gate_up bytes).
-  1. gate_up + SwiGLU, grid (pair, I / fma_block_i, fma_split_up). The program decodes its gate and linear rows
+  1. gate_up + SwiGLU, grid (pair, I / fma_block_i). The program decodes its gate and linear rows
      in registers and multiplies them with the token's activations, f16 pairs with one power-of-two
      factor per 32-input scale group (`f16_pairs`): each group's four weight words become sixteen
      f16x2 (each word's nibbles rewritten byte by byte, then one byte permute per f16x2), multiplied
      with the matching pairs by f16x2 fma in one inline-PTX block (`_group_dot_asm`). Bias and
      SwiGLU in f32; act to HBM in kernel 2's pair layout with one power-of-two factor per 8 columns
      (a program's block), not per 32: the down kernel sums each word's 8 products apart.
-  2. down + combine, grid (pair, H / fma_block_h, fma_split_down): act @ W2^T + b2, times the pair's
-     routing weight, atomically added (f32) into the output, which kernel 1 zeroed. (The split axes,
-     1 by default, share each program's K steps among several programs: `MoeConfig`.)
+  2. down + combine, grid (pair, H / fma_block_h): act @ W2^T + b2, times the pair's routing weight,
+     atomically added (f32) into the output, which kernel 1 zeroed.
   MMA path (experts with more tokens; grid (slot, token chunk, tile); a slot whose expert already
   appeared in an earlier pair exits at once, so each such expert is read once): the chunk's 16
   token rows on the tensor cores; the decoded tile is interleaved into input order and converted to
@@ -139,15 +138,12 @@ class MoeConfig:
     acq_rel count of its pair's finished gate_up programs): 29.6 / 80.9 / 268 / 1030 us at T = 1 / 4 /
     16 / 64 against 25.1 / 78.3 / 256 / 896 for the two kernels (one process): the waiting programs
     hold SM slots, and no down work overlaps gate_up's.
-    fma_split_up, fma_split_down: programs per (pair, block) of the FMA gate_up / down kernel, each
-    summing an equal share of the K steps. down: every share adds into out (the bias with share 0).
-    gate_up: each share is stored, then (after a barrier) counted in with an acq_rel atomic on a
-    counter that XLA zeroes per call; the program that counts last reads the shares back with volatile
-    loads (from L2) and finishes SwiGLU and act. The idea, for T=1: each kernel is about one wave of
-    programs that load, then compute, in lock step (gate_up 15.2 us, down 10.2 us, for 8.6 and 4.3 us
-    of bytes), and more, shorter programs let one program's loads overlap another's math. Not yet
-    measured on a GPU (session 18 had no device): checked in the interpreter and lowered for CUDA
-    (tests/test_gpu_lowering.py) only; defaults 1 (off).
+    Split-K on the FMA kernels (several programs per (pair, block), each an equal share of the K
+    steps; down's shares added into out, gate_up's counted in by an acq_rel atomic and summed by the
+    last program) was measured and not kept: device time 28.7 / 79.4 / 261 us at T = 1 / 4 / 16 unsplit,
+    28.8 / 79.0 / 266 with down in 3, 29.7 / 89.6 / 310 with both in 3, 31.1 / 97.6 / 337 (groups 16,
+    3 and 3), 32.6 / 106 / 397 (groups 16, 6 and 6) (H200, bench_kernels --moe_sweep, session 19):
+    more, shorter programs do not hide the T=1 kernels' fixed cost.
 
     MMA path: block_i: SwiGLU outputs per gate_up program (it reads 2*block_i rows); block_h: outputs
     per down program; groups: scale groups per K step (power of 2); num_warps, num_stages: Triton's;
@@ -173,8 +169,6 @@ class MoeConfig:
     fma_block_i: int = 8
     fma_block_h: int = 16
     fma_warps: int = 2
-    fma_split_up: int = 1
-    fma_split_down: int = 1
 
 
 DEFAULT_CONFIG = MoeConfig()
@@ -535,8 +529,7 @@ def _tile_index(e, rows, g0, BG, words):
     return (e, *(r[:, None, None] if r.ndim else r for r in rows), g[None, :, None], q[None, None, :])
 
 
-def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG, decoder, depth, per_word=False,
-              split=(0, 1)):
+def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG, decoder, depth, per_word=False):
     """[[f32 [n] per token] per row set]: W_e[rows] @ x[tok] (true values) for the tokens `toks`
     (int32 scalars), streaming K inputs in steps of BG scale groups (the last step's groups past K
     masked: loading nothing, decoded as zeros); the weights, scales and the tokens' activations are
@@ -545,14 +538,10 @@ def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG,
     scaled once by 2^(scale - 127) (scale byte 0, 2^-127, reads as 0) and the group's factor, word 16;
     per_word (one token): each word q's sum by its own factor, word 16 + q. gpt-oss's 90 groups a row
     in steps of 32 decode 6 masked groups; the 26 left as straight-line steps of 16, 8 and 2 groups
-    instead made the calls 19-23% slower (gate_up 24-34%, down 9-14%; H200, T = 1..64). split (z, S):
-    the sums over the z-th of S equal shares of the K steps only (z traced; steps past K load nothing)."""
+    instead made the calls 19-23% slower (gate_up 24-34%, down 9-14%; H200, T = 1..64)."""
     n = r_ok.shape[0]
     K_groups = K // BLOCK
     nk = -(-K_groups // BG)
-    z, S = split
-    per = -(-nk // S)  # K steps of each share
-    k0 = z * per
     nf = 4 if per_word else 1
     g_iota = lax.broadcasted_iota(jnp.int32, (BG,), 0)
 
@@ -594,7 +583,7 @@ def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG,
         return tuple(new), queue
 
     zeros = tuple(tuple(jnp.zeros((n, BG), F32) for _ in toks) for _ in row_sets)
-    accs, _ = lax.fori_loop(0, per, lambda i, c: body(k0 + i, c), (zeros, tuple(load_step(k0 + d) for d in range(depth))))
+    accs, _ = lax.fori_loop(0, nk, body, (zeros, tuple(load_step(d) for d in range(depth))))
     return [[jnp.sum(a, axis=1) for a in acc_r] for acc_r in accs]
 
 
@@ -641,31 +630,28 @@ def _gate_up_kernel(ids_ref, x_ref, wq_ref, sc_ref, b_ref, act_ref, *out_ref, T,
                mask=mask)
 
 
-def _fma_gate_up_kernel(ids_ref, xq_ref, wq_ref, sc_ref, b_ref, *refs, T, k, H, BF, limit, alpha, dtype, zero_cols,
-                        fma, interpret):
-    """FMA path of gate_up: experts chosen by at most fma.tokens tokens; grid (pair, I / BF, split). Program
-    j owns act columns [BF j, BF (j + 1)) (BF / 8 blocks of 8) and writes them in kernel 2's pair layout
+def _fma_gate_up_kernel(ids_ref, xq_ref, wq_ref, sc_ref, b_ref, actq_ref, out_ref, *, T, k, H, BF, limit, alpha,
+                        dtype, zero_cols, fma):
+    """FMA path of gate_up: experts chosen by at most fma.tokens tokens; grid (pair, I / BF). Program j
+    owns act columns [BF j, BF (j + 1)) (BF / 8 blocks of 8) and writes them in kernel 2's pair layout
     with one factor 2^e_b per block b (|act| < 2^e_b in the block): block b's pair k is
     (act[8b + 3 - k], act[8b + 7 - k]) * 2^(14 - e_b) at word 20 (b // 4) + 4 k + b % 4, its factor at
-    word 20 (b // 4) + 16 + b % 4. With split S > 1 (refs: the zeroed counters first, then the outputs,
-    the partial sums and the counters again) program z sums the z-th share of the K steps, stores it
-    and counts itself in (an acq_rel atomic after a barrier); the program that counts last adds the S
-    shares up (volatile loads, from L2) and writes act."""
-    S = fma.split_up
-    if S > 1:
-        _, actq_ref, out_ref, part_ref, cnt_ref = refs
-    else:
-        actq_ref, out_ref = refs
-    s, j, z = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    word 20 (b // 4) + 16 + b % 4."""
+    s, j = pl.program_id(0), pl.program_id(1)
     if zero_cols:
-        pl.when((s == 0) & (z == 0))(lambda: _zero_out(out_ref, j, zero_cols))
+        pl.when(s == 0)(lambda: _zero_out(out_ref, j, zero_cols))
     e, is_e, _ = _pair_expert(ids_ref, s, T * k)
-    m = lax.broadcasted_iota(jnp.int32, (BF // 2,), 0)
-    blk, kk = j * (BF // 8) + m // 4, m % 4  # 8-column block and pair of each word
-    lo = 8 * blk + 3 - kk
-    sets = [(lo, jnp.int32(_GATE)), (lo + 4, jnp.int32(_GATE)), (lo, jnp.int32(_LIN)), (lo + 4, jnp.int32(_LIN))]
 
-    def finish(hs):
+    @pl.when(jnp.sum(is_e.astype(jnp.int32)) <= fma.tokens)
+    def _fma():
+        m = lax.broadcasted_iota(jnp.int32, (BF // 2,), 0)
+        blk, kk = j * (BF // 8) + m // 4, m % 4  # 8-column block and pair of each word
+        lo = 8 * blk + 3 - kk
+        at = (blk // 4) * _GROUP_WORDS + 4 * kk + blk % 4
+        ok = jnp.ones(lo.shape, jnp.bool_)
+        sets = [(lo, jnp.int32(_GATE)), (lo + 4, jnp.int32(_GATE)), (lo, jnp.int32(_LIN)), (lo + 4, jnp.int32(_LIN))]
+        hs = [h for [h] in _fma_rows(xq_ref, (), [s // k], wq_ref, sc_ref, e, sets, ok, K=H, BG=fma.groups,
+                                     decoder=fma.decoder, depth=fma.prefetch)]
         b = [_load(b_ref, (e, *rows)).astype(F32) for rows in sets]
         a_lo, a_hi = (_swiglu(hs[h], hs[2 + h], b[h], b[2 + h], limit, alpha).astype(dtype).astype(F32)
                       for h in (0, 1))
@@ -678,34 +664,10 @@ def _fma_gate_up_kernel(ids_ref, xq_ref, wq_ref, sc_ref, b_ref, *refs, T, k, H, 
             e_i = _group_exponent(jnp.max(jnp.where(m // 4 == i, big, 0.0)))
             ex, ex_b = jnp.where(m // 4 == i, e_i, ex), jnp.where(c == i, e_i, ex_b)
         sc = _pow2_f32(14 - ex)
-        at = (blk // 4) * _GROUP_WORDS + 4 * kk + blk % 4
         _store(actq_ref, (s, at), _pack_f16x2(a_lo * sc, a_hi * sc))
         blk_b = j * nb + c
         factor = lax.bitcast_convert_type(_pow2_f32(ex_b), jnp.uint32)
         _store(actq_ref, (s, (blk_b // 4) * _GROUP_WORDS + _PAIR_WORDS + blk_b % 4), factor)
-
-    @pl.when(jnp.sum(is_e.astype(jnp.int32)) <= fma.tokens)
-    def _fma():
-        ok = jnp.ones(lo.shape, jnp.bool_)
-        hs = [h for [h] in _fma_rows(xq_ref, (), [s // k], wq_ref, sc_ref, e, sets, ok, K=H, BG=fma.groups,
-                                     decoder=fma.decoder, depth=fma.prefetch, split=(z, S))]
-        if S == 1:
-            finish(hs)
-            return
-        row = s * pl.num_programs(1) + j
-        for r, h in enumerate(hs):
-            _store(part_ref, (row, z, jnp.int32(r), pl.ds(0, BF // 2)), h)
-        if not interpret:
-            plgpu.debug_barrier()  # every thread's stores before the count (a release at GPU scope)
-        last = plgpu.atomic_add(cnt_ref, (row,), jnp.int32(1)) == S - 1
-
-        @pl.when(last)
-        def _():
-            zs = lax.broadcasted_iota(jnp.int32, (_pow2(S), BF // 2), 0)
-            ms = lax.broadcasted_iota(jnp.int32, (_pow2(S), BF // 2), 1)
-            # volatile loads: the other programs' shares come from L2, never from a stale L1 line
-            finish([jnp.sum(plgpu.load(part_ref.at[row, zs, jnp.int32(r), ms], mask=zs < S, other=0.0, volatile=True),
-                            axis=0) for r in range(len(hs))])
 
 
 def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H, I, BN, BG, decode,
@@ -733,10 +695,9 @@ def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, out
 
 def _fma_down_kernel(ids_ref, w_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H, I, BN,
                      interpret, fma):
-    """FMA path of down + combine; grid (pair, H / BN, split): program z sums the z-th share of the K
-    steps (the bias in share 0) and adds it into out."""
+    """FMA path of down + combine; grid (pair, H / BN)."""
     del out_in_ref  # aliased with out_ref
-    s, j, z = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    s, j = pl.program_id(0), pl.program_id(1)
     e, is_e, _ = _pair_expert(ids_ref, s, T * k)
     cols = j * BN + lax.broadcasted_iota(jnp.int32, (BN,), 0)
     n_ok = cols < H
@@ -744,8 +705,8 @@ def _fma_down_kernel(ids_ref, w_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref
     @pl.when(jnp.sum(is_e.astype(jnp.int32)) <= fma.tokens)
     def _fma():
         [[y]] = _fma_rows(actq_ref, (), [s], wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, K=I, BG=fma.groups,
-                          decoder=fma.decoder, depth=fma.prefetch, per_word=True, split=(z, fma.split_down))
-        b = _load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok & (z == 0), other=0).astype(F32)
+                          decoder=fma.decoder, depth=fma.prefetch, per_word=True)
+        b = _load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
         _combine(out_ref, jnp.broadcast_to(s // k, (BN,)), cols, (y + b) * w_ref[s], n_ok, interpret)
 
 
@@ -763,8 +724,6 @@ class _Fma:
     groups: int
     prefetch: int
     decoder: str
-    split_up: int = 1  # gate_up programs per (pair, act block), each a share of the K steps
-    split_down: int = 1  # down programs per (pair, output block)
 
 
 def _as_words(blocks):
@@ -823,10 +782,9 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     for bsz in (cfg.block_i, cfg.block_h, cfg.groups, cfg.fma_groups, cfg.fma_block_h):
         if bsz != _pow2(bsz):
             raise ValueError(f"mxfp4_moe: tile sizes must be powers of two, got {cfg}")
-    if (cfg.prefetch < 1 or cfg.fma_prefetch < 0 or cfg.fma_tokens < 0 or cfg.fma_block_i not in (8, 16, 32)
-            or min(cfg.fma_split_up, cfg.fma_split_down) < 1):
-        raise ValueError(f"mxfp4_moe: prefetch must be >= 1, fma_prefetch >= 0, fma_tokens >= 0, fma_block_i 8, "
-                         f"16 or 32, and the fma splits >= 1, got {cfg}")
+    if cfg.prefetch < 1 or cfg.fma_prefetch < 0 or cfg.fma_tokens < 0 or cfg.fma_block_i not in (8, 16, 32):
+        raise ValueError(f"mxfp4_moe: prefetch must be >= 1, fma_prefetch >= 0, fma_tokens >= 0, and fma_block_i 8, "
+                         f"16 or 32, got {cfg}")
     if cfg.layout not in ("interleave", "perm") or (cfg.layout == "perm" and cfg.groups < 4):
         raise ValueError(f"mxfp4_moe: layout must be 'interleave' or 'perm' (perm: groups >= 4), got {cfg}")
     perm = cfg.layout == "perm"
@@ -834,8 +792,7 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
         raise ValueError(f"mxfp4_moe: decode {cfg.decode!r}, expected one of {sorted(_DECODERS)}")
     decode = _decode_f16 if interpret else _DECODERS[cfg.decode]
     fma = _Fma(tokens=min(cfg.fma_tokens, T), groups=cfg.fma_groups,
-               prefetch=cfg.fma_prefetch, decoder="ptx" if cfg.decode == "ptx" and not interpret else "f16",
-               split_up=cfg.fma_split_up, split_down=cfg.fma_split_down)
+               prefetch=cfg.fma_prefetch, decoder="ptx" if cfg.decode == "ptx" and not interpret else "f16")
     P, Pp = T * k, _pow2(T * k)
     nc = -(-T // TOKEN_TILE)
     Tp = nc * TOKEN_TILE
@@ -868,17 +825,13 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
         fma_params = plgpu.CompilerParams(num_warps=cfg.fma_warps, num_stages=1)
     out = jax.ShapeDtypeStruct((To, Ho), F32)
     if fma.tokens:  # kernel 1, FMA path (zeroes out)
-        S = fma.split_up
-        split = ((jnp.zeros((P * nf1,), jnp.int32),), (jax.ShapeDtypeStruct((P * nf1, _pow2(S), 4, BF // 2), F32),
-                                                       jax.ShapeDtypeStruct((P * nf1,), jnp.int32))) if S > 1 else ((), ())
-        actq, out, *_ = pl.pallas_call(
+        actq, out = pl.pallas_call(
             functools.partial(_fma_gate_up_kernel, T=T, k=k, H=H, BF=BF, limit=float(limit), alpha=float(alpha),
-                              dtype=x.dtype, zero_cols=zero_cols, fma=fma, interpret=interpret),
-            grid=(P, nf1, S),
-            out_shape=(jax.ShapeDtypeStruct((P, Gf2 * _GROUP_WORDS), jnp.uint32), out, *split[1]),
-            input_output_aliases={5: 3} if S > 1 else {},
+                              dtype=x.dtype, zero_cols=zero_cols, fma=fma),
+            grid=(P, nf1),
+            out_shape=(jax.ShapeDtypeStruct((P, Gf2 * _GROUP_WORDS), jnp.uint32), out),
             compiler_params=fma_params, interpret=interpret, name="mxfp4_moe_gate_up_fma",
-        )(ids_flat, xq.reshape(*xq.shape[:2], _GROUP_WORDS), gu_w, gu_s, gu_b, *split[0])
+        )(ids_flat, xq.reshape(*xq.shape[:2], _GROUP_WORDS), gu_w, gu_s, gu_b)
     if mma:  # kernel 1, MMA path (zeroes out where no FMA kernel did)
         act, *zeroed = pl.pallas_call(
             functools.partial(_gate_up_kernel, T=T, k=k, H=H, I=I, BI=BI, BG=BG, limit=float(limit), alpha=float(alpha),
@@ -891,7 +844,7 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     if fma.tokens:  # kernel 2, FMA path
         out = pl.pallas_call(
             functools.partial(_fma_down_kernel, T=T, k=k, H=H, I=I, BN=BNf, interpret=interpret, fma=fma),
-            grid=(P, nf2, fma.split_down),
+            grid=(P, nf2),
             out_shape=jax.ShapeDtypeStruct((To, Ho), F32),
             input_output_aliases={6: 0},
             compiler_params=fma_params, interpret=interpret, name="mxfp4_moe_down_fma",
