@@ -4,8 +4,9 @@
       --prompt_len 2048 --new_tokens 32 --out experiments/results/baseline_gpt-oss-120b_h200.json
 
 Prefill time is a `generate` call with max_new_tokens=1 (prefill + first token); time per token is
-(T(1 + new_tokens) - T(1)) / new_tokens from a second call of the same compiled executable.
-Each timing is the best of --repeats runs after a compile.
+(T(1 + new_tokens) - T(1)) / new_tokens from calls of the same compiled executable. The two calls
+alternate --repeats times after a compile (so a change in the machine's load hits both) and each
+keeps its best; a difference that noise makes <= 0 raises rather than being reported.
 """
 
 import json
@@ -36,15 +37,16 @@ def _memory():
     return {k: s[k] for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in s}
 
 
-def _best(fn, repeats):
-    """(best seconds of `repeats` timed calls, output of the first, compiling call)."""
-    first = fn()
-    times = []
+def _best(fns, repeats):
+    """(best seconds of each fn over `repeats` alternating rounds, the outputs of the first, compiling calls)."""
+    firsts = [fn() for fn in fns]
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), first
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best, firsts
 
 
 def main(argv):
@@ -59,10 +61,14 @@ def main(argv):
     prompts = rng.integers(0, cfg.vocab_size, (FLAGS.batch, FLAGS.prompt_len)).tolist()
     kw = dict(eos_ids=(), prefill_chunk=FLAGS.prefill_chunk)
     print(f"model built in {build_s:.1f} s; compiling ...", flush=True)
-    t_prefill, first = _best(lambda: generate(model, prompts, 1, **kw), FLAGS.repeats)
-    t_total, out = _best(lambda: generate(model, prompts, 1 + FLAGS.new_tokens, **kw), FLAGS.repeats)
+    (t_prefill, t_total), (first, out) = _best([lambda: generate(model, prompts, 1, **kw),
+                                                lambda: generate(model, prompts, 1 + FLAGS.new_tokens, **kw)],
+                                               FLAGS.repeats)
     assert all(len(t) == 1 + FLAGS.new_tokens for t in out.tokens)
     per_token = (t_total - t_prefill) / FLAGS.new_tokens
+    if per_token <= 0:
+        raise RuntimeError(f"timing noise: {1 + FLAGS.new_tokens} tokens took {t_total:.6f} s, 1 token "
+                           f"{t_prefill:.6f} s; raise --new_tokens or --repeats")
     result = dict(
         **timing.device_info(), preset=FLAGS.preset,
         batch=FLAGS.batch, prompt_len=FLAGS.prompt_len, new_tokens=FLAGS.new_tokens,

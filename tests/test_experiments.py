@@ -31,8 +31,8 @@ def test_decode_main_job_on_embedded_default(tmp_path):
 
 def test_bench_baseline_writes_json(tmp_path):
     path = tmp_path / "r.json"
-    run("bench_baseline.py", "--preset", "tiny", "--prompt_len", "20", "--new_tokens", "24", "--prefill_chunk", "8",
-        "--repeats", "2", "--out", str(path))
+    run("bench_baseline.py", "--preset", "tiny", "--prompt_len", "20", "--new_tokens", "96", "--prefill_chunk", "8",
+        "--repeats", "3", "--out", str(path))
     r = json.loads(path.read_text())
     for k in ("command", "device", "jax_version", "date", "prefill_seconds", "seconds_per_generated_token",
               "param_bytes", "memory_after_run"):
