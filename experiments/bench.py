@@ -24,10 +24,11 @@ import roofline
 import timing
 from eagle3_jax.models import GptOssConfig
 from eagle3_jax.spec import decode
-from step_timing import parse_shape, random_pair, time_baseline, time_step
+from step_timing import parse_shape, random_pair, time_baseline, time_step, validate_shape_flags
 
 flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
-flags.DEFINE_list("scenarios", ["single", "gates", "batch", "large", "sweep", "stress"], "which to run")
+SCENARIOS = ["single", "gates", "batch", "large", "sweep", "stress"]
+flags.DEFINE_list("scenarios", SCENARIOS, "which to run, of " + ",".join(SCENARIOS))
 flags.DEFINE_list("large_contexts", ["16384", "32768", "131072"], "contexts of the large scenario")
 flags.DEFINE_integer("sweep_context", 4096, "context of the sweep scenario")
 flags.DEFINE_list("sweep_shapes", ["chain1", "chain2", "chain3", "chain4", "chain5", "tree3x4n8", "tree4x4n16"],
@@ -40,6 +41,9 @@ flags.DEFINE_string("out", None, "JSON output path")
 flags.DEFINE_string("plot", None, "PNG output path (needs matplotlib)")
 flags.DEFINE_list("plot_from", None, "only draw --plot from these results JSONs (no benchmark)")
 FLAGS = flags.FLAGS
+flags.register_validator("scenarios", lambda names: set(names) <= set(SCENARIOS),
+                         "expected names of " + ",".join(SCENARIOS))
+validate_shape_flags("sweep_shapes")
 
 PUBLISHED_TAU = (2.29, 2.68, 3.22)
 

@@ -20,7 +20,7 @@ from eagle3_jax.models import GptOssConfig
 from eagle3_jax.spec import decode
 
 import timing
-from step_timing import parse_shape, random_pair, time_step
+from step_timing import parse_shape, random_pair, time_step, validate_shape_flags
 
 flags.DEFINE_integer("layers", 8, "target layers")
 flags.DEFINE_integer("experts", 32, "target experts (top-4)")
@@ -32,6 +32,7 @@ flags.DEFINE_bool("profile", True, "also record each timing's device kernel seco
 flags.DEFINE_string("preset", None, "use this GptOssConfig preset instead (e.g. tiny, for a smoke run)")
 flags.DEFINE_string("out", None, "JSON output path")
 FLAGS = flags.FLAGS
+validate_shape_flags("shapes")
 
 
 def models():

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import eagle3_jax
 from eagle3_jax.convert import load_eagle3, load_gpt_oss
 from eagle3_jax.spec import decode, generate
-from step_timing import parse_shape
+from step_timing import parse_shape, validate_shape_flags
 from timing import device_info, write_json
 
 PAIR = os.path.join(os.path.dirname(eagle3_jax.__file__), "assets", "stdlib-gpt-oss")
@@ -44,6 +44,7 @@ flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights / activ
 flags.DEFINE_list("exact_check", ["chain3", "tree3x4n8"], "shapes compared with generate in float32 (empty: skip)")
 flags.DEFINE_string("out", None, "JSON output path")
 FLAGS = flags.FLAGS
+validate_shape_flags("shapes", "speed_shapes", "exact_check")
 
 
 def _shape_kw(s):

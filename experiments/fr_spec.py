@@ -73,6 +73,9 @@ flags.DEFINE_string("json_out", None, "JSON output path")
 flags.DEFINE_string("plot", None, "PNG output path (needs matplotlib)")
 flags.DEFINE_string("plot_from", None, "only draw --plot from this results JSON (no study)")
 FLAGS = flags.FLAGS
+for _name in ("corpus", "prompts_file", "eval_data"):  # checked when flags are parsed: before the loads
+    flags.register_validator(_name, lambda p: p is None or (os.path.isfile(p) and os.access(p, os.R_OK)),
+                             "expected a readable file")
 
 
 def _say(msg):
@@ -187,10 +190,7 @@ def main(argv):
     corpus["distinct_ids"] = int((counts > 0).sum())
     # the draft's current vocabulary; with --source draft only those ids can be kept
     own_ids = np.arange(Vd) + np.asarray(draft.d2t[...]).astype(np.int64)
-    ranked = counts
-    if FLAGS.source == "draft" and Vd < V:
-        ranked = np.full(V, -1, np.int64)
-        ranked[own_ids] = counts[own_ids]
+    pool = np.sort(own_ids) if FLAGS.source == "draft" else np.arange(V)  # ascending: ties go to the lower id
 
     bw = timing.copy_bandwidth(FLAGS.copy_bytes) if FLAGS.copy_bytes else None
     shape = dict(depth=K, topk=1, num_nodes=K + 1)
@@ -201,7 +201,7 @@ def main(argv):
         if name == "full" or (k >= Vd and FLAGS.source == "draft"):
             d, ids, as_is = draft, own_ids, True
         else:  # --source target may also grow the head past the draft's vocabulary, up to the target's
-            ids = frspec.select_draft_vocab(ranked, min(k, V))
+            ids = pool[frspec.select_draft_vocab(counts[pool], min(k, pool.size))]
             d, as_is = frspec.restrict_head(draft, ids, source=FLAGS.source, target=target), False
         cov = frspec.coverage(counts, ids)
         _say(f"k={name}: draft vocab {d.config.draft_vocab_size}, coverage {cov:.4f}; decode ...")

@@ -1,4 +1,5 @@
-"""The seed project's gates over a `bench.py` results JSON; exit code 1 when a gate fails.
+"""The seed project's gates over a `bench.py` results JSON; exit code 1 when a gate fails, 2 when
+the file is not a bench.py results JSON (a key missing).
 
   python experiments/gates.py --results experiments/results/bench_gpt-oss-120b_h200.json
 
@@ -20,15 +21,27 @@ FLAGS = flags.FLAGS
 GATES = [("single-32k", "chain3", 3.22, 2.0), ("batch4-16k", "chain3", 3.08, 1.0)]
 
 
-def evaluate(results: dict) -> list[dict]:
-    rows = []
+def _get(x, path: str, where: str):
+    """x[k1][k2]... for path "k1.k2"; a missing key raises ValueError naming `where` and the path."""
+    for k in path.split("."):
+        if not isinstance(x, dict) or k not in x:
+            raise ValueError(f"{where}: no key {path!r} (expected a bench.py results JSON)")
+        x = x[k]
+    return x
+
+
+def evaluate(results: dict, source: str = "results") -> list[dict]:
+    """A row per gate from a bench.py results dict (read from `source`, named in errors)."""
+    rows, scenarios = [], _get(results, "scenarios", source)
     for scenario, shape, tau, need in GATES:
-        r = next((x for x in results["scenarios"] if x["name"] == scenario and x["shape"] == shape), None)
+        r = next((x for i, x in enumerate(scenarios)
+                  if _get(x, "name", f"{source} scenarios[{i}]") == scenario and x.get("shape") == shape), None)
         if r is None:
             rows.append(dict(gate=f"{scenario} {shape}", missing=True, passed=False, need=need))
             continue
-        projected = tau * r["baseline_seconds_per_token"] / r["step_seconds"]["step"]
-        roof = tau * r["bytes"]["baseline"] / r["bytes"]["step"]
+        where = f"{source} scenario {scenario!r}"
+        projected = tau * _get(r, "baseline_seconds_per_token", where) / _get(r, "step_seconds.step", where)
+        roof = tau * _get(r, "bytes.baseline", where) / _get(r, "bytes.step", where)
         rows.append(dict(gate=f"{scenario} {shape}", tau=tau, need=need, projected=projected, roofline=roof,
                          passed=projected >= need, hardware_allows=roof >= need))
     return rows
@@ -38,7 +51,10 @@ def main(argv):
     del argv
     with open(FLAGS.results) as f:
         results = json.load(f)
-    rows = evaluate(results)
+    try:
+        rows = evaluate(results, FLAGS.results)
+    except ValueError as e:
+        raise app.UsageError(str(e), exitcode=2) from e
     print(f"device {results.get('device')}, JAX {results.get('jax_version')}, {results.get('date')}")
     for r in rows:
         if r.get("missing"):

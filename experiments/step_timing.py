@@ -9,7 +9,10 @@ over the accepted tokens). Caches hold noise; the context is `ctx` committed tok
 trees, recorded beforehand, so that its MoE routing is the step's; accept is the accept kernel.
 """
 
+import re
 import time
+
+from absl import flags
 
 import jax
 import jax.numpy as jnp
@@ -26,14 +29,32 @@ from eagle3_jax.spec.tree import draft_tree
 import timing
 
 
+SHAPE_FORMAT = ("chainK or treeDxKnN (a chain of K drafts; a tree of depth D, topk K, N nodes incl. the root), "
+                "e.g. chain3, tree3x4n8")
+
+
 def parse_shape(s):
-    """'chain3' or 'tree3x4n8' (depth x topk, n nodes incl. the root) -> dict(depth, topk, num_nodes)."""
-    if s.startswith("chain"):
-        k = int(s[5:])
-        return dict(depth=k, topk=1, num_nodes=k + 1)
-    d, rest = s[4:].split("x")
-    k, n = rest.split("n")
-    return dict(depth=int(d), topk=int(k), num_nodes=int(n))
+    """'chain3' or 'tree3x4n8' (depth x topk, n nodes incl. the root) -> dict(depth, topk, num_nodes).
+    Anything else raises ValueError naming SHAPE_FORMAT."""
+    m = re.fullmatch(r"chain([1-9]\d*)|tree([1-9]\d*)x([1-9]\d*)n([1-9]\d*)", s)
+    if m is None:
+        raise ValueError(f"draft shape {s!r}: expected {SHAPE_FORMAT}")
+    if m[1]:
+        return dict(depth=int(m[1]), topk=1, num_nodes=int(m[1]) + 1)
+    return dict(depth=int(m[2]), topk=int(m[3]), num_nodes=int(m[4]))
+
+
+def validate_shape_flags(*names):
+    """Parse the shapes of these list flags when flags are parsed: a bad one stops the script there."""
+    def check(shapes):
+        for s in shapes:
+            try:
+                parse_shape(s)
+            except ValueError as e:
+                raise flags.ValidationError(str(e)) from e
+        return True
+    for name in names:
+        flags.register_validator(name, check)
 
 
 def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3):

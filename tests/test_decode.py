@@ -135,12 +135,42 @@ def test_sampling_follows_target_two_token_law(kw):
     (dict(max_cache_len=30), "does not fit max_cache_len=30"),
     (dict(prompts=[[]]), "empty prompt"),
     (dict(prompts=[[1, 999]]), "outside the vocabulary"),
+    (dict(num_spec_tokens=2.0), "num_spec_tokens: expected an integer, got 2.0"),
+    (dict(topk=None), "topk: expected an integer"),
+    (dict(num_draft_tokens=4.0), "num_draft_tokens: expected an integer or None"),
+    (dict(max_new_tokens=None), "max_new_tokens: expected an integer"),
+    (dict(eos_ids=7), "eos_ids: expected a sequence"),
+    (dict(temperature=float("nan")), "temperature: must be finite"),
+    # scratch slots count against the cache (max_cache_len), not against the model's positions
+    (dict(max_cache_len=35), r"20 tokens \+ max_new_tokens=8 \+ 8 speculative scratch slots = 36 does not fit "
+                             "max_cache_len=35"),
 ])
 def test_bad_input(kw, match, prompts):
     t, d = pair("random")
-    kw = {"prompts": prompts, **kw}
+    kw = {"prompts": prompts, "max_new_tokens": 8, **kw}
     with pytest.raises(ValueError, match=match):
-        decode(t, d, max_new_tokens=8, **kw)
+        decode(t, d, **kw)
+
+
+def test_swapped_models_raise(prompts):
+    t, d = pair("random")
+    with pytest.raises(TypeError, match="expected a gpt_oss.GptOss and an eagle3.Eagle3, got Eagle3 and GptOss"):
+        decode(d, t, prompts, 4)
+
+
+def test_limits_and_accept_rate(prompts):
+    # a prompt + budget exactly at max_position_embeddings decodes (scratch slots past it are cache
+    # only) and matches generate; the cache may be capped at need + scratch slots
+    t, d = pair("right")
+    P = t.config.max_position_embeddings
+    long = [np.random.default_rng().integers(3, 256, P - 6).tolist()]
+    want = generate(t, long, 6, eos_ids=()).tokens
+    assert decode(t, d, long, 6, eos_ids=(), num_spec_tokens=3).tokens == want
+    assert decode(t, d, long, 6, eos_ids=(), num_spec_tokens=3, max_cache_len=P + 8).tokens == want
+    # accept_rate is over the drafts a step can accept: 2 (a chain of 3 nodes), not num_spec_tokens = 3
+    out = decode(t, d, prompts, 9, eos_ids=(), num_spec_tokens=3, topk=1, num_draft_tokens=3, prefill_chunk=8)
+    assert out.tokens == generate(t, prompts, 9, eos_ids=(), prefill_chunk=8).tokens
+    assert out.metrics["accept_rate"] == 1.0
 
 
 def test_incompatible_draft():

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
@@ -16,6 +17,14 @@ def run(script, *args):
                        text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
+
+
+def fails(script, *args, code=1):
+    """stderr of a script run that must exit with `code`."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *args], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == code, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    return r.stderr
 
 
 def test_decode_main_job_on_embedded_default(tmp_path):
@@ -86,6 +95,41 @@ def test_bench_and_gates(tmp_path):
     assert g.returncode in (0, 1) and "single-32k chain3" in g.stdout and "byte roofline allows" in g.stdout
     passed = all(x["projected"] >= x["need"] for x in __import__("gates").evaluate(r) if not x.get("missing"))
     assert g.returncode == (0 if passed else 1)
+
+
+def test_parse_shape():
+    from step_timing import parse_shape
+    assert parse_shape("chain3") == dict(depth=3, topk=1, num_nodes=4)
+    assert parse_shape("tree5x8n16") == dict(depth=5, topk=8, num_nodes=16)
+    for bad in ("nonsense", "chain", "chain0", "chain3x", "tree3x4", "tree3x4n8x", "tree3n8", " chain3"):
+        with pytest.raises(ValueError, match=f"draft shape {bad!r}: expected chainK or treeDxKnN"):
+            parse_shape(bad)
+
+
+def test_bad_flags_stop_at_parse():
+    # each stops when flags are parsed: before a model is built or a checkpoint loaded
+    err = fails("bench.py", "--preset", "tiny", "--scenarios", "gates,bogus")
+    assert "flag --scenarios=['gates', 'bogus']: expected names of single,gates,batch,large,sweep,stress" in err
+    err = fails("bench_step.py", "--preset", "tiny", "--shapes", "chain3,nonsense")
+    assert "flag --shapes=['chain3', 'nonsense']: draft shape 'nonsense': expected chainK or treeDxKnN" in err
+    err = fails("eval_pair.py", "--speed_shapes", "tree3x4")
+    assert "flag --speed_shapes=['tree3x4']: draft shape 'tree3x4': expected chainK or treeDxKnN" in err
+    err = fails("fr_spec.py", "--corpus", "/nonexistent/corpus.npy")
+    assert "flag --corpus=/nonexistent/corpus.npy: expected a readable file" in err
+
+
+def test_gates_names_file_and_missing_key(tmp_path):
+    import gates
+    path = tmp_path / "not_bench.json"
+    path.write_text(json.dumps({"rows": [{"k": 64}]}))  # e.g. an fr_spec.py JSON
+    assert f"{path}: no key 'scenarios' (expected a bench.py results JSON)" in fails("gates.py", "--results", str(path),
+                                                                                      code=2)
+    row = dict(name="single-32k", shape="chain3", baseline_seconds_per_token=1e-3, step_seconds=dict(step=2e-3),
+               bytes=dict(baseline=1))
+    with pytest.raises(ValueError, match=r"r\.json scenario 'single-32k': no key 'bytes\.step' \(expected a bench"):
+        gates.evaluate(dict(scenarios=[row]), "r.json")
+    with pytest.raises(ValueError, match=r"r\.json scenarios\[1\]: no key 'name'"):
+        gates.evaluate(dict(scenarios=[{"name": "stress"}, {"shape": "chain3"}]), "r.json")
 
 
 def test_fr_spec_writes_json(tmp_path):

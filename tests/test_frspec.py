@@ -79,6 +79,22 @@ def test_select_draft_vocab_ranking_ties_and_padding():
             select_draft_vocab(counts, k)
 
 
+def test_select_draft_vocab_float_frequencies_and_bad_counts():
+    np.testing.assert_array_equal(select_draft_vocab([0.1, 0.3, 0.05, 0.3, 0.25], 2), [1, 3])  # not int-truncated
+    np.testing.assert_array_equal(select_draft_vocab(np.float32([0.2, 0.4, 0.4]), 1), [1])  # tie: the lower id
+    counts = token_frequencies(zipf_corpus(fresh_seed()), V)
+    for k in (1, 5, 40, 200):  # normalized frequencies, any dtype, rank as the counts do
+        ids = select_draft_vocab(counts, k)
+        for c in (counts / counts.sum(), (counts / counts.sum()).astype(np.float32), counts.astype(np.uint32)):
+            np.testing.assert_array_equal(select_draft_vocab(c, k), ids)
+    for bad, msg in (([0.5, -0.1, 0.2], "non-negative counts, got -0.1 at id 1"),
+                     ([0.5, np.nan], "non-negative counts, got nan at id 1"),
+                     (np.ones((2, 3)), r"a numeric array of shape \[V\], got float64 \[2, 3\]"),
+                     (["a", "b"], r"a numeric array of shape \[V\], got <U1 \[2\]")):
+        with pytest.raises(ValueError, match=f"counts: expected {msg}"):
+            select_draft_vocab(bad, 1)
+
+
 def test_zipf_coverage_grows_with_k():
     counts = token_frequencies(zipf_corpus(fresh_seed()), V)
     ks = [1, 4, 16, 64, 128, V]

@@ -79,11 +79,54 @@ def jax_log_softmax(x):
     ([[1, 2]], {"max_new_tokens": 0}, "max_new_tokens"),
     ([[1, 2]], {"temperature": -1.0}, "temperature"),
     ([[1, 2]], {"eos_ids": (300,)}, "eos_ids"),
+    # a given max_cache_len caps the cache; the position limit still holds
+    ([[1] * 1020], {"max_cache_len": 4096}, "does not fit max_position_embeddings=1024"),
+    ([[1, 2]], {"temperature": float("nan")}, "temperature: must be finite"),
+    ([[1, 2]], {"temperature": float("inf")}, "temperature: must be finite"),
+    # wrong types: an ArgumentError, which is a ValueError and a TypeError
+    ([1, 2, 3], {}, "flat list of ids"),
+    ([[1, 2.0]], {}, r"prompts\[0\]: token ids must be integers, got 2.0"),
+    ([[1, True]], {}, "token ids must be integers, got True"),
+    (["ab"], {}, r"prompts\[0\]: expected a list of token ids"),
+    ([[1, 2]], {"max_new_tokens": 2.5}, "max_new_tokens: expected an integer, got 2.5"),
+    ([[1, 2]], {"max_new_tokens": None}, "max_new_tokens: expected an integer"),
+    ([[1, 2]], {"eos_ids": 3}, r"eos_ids: expected a sequence of token ids \(e.g. \[3\]\)"),
+    ([[1, 2]], {"eos_ids": (1.0,)}, "eos_ids: token ids must be integers"),
+    ([[1, 2]], {"temperature": "hot"}, "temperature: expected a number"),
+    ([[1, 2]], {"prefill_chunk": 8.0}, "prefill_chunk: expected an integer or None"),
+    ([[1, 2]], {"max_cache_len": 64.0}, "max_cache_len: expected an integer or None"),
+    ([[1, 2]], {"seed": 1.5}, "seed: expected an integer"),
 ])
 def test_bad_input_raises(tiny, prompts, kw, match):
     kw = {"max_new_tokens": 5, **kw}
     with pytest.raises(ValueError, match=match):
         generate(tiny, prompts, **kw)
+
+
+def test_wrong_types_are_type_errors_too(tiny):
+    with pytest.raises(TypeError, match="flat list"):
+        generate(tiny, [1, 2, 3], 4)
+    with pytest.raises(TypeError, match="target: expected a gpt_oss.GptOss"):
+        generate(object(), [[1, 2]], 4)
+
+
+def test_max_cache_len_caps_the_cache(tiny):
+    # the cache is exactly max_cache_len slots where that is below the bucketed length; the automatic
+    # chunk shrinks so the padded prompt fits; the tokens are those of the uncapped run
+    rng = np.random.default_rng()
+    prompts = [rng.integers(3, 256, n).tolist() for n in (270, 31)]
+    want = generate(tiny, prompts, 9, eos_ids=()).tokens
+    assert plan_lengths(tiny.config, prompts, 9, None, 279) == (270, 279, 256, 270)
+    assert generate(tiny, prompts, 9, eos_ids=(), max_cache_len=279).tokens == want
+    assert generate(tiny, prompts, 9, eos_ids=(), max_cache_len=300, prefill_chunk=90).tokens == want
+    with pytest.raises(ValueError, match="prefill_chunk=256 pads the 270-token prompt to 512 cache slots, more than "
+                                         "max_cache_len=300"):
+        generate(tiny, prompts, 9, max_cache_len=300, prefill_chunk=256)
+
+
+def test_eos_count_does_not_recompile(tiny):
+    generate(tiny, [[5, 6, 7]], 4, eos_ids=(1,))
+    assert generate(tiny, [[5, 6, 7]], 4, eos_ids=(1, 2, 3)).metrics["compile_seconds"] == 0.0
 
 
 def test_length_plan_buckets():

@@ -53,16 +53,22 @@ def token_frequencies(ids, vocab_size: int) -> np.ndarray:
 def select_draft_vocab(counts, k: int) -> np.ndarray:
     """The k most frequent target ids, sorted ascending: int64 [k].
 
-    counts: [V] token counts (token_frequencies). Ranked by count, ties broken by the lower id;
-    when fewer than k ids were seen, the lowest unseen ids fill the rest. k outside [1, V] raises.
+    counts: [V] non-negative token counts (token_frequencies) or frequencies, integer or float (e.g.
+    normalized to sum 1). Ranked by count as given, ties broken by the lower id; when fewer than k ids
+    were seen, the lowest unseen ids fill the rest. Another shape or dtype, a negative or NaN count,
+    or k outside [1, V] raises ValueError.
     """
     counts = np.asarray(counts)
-    if counts.ndim != 1:
-        raise ValueError(f"counts: expected shape [V], got {list(counts.shape)}")
+    if counts.ndim != 1 or counts.dtype.kind not in "iuf":
+        raise ValueError(f"counts: expected a numeric array of shape [V], got {counts.dtype} {list(counts.shape)}")
+    bad = np.flatnonzero(~(counts >= 0))  # NaN compares false
+    if bad.size:
+        raise ValueError(f"counts: expected non-negative counts, got {counts[bad[0]]} at id {int(bad[0])}")
     V = counts.shape[0]
     if not 1 <= k <= V:
         raise ValueError(f"k: {k} outside [1, {V}] (the vocabulary has {V} ids)")
-    order = np.lexsort((np.arange(V), -counts.astype(np.int64)))  # last key first: count desc, then id
+    key = -counts.astype(np.result_type(counts.dtype, np.int64))  # signed: -uint would wrap
+    order = np.lexsort((np.arange(V), key))  # last key first: count desc, then id
     return np.sort(order[:k]).astype(np.int64)
 
 

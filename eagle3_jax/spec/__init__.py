@@ -1,4 +1,4 @@
 """Speculative decoding and the baseline generator."""
-from eagle3_jax.spec.decode import Output, decode, generate
+from eagle3_jax.spec.decode import ArgumentError, Output, decode, generate, prefill_chunk_for
 
-__all__ = ["Output", "decode", "generate"]
+__all__ = ["ArgumentError", "Output", "decode", "generate", "prefill_chunk_for"]

@@ -21,6 +21,7 @@ from eagle3_jax.spec.step import step as step_fn
 PREFILL_CHUNK = 256  # unit of the automatic prefill chunk (tokens)
 PREFILL_TOKENS = 2048  # tokens over the batch an automatic prefill chunk holds at most (at least PREFILL_CHUNK a row)
 LENGTH_BUCKET = 256
+EOS_BUCKET = 8  # eos ids are padded to a multiple of this
 
 
 @dataclasses.dataclass
@@ -29,22 +30,60 @@ class Output:
     metrics: dict
 
 
+class ArgumentError(ValueError, TypeError):
+    """A `generate` / `decode` argument of the wrong type (a ValueError and a TypeError, as numpy's
+    AxisError is a ValueError and an IndexError): catch either."""
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _int_arg(name: str, v, lo: int, optional: bool = False):
+    """v as a Python int >= lo (None passes where optional); bools, floats and strings raise."""
+    if v is None and optional:
+        return None
+    if not _is_int(v):
+        raise ArgumentError(f"{name}: expected an integer{' or None' if optional else ''}, got {v!r}")
+    if v < lo:
+        raise ValueError(f"{name}: must be >= {lo}, got {v}")
+    return int(v)
+
+
+def _temperature(t) -> float:
+    if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.integer, np.floating)):
+        raise ArgumentError(f"temperature: expected a number, got {t!r}")
+    if not (np.isfinite(t) and t >= 0):
+        raise ValueError(f"temperature: must be finite and >= 0, got {t}")
+    return float(t)
+
+
 def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
-    if isinstance(prompts, (str, bytes)) or not len(prompts):
+    """prompts as lists of Python ints; raises on anything but a non-empty list of non-empty
+    token-id lists (integers: not floats or bools) inside [0, vocab_size)."""
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not len(prompts):
         raise ValueError("prompts: expected a non-empty list of token-id lists")
+    if any(_is_int(p) for p in prompts):
+        raise ArgumentError("prompts: expected a list of token-id lists, got a flat list of ids (pass one "
+                            "prompt as [ids])")
     out = []
     for i, p in enumerate(prompts):
-        p = [int(t) for t in p]
+        if isinstance(p, (str, bytes)) or not hasattr(p, "__len__"):
+            raise ArgumentError(f"prompts[{i}]: expected a list of token ids, got {type(p).__name__}")
+        p = list(p.tolist() if isinstance(p, np.ndarray) else p)
         if not p:
             raise ValueError(f"prompts[{i}]: empty prompt")
+        odd = [t for t in p if not _is_int(t)]
+        if odd:
+            raise ArgumentError(f"prompts[{i}]: token ids must be integers, got {odd[0]!r}")
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompts[{i}]: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
-        out.append(p)
+        out.append([int(t) for t in p])
     return out
 
 
@@ -62,24 +101,36 @@ def prefill_chunk_for(batch: int, longest: int) -> int:
 def plan_lengths(config, prompts, max_new_tokens: int, chunk: int | None, max_cache_len: int | None,
                  slack: int = 0):
     """(padded prompt length, cache slots, output slots, prefill chunk); chunk None: `prefill_chunk_for`.
-    The cache holds the padded prompt (prefill writes whole chunks; slots past a prompt are scratch).
-    Raises if a prompt plus its budget (plus `slack` scratch slots a speculative step writes past the
-    length) does not fit."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
-    if chunk is not None and chunk < 1:
-        raise ValueError(f"prefill_chunk: must be >= 1 (or None for automatic), got {chunk}")
+
+    Positions: the longest prompt + max_new_tokens must fit max_position_embeddings. Cache: it holds
+    those tokens plus `slack` scratch slots (a speculative step writes past the length) and the prompt
+    padded to whole chunks (prefill writes whole chunks), rounded up to LENGTH_BUCKET, or at most
+    max_cache_len slots where given (the automatic chunk then shrinks to fit if it must). Raises if
+    any of these does not fit."""
+    max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 1)
+    chunk = _int_arg("prefill_chunk", chunk, 1, optional=True)
+    max_cache_len = _int_arg("max_cache_len", max_cache_len, 1, optional=True)
     longest = max(len(p) for p in prompts)
-    need = longest + max_new_tokens + slack
-    limit = config.max_position_embeddings if max_cache_len is None else max_cache_len
-    if need > limit:
-        what = "max_cache_len" if max_cache_len is not None else "max_position_embeddings"
+    need = longest + max_new_tokens
+    if need > config.max_position_embeddings:
+        raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} = {need} does not fit "
+                         f"max_position_embeddings={config.max_position_embeddings}")
+    if max_cache_len is not None and need + slack > max_cache_len:
         extra = f" + {slack} speculative scratch slots" if slack else ""
-        raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens}{extra} = {need} does not "
-                         f"fit {what}={limit}")
-    chunk = prefill_chunk_for(len(prompts), longest) if chunk is None else chunk
+        raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens}{extra} = {need + slack} "
+                         f"does not fit max_cache_len={max_cache_len}")
+    cap = max_cache_len or float("inf")
+    auto = chunk is None
+    chunk = prefill_chunk_for(len(prompts), longest) if auto else chunk
+    if auto and _round_up(longest, chunk) > cap:  # the same number of chunks, not rounded to PREFILL_CHUNK
+        chunk = -(-longest // -(-longest // chunk))
     padded = _round_up(longest, chunk)
-    return padded, max(_round_up(need, LENGTH_BUCKET), padded), _round_up(max_new_tokens, LENGTH_BUCKET), chunk
+    if padded > cap:
+        raise ValueError(f"prefill_chunk={chunk} pads the {longest}-token prompt to {padded} cache slots, more "
+                         f"than max_cache_len={max_cache_len}; pass a prefill_chunk that divides the prompt "
+                         f"more closely, or None")
+    cache_len = min(max(_round_up(need + slack, LENGTH_BUCKET), padded), cap)
+    return padded, cache_len, _round_up(max_new_tokens, LENGTH_BUCKET), chunk
 
 
 def pad_prompts(prompts, padded_len: int, pad_id: int = 0):
@@ -97,10 +148,35 @@ def sample(logits, key, temperature, greedy: bool):
 
 
 def _eos_array(cfg, eos_ids):
-    eos = np.array(cfg.eos_token_ids if eos_ids is None else list(eos_ids), np.int32).reshape(-1)
-    if eos.size and (eos.min() < 0 or eos.max() >= cfg.vocab_size):
-        raise ValueError(f"eos_ids: {eos.tolist()} has ids outside the vocabulary [0, {cfg.vocab_size})")
-    return eos if eos.size else np.array([-1], np.int32)
+    """int32 [multiple of EOS_BUCKET]: the eos ids (the config's for None), padded with -1 (matches no
+    token), so calls with different numbers of eos ids share one executable."""
+    eos = cfg.eos_token_ids if eos_ids is None else eos_ids
+    if _is_int(eos) or isinstance(eos, (str, bytes)) or not hasattr(eos, "__iter__"):
+        raise ArgumentError(f"eos_ids: expected a sequence of token ids (e.g. [{eos!r}]) or None, got {eos!r}")
+    eos = list(eos)
+    odd = [t for t in eos if not _is_int(t)]
+    if odd:
+        raise ArgumentError(f"eos_ids: token ids must be integers, got {odd[0]!r}")
+    bad = [t for t in eos if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"eos_ids: {eos} has ids outside the vocabulary [0, {cfg.vocab_size})")
+    out = np.full(_round_up(max(len(eos), 1), EOS_BUCKET), -1, np.int32)
+    out[:len(eos)] = eos
+    return out
+
+
+def _prepare(cfg, prompts, max_new_tokens, temperature, eos_ids, seed, max_cache_len, prefill_chunk, slack=0):
+    """Checks and pads the inputs of `generate` / `decode`: (executable arguments after the model
+    state, static lengths)."""
+    prompts = validate_prompts(prompts, cfg.vocab_size)
+    temperature = _temperature(temperature)
+    seed = _int_arg("seed", seed, -(1 << 63))
+    eos = _eos_array(cfg, eos_ids)
+    padded, cache_len, out_len, chunk = plan_lengths(cfg, prompts, max_new_tokens, prefill_chunk, max_cache_len,
+                                                     slack)
+    tokens, lengths = pad_prompts(prompts, padded)
+    args = (tokens, lengths, np.int32(max_new_tokens), eos, np.float32(max(temperature, 1e-6)), jax.random.key(seed))
+    return prompts, args, dict(cache_len=cache_len, out_len=out_len, chunk=chunk, greedy=temperature == 0)
 
 
 def _generate_loop(graphdef, state, tokens, prompt_lengths, budget, eos_ids, temperature, key, *,
@@ -162,19 +238,16 @@ def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: 
 
     prompts: list of token-id lists (any lengths). eos_ids default to the config's; a slot stops at
     its first eos (included in its output) or after `max_new_tokens`. prefill_chunk: tokens a row per
-    prefill step (prompts are padded to a multiple of it); None: `prefill_chunk_for`.
+    prefill step (prompts are padded to a multiple of it); None: `prefill_chunk_for`. max_cache_len:
+    the most KV-cache slots a row (None: the prompt + budget rounded up to LENGTH_BUCKET). Wrong
+    types raise `ArgumentError` (a ValueError and a TypeError), wrong values ValueError.
     """
-    cfg = target.config
-    prompts = validate_prompts(prompts, cfg.vocab_size)
-    if temperature < 0:
-        raise ValueError(f"temperature: must be >= 0, got {temperature}")
-    eos = _eos_array(cfg, eos_ids)
-    padded, cache_len, out_len, prefill_chunk = plan_lengths(cfg, prompts, max_new_tokens, prefill_chunk, max_cache_len)
-    tokens, lengths = pad_prompts(prompts, padded)
+    if not isinstance(target, gpt_oss.GptOss):
+        raise ArgumentError(f"target: expected a gpt_oss.GptOss, got {type(target).__name__}")
+    prompts, args, static = _prepare(target.config, prompts, max_new_tokens, temperature, eos_ids, seed,
+                                     max_cache_len, prefill_chunk)
     graphdef, state = nnx.split(target)
-    args = (state, tokens, lengths, np.int32(max_new_tokens), eos, np.float32(max(temperature, 1e-6)),
-            jax.random.key(seed))
-    static = dict(cache_len=cache_len, out_len=out_len, chunk=prefill_chunk, greedy=temperature == 0)
+    args = (state, *args)
     exe, compile_s = compiled(_generate_loop, static, graphdef, *args)
     t0 = time.perf_counter()
     out, n_out, steps = jax.block_until_ready(exe(*args))
@@ -187,6 +260,9 @@ def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: 
 
 
 def _check_pair(target, draft):
+    if not (isinstance(target, gpt_oss.GptOss) and isinstance(draft, eagle3.Eagle3)):
+        raise ArgumentError(f"decode(target, draft, ...): expected a gpt_oss.GptOss and an eagle3.Eagle3, got "
+                            f"{type(target).__name__} and {type(draft).__name__}")
     tc, dc = target.config, draft.config
     problems = []
     if dc.vocab_size != tc.vocab_size:
@@ -285,15 +361,17 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
 
     num_spec_tokens: draft depth; topk: children per expanded node (1 = chain); num_draft_tokens:
     tree nodes N including the root (default: num_spec_tokens + 1 for a chain; required <=
-    1 + topk + (depth - 1) * topk^2 for a tree); prefill_chunk as in `generate`. Output as
-    `generate`, with acceptance metrics.
+    1 + topk + (depth - 1) * topk^2 for a tree); prefill_chunk, max_cache_len as in `generate` (the
+    cache also holds num_draft_tokens + num_spec_tokens + 1 scratch slots). Output as `generate`, with
+    acceptance metrics: mean_accept_length (tau: tokens committed per slot-step, the bonus token
+    counted), accept_rate (accepted drafts per slot-step over the most a step can accept,
+    min(num_spec_tokens, num_draft_tokens - 1)), accept_rate_per_position, accept_length_histogram,
+    frac_steps_ge2, slot_steps.
     """
-    cfg = target.config
     _check_pair(target, draft)
-    if num_spec_tokens < 1:
-        raise ValueError(f"num_spec_tokens: must be >= 1, got {num_spec_tokens}")
-    if topk < 1:
-        raise ValueError(f"topk: must be >= 1, got {topk}")
+    num_spec_tokens = _int_arg("num_spec_tokens", num_spec_tokens, 1)
+    topk = _int_arg("topk", topk, 1)
+    num_draft_tokens = _int_arg("num_draft_tokens", num_draft_tokens, 2, optional=True)
     if topk > draft.config.draft_vocab_size:
         raise ValueError(f"topk: {topk} > draft vocabulary size {draft.config.draft_vocab_size}")
     most = 1 + topk + (num_spec_tokens - 1) * topk * topk
@@ -302,19 +380,12 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
     if not 2 <= num_draft_tokens <= most:
         raise ValueError(f"num_draft_tokens: {num_draft_tokens} outside [2, {most}] for depth {num_spec_tokens}, "
                          f"topk {topk}")
-    prompts = validate_prompts(prompts, cfg.vocab_size)
-    if temperature < 0:
-        raise ValueError(f"temperature: must be >= 0, got {temperature}")
-    eos = _eos_array(cfg, eos_ids)
     slack = num_draft_tokens + num_spec_tokens + 1  # verify writes N slots, rewind depth + 1 past the length
-    padded, cache_len, out_len, prefill_chunk = plan_lengths(cfg, prompts, max_new_tokens, prefill_chunk,
-                                                             max_cache_len, slack)
-    tokens, lengths = pad_prompts(prompts, padded)
+    prompts, args, static = _prepare(target.config, prompts, max_new_tokens, temperature, eos_ids, seed,
+                                     max_cache_len, prefill_chunk, slack)
     graphdef, state = nnx.split((target, draft))
-    args = (state, tokens, lengths, np.int32(max_new_tokens), eos, np.float32(max(temperature, 1e-6)),
-            jax.random.key(seed))
-    static = dict(cache_len=cache_len, out_len=out_len, chunk=prefill_chunk, greedy=temperature == 0,
-                  depth=num_spec_tokens, topk=topk, num_nodes=num_draft_tokens)
+    args = (state, *args)
+    static.update(depth=num_spec_tokens, topk=topk, num_nodes=num_draft_tokens)
     exe, compile_s = compiled(_decode_loop, static, graphdef, *args)
     t0 = time.perf_counter()
     out, n_out, steps, m = jax.block_until_ready(exe(*args))
@@ -329,7 +400,7 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
         steps=int(steps), slot_steps=int(m["slot_steps"]), generated_tokens=total, seconds=seconds,
         compile_seconds=compile_s, tokens_per_second=total / seconds if seconds > 0 else float("inf"),
         mean_accept_length=int(m["committed"]) / slot_steps,
-        accept_rate=int(m["accepted"]) / (slot_steps * num_spec_tokens),
+        accept_rate=int(m["accepted"]) / (slot_steps * min(num_spec_tokens, num_draft_tokens - 1)),
         accept_rate_per_position=(at_least[1:] / slot_steps).tolist(),
         accept_length_histogram=hist.tolist(), frac_steps_ge2=float(at_least[1] / slot_steps) if len(hist) > 1 else 0.0,
         num_spec_tokens=num_spec_tokens, topk=topk, num_draft_tokens=num_draft_tokens)
