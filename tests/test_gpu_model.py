@@ -74,15 +74,19 @@ def test_cached_step_matches_reference(model, monkeypatch):
     assert np.all(err < np.maximum(2 * err_jnp, 0.04)), (err, err_jnp)
 
 
+def _draft(cfg):
+    dcfg = Eagle3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, vocab_size=cfg["vocab_size"], draft_vocab_size=cfg["vocab_size"],
+                        target_hidden_size=64, aux_layer_ids=(0, 1, 2), target_num_layers=4)
+    return eagle3.Eagle3(dcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+
+
 def test_speculative_decode_is_lossless(model):
     # speculative tokens equal greedy tokens; where they part, the float64 reference's top two logits
     # at that position are a near tie at bf16's error on this model (verify and decode steps round
     # differently; see test_cached_step_matches_reference)
     cfg, w, m = model
-    dcfg = Eagle3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, vocab_size=cfg["vocab_size"], draft_vocab_size=cfg["vocab_size"],
-                        target_hidden_size=64, aux_layer_ids=(0, 1, 2), target_num_layers=4)
-    d = eagle3.Eagle3(dcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    d = _draft(cfg)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, cfg["vocab_size"], n).tolist() for n in (5, 13, 20)]
     want = generate(m, prompts, 16, eos_ids=(), prefill_chunk=8).tokens
@@ -95,3 +99,17 @@ def test_speculative_decode_is_lossless(model):
             lg, _ = reference_forward(cfg, w, np.asarray([p + t[:i]]))
             top = np.sort(lg[0, -1])[::-1]
             assert top[0] - top[1] < 0.1 * np.max(np.abs(lg[0, -1])), (kw, i, top[:2])
+
+
+def test_capped_cache_gives_the_same_tokens(model):
+    # max_cache_len caps the cache at slot counts no kernel block divides (prompt + budget + scratch
+    # exactly); the tokens are those of the bucketed cache
+    cfg, _, m = model
+    d = _draft(cfg)
+    prompts = [np.random.default_rng().integers(3, cfg["vocab_size"], n).tolist() for n in (7, 20)]
+    want = generate(m, prompts, 16, eos_ids=(), prefill_chunk=4).tokens
+    assert generate(m, prompts, 16, eos_ids=(), prefill_chunk=4, max_cache_len=36).tokens == want
+    for kw, slack in ((dict(num_spec_tokens=3), 8), (dict(num_spec_tokens=3, topk=4, num_draft_tokens=8), 12)):
+        want = decode(m, d, prompts, 16, eos_ids=(), prefill_chunk=4, **kw).tokens
+        got = decode(m, d, prompts, 16, eos_ids=(), prefill_chunk=4, max_cache_len=36 + slack, **kw).tokens
+        assert got == want, kw
