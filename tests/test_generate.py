@@ -110,6 +110,20 @@ def test_wrong_types_are_type_errors_too(tiny):
         generate(object(), [[1, 2]], 4)
 
 
+def test_array_prompts(tiny):
+    # numpy and jax arrays (a [B, T] array or a list of rows) read as lists of ids; a flat one is refused
+    rng = np.random.default_rng()
+    ids = rng.integers(3, 256, (2, 6))
+    want = generate(tiny, ids.tolist(), 3, eos_ids=()).tokens
+    for prompts in (ids, jnp.asarray(ids), list(jnp.asarray(ids)), [ids[0], ids[1].tolist()]):
+        assert generate(tiny, prompts, 3, eos_ids=()).tokens == want
+    for flat in (ids[0], jnp.asarray(ids[0])):
+        with pytest.raises(ValueError, match="flat list of ids"):
+            generate(tiny, flat, 3)
+    with pytest.raises(ValueError, match="token ids must be integers, got 1.5"):
+        generate(tiny, np.array([[1.5, 2.0]]), 3)
+
+
 def test_max_cache_len_caps_the_cache(tiny):
     # the cache is exactly max_cache_len slots where that is below the bucketed length; the automatic
     # chunk shrinks so the padded prompt fits; the tokens are those of the uncapped run

@@ -67,14 +67,16 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[
     token-id lists (integers: not floats or bools) inside [0, vocab_size)."""
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not len(prompts):
         raise ValueError("prompts: expected a non-empty list of token-id lists")
-    if any(_is_int(p) for p in prompts):
+    # rows of numpy / jax arrays as Python lists (their 0-d elements as Python scalars)
+    rows = [np.asarray(p).tolist() if hasattr(p, "__array__") else p for p in prompts]
+    if any(_is_int(p) for p in rows):
         raise ArgumentError("prompts: expected a list of token-id lists, got a flat list of ids (pass one "
                             "prompt as [ids])")
     out = []
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(rows):
         if isinstance(p, (str, bytes)) or not hasattr(p, "__len__"):
             raise ArgumentError(f"prompts[{i}]: expected a list of token ids, got {type(p).__name__}")
-        p = list(p.tolist() if isinstance(p, np.ndarray) else p)
+        p = list(p)
         if not p:
             raise ValueError(f"prompts[{i}]: empty prompt")
         odd = [t for t in p if not _is_int(t)]
