@@ -648,3 +648,33 @@ def test_safetensors_header_shapes_checked(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="up_proj.weight: expected shape"):
         load_eagle3(tmp_path, TARGET)
+
+
+def test_forward_and_layer_reject_bad_shapes(tmp_path):
+    # mismatched features / g / positions / cache used to fail deep inside (concatenate, vmap, dot_general)
+    # or, for out-of-range or float token ids, not at all
+    seed = fresh_seed()
+    _, _, path, target, kw = make_variant("plain", tmp_path, seed)
+    draft = load_eagle3(path, target.config, dtype=jnp.float32, **kw)
+    tokens, feats = inputs(seed)
+    V, H = TARGET.vocab_size, draft.config.hidden_size
+    for tok, f, msg in ((tokens, feats[:, :-1], r"features: shape \[2, 11, 192\], expected \[B, T, 3 \* target_hidden_size\]"),
+                        (tokens, feats[0], r"features: shape \[12, 192\]"),
+                        (tokens[0], feats[0], r"next_tokens: expected token ids of shape \[B, T\]"),
+                        (tokens + V, feats, "next_tokens: token id .* outside the vocabulary"),
+                        (tokens + 0.5, feats, "next_tokens: expected integer token ids")):
+        with pytest.raises(ValueError, match=msg):
+            eagle3.forward(draft, tok, f)
+    with pytest.raises(ValueError, match=r"features: shape \[2, 12, 128\], expected \[..., 3 \* target_hidden_size = 192\]"):
+        eagle3.project(draft, feats[..., :128])
+    tok = jnp.asarray(tokens, jnp.int32)
+    g = jnp.zeros((B, T, H), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    zero = jnp.zeros((B,), jnp.int32)
+    for args, msg in (((tok, jnp.asarray(feats), pos, zero, None, None), "g shape .*expected \\[B, T, hidden_size\\]"),
+                      ((tok, g, pos[:, :3], zero, None, None), "positions shape"),
+                      ((tok, g, pos, zero[:1], None, None), "lengths shape"),
+                      ((tok, g, pos, zero, None, eagle3.init_cache(draft, B, 8)), "12 tokens do not fit a cache of 8"),
+                      ((tok, g, pos, zero, None, eagle3.init_cache(draft, 3, 16)), "cache batch 3, tokens batch 2")):
+        with pytest.raises(ValueError, match=msg):
+            eagle3.layer(draft, *args)

@@ -209,3 +209,22 @@ def test_restricted_draft_saves_as_standard_checkpoint(tmp_path):
     tokens, feats = inputs(seed)
     np.testing.assert_array_equal(np.asarray(eagle3.forward(back, tokens, feats)),
                                   np.asarray(eagle3.forward(small, tokens, feats)))
+
+
+def test_coverage_rejects_bad_counts():
+    # used to return 0.5 for a 2-D table, > 1 with a negative count and nan with a NaN
+    counts = token_frequencies(zipf_corpus(fresh_seed()), V)
+    ids = select_draft_vocab(counts, 8)
+    assert coverage(counts / counts.sum(), ids) == pytest.approx(coverage(counts, ids))
+    for bad, msg in ((np.ones((2, 3)), r"a numeric array of shape \[V\], got float64 \[2, 3\]"),
+                     (np.array([5, -3, 1]), "non-negative counts, got -3 at id 1"),
+                     (np.array([1.0, np.nan]), "non-negative counts, got nan at id 1"),
+                     (np.array(["a", "b"]), r"a numeric array of shape \[V\], got <U1")):
+        with pytest.raises(ValueError, match=f"counts: expected {msg}"):
+            coverage(bad, [0])
+    for k in (5.0, "3", True):  # used to fail in slicing / comparison with a TypeError, or take k = 1
+        with pytest.raises(ValueError, match="k: expected an integer number of ids"):
+            select_draft_vocab(counts, k)
+    np.testing.assert_array_equal(select_draft_vocab(counts, np.int64(8)), ids)
+    with pytest.raises(ValueError, match="ids: token id 9223372036854775813 outside the int64 range"):
+        token_frequencies(np.array([2 ** 63 + 5], np.uint64), V)

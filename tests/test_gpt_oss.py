@@ -138,6 +138,7 @@ def test_top_k_by_rank_is_lax_top_k(k):
     # coarse values: many ties, which both must order by index; rows of several shapes
     key = jax.random.key(np.random.randint(1 << 30))
     x = jnp.round(jax.random.normal(key, (3, 5, 40)) * 2) / 2
+    x = jnp.where(x == 0, 0.0, x)  # no -0.0: lax.top_k ranks +0.0 above it, the rank count calls them equal
     x = x.at[0, 0].set(0.0)  # a row of equal values
     vals, ids = gpt_oss.top_k_by_rank(x, k)
     want_vals, want_ids = jax.lax.top_k(x, k)
@@ -173,3 +174,71 @@ def test_kv_cache_write_puts_tokens_at_each_start(B):
         want[b, :, start[b]:start[b] + N] = new[b].transpose(1, 0, 2)
     got = jax.jit(kvc.write)(jnp.asarray(buf), jnp.asarray(new), jnp.asarray(start))
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from flax import nnx
+
+    from eagle3_jax.models.config import PRESETS
+
+    cfg = PRESETS["tiny-dense"]
+    cfg = cfg.replace(num_hidden_layers=1, layer_types=cfg.layer_types[:1])
+    return gpt_oss.GptOss(cfg, dtype=jnp.float32, rngs=nnx.Rngs(np.random.randint(1 << 30)))
+
+
+def test_prefill_rejects_padding_past_the_cache(tiny_model):
+    # a 20-token prompt fits a 24-slot cache, but chunk 16 pads it to 32: the last chunk's write used to
+    # be clamped onto the prompt's own slots (silently wrong K/V and logits)
+    model = tiny_model
+    rng = np.random.default_rng()
+    tokens = np.zeros((2, 32), np.int32)
+    tokens[:, :20] = rng.integers(0, model.config.vocab_size, (2, 20))
+    lens = jnp.asarray([20, 7])
+    with pytest.raises(ValueError, match="padded prompt length 32 is longer than the cache"):
+        gpt_oss.prefill(model, gpt_oss.init_cache(model, 2, 24), tokens, lens, chunk=16)
+    for kw, msg in ((dict(prompt_lengths=jnp.asarray([33, 7])), r"prompt_lengths \[33, 7\] outside \[1, 32\]"),
+                    (dict(prompt_lengths=jnp.asarray([0, 7])), "outside"),
+                    (dict(prompt_lengths=jnp.asarray([20, 7, 1])), r"prompt_lengths shape \[3\], expected \[B\]"),
+                    (dict(chunk=0), "chunk must be a positive integer"),
+                    (dict(tokens=tokens[:1]), "cache batch 2, tokens batch 1"),
+                    (dict(tokens=tokens[0]), r"tokens: expected token ids of shape \[B, T\]")):
+        args = dict(tokens=tokens, prompt_lengths=lens, chunk=16)
+        args.update(kw)
+        with pytest.raises(ValueError, match=msg):
+            gpt_oss.prefill(model, gpt_oss.init_cache(model, 2, 32), args.pop("tokens"), args.pop("prompt_lengths"),
+                            **args)
+
+
+def test_forward_and_step_reject_bad_inputs(tiny_model):
+    # ids outside the vocabulary used to be clamped by the embedding gather, float ids truncated
+    model = tiny_model
+    V = model.config.vocab_size
+    for bad, msg in (([[1, V]], f"token id {V} outside the vocabulary"), ([[-1, 2]], "token id -1 outside"),
+                     (np.array([[1.5, 2.0]]), "integer token ids, got dtype float64"),
+                     (np.arange(4), r"shape \[B, T\] with B, T >= 1, got shape \[4\]"),
+                     (np.zeros((1, 0), np.int32), r"got shape \[1, 0\]")):
+        with pytest.raises(ValueError, match=f"tokens: .*{msg}"):
+            gpt_oss.forward(model, bad)
+    cache = gpt_oss.init_cache(model, 2, 8)
+    L = jnp.asarray([3, 5], jnp.int32)
+    tok = jnp.zeros((2, 2), jnp.int32)
+    pos = L[:, None] + jnp.arange(2)
+    for args, msg in (((tok, L, L), r"positions shape \[2\], expected \[B, T\] = \[2, 2\]"),
+                      ((tok, pos, L[:1]), r"lengths shape \[1\], expected \[B\] = \[2\]"),
+                      ((tok, pos, L, jnp.zeros((2, 2, 2), jnp.uint32)), r"mask shape \[2, 2, 2\], expected packed"),
+                      ((tok[:1], pos[:1], L[:1]), "cache batch 2, tokens batch 1"),
+                      ((jnp.zeros((2, 9), jnp.int32), jnp.zeros((2, 9), jnp.int32), L * 0), "9 tokens do not fit"),
+                      ((tok, pos, L + 2), r"lengths \[5, 7\] \+ 2 tokens run past the cache's 8 slots"),
+                      ((tok + V, pos, L), "outside the vocabulary")):
+        with pytest.raises(ValueError, match=msg):
+            gpt_oss.step(model, cache, *args)
+    with pytest.raises(ValueError, match="max_len must be a positive integer"):
+        gpt_oss.init_cache(model, 2, 0)
+    # concrete arrays closed over by a traced function are still checked, and good ones trace
+    out = jax.eval_shape(lambda t: gpt_oss.step(model, cache, t, pos, L)[0], tok)
+    assert out.shape == (2, 2, V)
+    far = L + 2
+    with pytest.raises(ValueError, match="run past the cache"):
+        jax.eval_shape(lambda t: gpt_oss.step(model, cache, t, pos, far)[0], tok)

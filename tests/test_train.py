@@ -115,3 +115,71 @@ def test_ttt_loss_masks_and_learns():
     out = tdraft.export(draft, target)
     assert out.embed is target.embed and out.lm_head.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.arange(len(ids)) + np.asarray(out.d2t[...]), ids)
+
+
+def test_ttt_sliding_window_matches_decode():
+    # with a draft window W <= ttt_length - 2, TTT step i used to attend to its diagonal keys of steps
+    # j <= i - W (positions outside the window), which the decode-time draft layer masks
+    from types import SimpleNamespace
+
+    seed = np.random.randint(1 << 30)
+    W, N, L = 2, 10, 4
+    tcfg = ttarget.small_config(64, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    cfg = tdraft.draft_config(tcfg, 48, aux_layer_ids=(0, 1, 3), sliding_window=W)
+    rng = np.random.default_rng(seed)
+    target = SimpleNamespace(embed=nnx.Param(jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)))
+    draft = tdraft.new_draft(cfg, target, np.arange(48), seed=seed % 997)
+    tokens = jnp.asarray(rng.integers(0, 64, (2, N)), jnp.int32)
+    feats = jnp.asarray(rng.standard_normal((2, N, 3 * 64)), jnp.float32)
+    hs = nnx.jit(tdraft.ttt_hidden, static_argnums=3)(draft, tokens, feats, L)
+    layer = nnx.jit(eagle3.layer)
+    t = N - 1 - L
+    cache = kv_cache.init(1, 2, 16, cfg.num_key_value_heads, cfg.head_dim, jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(t + 1, dtype=jnp.int32), (2, t + 1))
+    _, cache = layer(draft, tokens[:, 1:t + 2], eagle3.project(draft, feats[:, :t + 1]), pos,
+                     jnp.zeros((2,), jnp.int32), None, cache)
+    i = L - 1  # the deepest step: its key of step 1 lies outside the window
+    g = jnp.stack([hs[j][:, t] for j in range(i)], 1)
+    pos = jnp.broadcast_to(t + 1 + jnp.arange(i, dtype=jnp.int32), (2, i))
+    h, _ = layer(draft, tokens[:, t + 2:t + 2 + i], g, pos, jnp.full((2,), t + 1, jnp.int32), None, cache)
+    np.testing.assert_allclose(h[:, -1], hs[i][:, t], rtol=2e-4, atol=2e-4)
+
+
+def test_train_misuse_raises():
+    target = tiny_target(1)
+    cfg = tdraft.draft_config(target.config, 8, aux_layer_ids=(0, 1, 3))
+    # bad vocab ids used to give a d2t pointing at wrong or nonexistent target ids
+    for ids, msg in ((np.r_[np.arange(7), 0], "duplicate target id 0"), (np.arange(8) + 60, "outside the target vocab"),
+                     (np.arange(8) + 0.5, "expected integer target ids")):
+        with pytest.raises(ValueError, match=f"vocab_ids: {msg}"):
+            tdraft.new_draft(cfg, target, ids)
+    draft = tdraft.new_draft(cfg, target, np.arange(8))
+    tokens = jnp.zeros((2, 6), jnp.int32)
+    with pytest.raises(ValueError, match=r"ttt_length: 6 outside \[1, N - 1 = 5\]"):
+        tdraft.ttt_loss(draft, {"tokens": tokens}, target, ttt_length=6)
+    with pytest.raises(ValueError, match=r"ttt_length: 0 outside"):
+        tdraft.ttt_loss(draft, {"tokens": tokens}, target, ttt_length=0)
+    with pytest.raises(ValueError, match=r'batch\["tokens"\]: expected \[B, N\] with N >= 2'):
+        tdraft.ttt_loss(draft, {"tokens": tokens[:, :1]}, target, ttt_length=1)
+    with pytest.raises(ValueError, match=r'batch\["tokens"\]: expected \[B, T \+ 1\]'):
+        ttarget.lm_loss(target, {"tokens": tokens[0]})
+    # adamw(lr, 1, 0) raised inside optax; warmup 0 now starts at the peak instead of spending a step at lr 0
+    for steps, warmup, msg in ((0, 0, "steps: must be a positive integer"), (5, -1, "warmup: must be a non-negative")):
+        with pytest.raises(ValueError, match=msg):
+            loop.adamw(1e-3, steps, warmup)
+    for log_every, save_every, name in ((0, 1, "log_every"), (1, 0, "save_every")):
+        with pytest.raises(ValueError, match=f"{name}: must be a positive integer"):
+            loop.fit(draft, ttarget.lm_loss, repeating_batches, steps=1, tx=loop.adamw(1e-3, 1, 0),
+                     log_every=log_every, save_every=save_every)
+
+
+def test_adamw_warmup_zero_starts_at_peak():
+    import optax
+
+    params = {"w": jnp.ones((2, 2))}
+    for steps in (1, 3):
+        tx = loop.adamw(0.5, steps, 0, weight_decay=0.0)
+        state = tx.init(params)
+        upd, state = tx.update({"w": jnp.ones((2, 2))}, state, params)
+        # Adam's first step moves every weight by the learning rate: the peak, not 0
+        np.testing.assert_allclose(np.asarray(optax.apply_updates(params, upd)["w"]), 0.5, rtol=1e-5)

@@ -160,3 +160,12 @@ def test_make_data_script(root, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "bytes/token" in r.stdout and "1 non-UTF-8 files skipped" in r.stdout
     assert json.loads((out / "meta.json").read_text())["splits"]["eval"]["files"] == 5
+
+
+def test_sampling_rejects_2d_tokens():
+    # a [docs, len] array used to give 3-D "windows" (sample_windows) or a broadcast error (eval_prompts)
+    tokens = np.ones((4, 10), np.uint16)
+    with pytest.raises(ValueError, match=r"tokens: expected a 1-D token array, got shape \[4, 10\]"):
+        data.sample_windows(tokens, np.random.default_rng(0), 2, 3)
+    with pytest.raises(ValueError, match=r"tokens: expected a 1-D token array, got shape \[4, 10\]"):
+        data.eval_prompts(tokens, 1, 2)

@@ -27,7 +27,20 @@ def _int_array(a, what: str) -> np.ndarray:
         return a.reshape(-1).astype(np.int64)
     if a.dtype.kind not in "iu":
         raise ValueError(f"{what}: expected integer token ids, got dtype {a.dtype}")
+    if a.dtype.kind == "u" and a.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{what}: token id {a.max()} outside the int64 range")
     return a.reshape(-1).astype(np.int64)
+
+
+def _counts(counts) -> np.ndarray:
+    """counts as a 1-D numeric array of non-negative values, else ValueError."""
+    counts = np.asarray(counts)
+    if counts.ndim != 1 or counts.dtype.kind not in "iuf":
+        raise ValueError(f"counts: expected a numeric array of shape [V], got {counts.dtype} {list(counts.shape)}")
+    bad = np.flatnonzero(~(counts >= 0))  # NaN compares false
+    if bad.size:
+        raise ValueError(f"counts: expected non-negative counts, got {counts[bad[0]]} at id {int(bad[0])}")
+    return counts
 
 
 def token_frequencies(ids, vocab_size: int) -> np.ndarray:
@@ -58,13 +71,10 @@ def select_draft_vocab(counts, k: int) -> np.ndarray:
     were seen, the lowest unseen ids fill the rest. Another shape or dtype, a negative or NaN count,
     or k outside [1, V] raises ValueError.
     """
-    counts = np.asarray(counts)
-    if counts.ndim != 1 or counts.dtype.kind not in "iuf":
-        raise ValueError(f"counts: expected a numeric array of shape [V], got {counts.dtype} {list(counts.shape)}")
-    bad = np.flatnonzero(~(counts >= 0))  # NaN compares false
-    if bad.size:
-        raise ValueError(f"counts: expected non-negative counts, got {counts[bad[0]]} at id {int(bad[0])}")
+    counts = _counts(counts)
     V = counts.shape[0]
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
+        raise ValueError(f"k: expected an integer number of ids, got {k!r}")
     if not 1 <= k <= V:
         raise ValueError(f"k: {k} outside [1, {V}] (the vocabulary has {V} ids)")
     key = -counts.astype(np.result_type(counts.dtype, np.int64))  # signed: -uint would wrap
@@ -73,8 +83,9 @@ def select_draft_vocab(counts, k: int) -> np.ndarray:
 
 
 def coverage(counts, ids) -> float:
-    """Fraction of all counted tokens whose id is in `ids` (duplicates count once)."""
-    counts = np.asarray(counts)
+    """Fraction of all counted tokens whose id is in `ids` (duplicates count once). counts: [V] as in
+    `select_draft_vocab`; another shape or dtype, a negative or NaN count raises ValueError."""
+    counts = _counts(counts)
     total = counts.sum()
     if total <= 0:
         raise ValueError("counts: no tokens counted")

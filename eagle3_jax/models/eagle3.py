@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.models import rope
 from eagle3_jax.models.config import Eagle3Config
-from eagle3_jax.models.gpt_oss import F32, RMSNorm, _normal, qkv_rope
+from eagle3_jax.models.gpt_oss import F32, RMSNorm, _normal, _shape, check_step_inputs, check_tokens, qkv_rope
 from eagle3_jax.pallas.attention import attention
 
 NO_SINK = -1e30  # the draft has no attention sinks: a sink logit that never gets weight
@@ -71,7 +72,10 @@ class Eagle3(nnx.Module):
 
 def project(draft: Eagle3, features):
     """Target features [..., 3 * Ht] -> g [..., H]."""
-    x = features.astype(draft.dtype)
+    want = 3 * draft.config.target_hidden_size
+    if np.ndim(features) == 0 or np.shape(features)[-1] != want:
+        raise ValueError(f"features: shape {_shape(features)}, expected [..., 3 * target_hidden_size = {want}]")
+    x = jnp.asarray(features).astype(draft.dtype)
     if draft.input_norm is not None:
         x = draft.input_norm(x)
     if draft.fc_norm is not None:
@@ -109,7 +113,13 @@ def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache
     lengths .. lengths + T - 1), mask packed [B, T, ceil(T/32)] or None (causal).
     Returns (h [B, T, H] un-normed, cache)."""
     c = draft.config
-    B = tokens.shape[0]
+    tokens = check_tokens(tokens, c.vocab_size)
+    B, T = tokens.shape
+    if _shape(g) != [B, T, c.hidden_size]:
+        raise ValueError(f"layer: g shape {_shape(g)}, expected [B, T, hidden_size] = {[B, T, c.hidden_size]}")
+    check_step_inputs(tokens, positions, lengths, mask, None if cache is None else cache.batch,
+                      None if cache is None else cache.max_len, "layer")
+    positions, lengths = jnp.asarray(positions, jnp.int32), jnp.asarray(lengths, jnp.int32)
     Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     q, k, v, residual = layer_inputs(draft, tokens, g, positions)
     if cache is None:
@@ -145,11 +155,11 @@ def top_k(draft: Eagle3, draft_logits, k: int):
 def forward(draft: Eagle3, next_tokens, features):
     """One parallel causal pass from position 0: next_tokens int32 [B, T] (x_{t+1}), features
     [B, T, 3 * Ht] (f_t) -> draft logits float32 [B, T, Vd]."""
-    next_tokens = jnp.asarray(next_tokens, jnp.int32)
+    next_tokens = check_tokens(next_tokens, draft.config.vocab_size, "next_tokens")
     B, T = next_tokens.shape
-    if features.shape[-1] != 3 * draft.config.target_hidden_size:
-        raise ValueError(f"features: last dim {features.shape[-1]}, expected 3 * target_hidden_size = "
-                         f"{3 * draft.config.target_hidden_size}")
+    want = [B, T, 3 * draft.config.target_hidden_size]
+    if _shape(features) != want:
+        raise ValueError(f"features: shape {_shape(features)}, expected [B, T, 3 * target_hidden_size] = {want}")
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     h, _ = layer(draft, next_tokens, project(draft, features), positions, jnp.zeros((B,), jnp.int32), None, None)
     return logits(draft, h)

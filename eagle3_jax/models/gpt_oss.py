@@ -381,6 +381,52 @@ class GptOss(nnx.Module):
         self.lm_head = nnx.Param(_normal(rngs, (V, H), H ** -0.5, dtype))
 
 
+# -- input checks (public entry points; shapes always, values only of concrete, untraced inputs) --------
+
+def _shape(x) -> list:
+    return list(np.shape(x))
+
+
+def check_tokens(tokens, vocab_size: int, name: str = "tokens"):
+    """Token ids [B, T] (B, T >= 1, integer dtype; concrete ids inside [0, vocab_size)) -> int32 array.
+    Raises ValueError naming `name`: out-of-range ids would otherwise be clamped by the embedding
+    gather and float ids truncated, both silently."""
+    if not hasattr(tokens, "dtype"):
+        tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or 0 in tokens.shape:
+        raise ValueError(f"{name}: expected token ids of shape [B, T] with B, T >= 1, got shape {_shape(tokens)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"{name}: expected integer token ids, got dtype {tokens.dtype}")
+    if not isinstance(tokens, jax.core.Tracer):
+        t = np.asarray(tokens)
+        bad = np.flatnonzero((t < 0) | (t >= vocab_size))
+        if bad.size:
+            raise ValueError(f"{name}: token id {t.reshape(-1)[bad[0]]} outside the vocabulary [0, {vocab_size})")
+    return jnp.asarray(tokens, jnp.int32)
+
+
+def check_step_inputs(tokens, positions, lengths, mask, cache_batch: int | None, cache_len: int | None,
+                      what: str = "step"):
+    """Shape checks shared by the cached entry points (gpt_oss.step, eagle3.layer): tokens, positions
+    [B, T], lengths [B], mask [B, T, ceil(T/32)] or None, a cache of batch B holding >= T slots."""
+    B, T = tokens.shape
+    if _shape(positions) != [B, T]:
+        raise ValueError(f"{what}: positions shape {_shape(positions)}, expected [B, T] = {[B, T]} like tokens")
+    if _shape(lengths) != [B]:
+        raise ValueError(f"{what}: lengths shape {_shape(lengths)}, expected [B] = {[B]}")
+    if mask is not None and _shape(mask) != [B, T, -(-T // 32)]:
+        raise ValueError(f"{what}: mask shape {_shape(mask)}, expected packed [B, T, ceil(T/32)] = "
+                         f"{[B, T, -(-T // 32)]}")
+    if cache_batch is not None and cache_batch != B:
+        raise ValueError(f"{what}: cache batch {cache_batch}, tokens batch {B}")
+    if cache_len is not None and T > cache_len:
+        raise ValueError(f"{what}: {T} tokens do not fit a cache of {cache_len} slots")
+    # np.asarray, not np.max: inside a trace, jnp ops on a concrete (closed-over) array return tracers
+    if cache_len is not None and not isinstance(lengths, jax.core.Tracer) and int(np.asarray(lengths).max()) + T > cache_len:
+        raise ValueError(f"{what}: lengths {np.asarray(lengths).tolist()} + {T} tokens run past the cache's "
+                         f"{cache_len} slots")
+
+
 # -- functional entry points ---------------------------------------------------------------------
 
 def feature_hidden_index(config: GptOssConfig, aux_layer_ids, convention: str = "output") -> tuple[int, ...]:
@@ -450,7 +496,7 @@ def forward(model: GptOss, tokens, aux_layer_ids=None, *, aux_convention: str = 
     `aux_convention` ("output": outputs of those blocks; "input": inputs of those layers).
     """
     cfg = model.config
-    tokens = jnp.asarray(tokens, jnp.int32)
+    tokens = check_tokens(tokens, cfg.vocab_size)
     B, T = tokens.shape
     ids = cfg.default_aux_layer_ids() if aux_layer_ids is None else tuple(aux_layer_ids)
     fidx = feature_hidden_index(cfg, ids, aux_convention)
@@ -460,6 +506,9 @@ def forward(model: GptOss, tokens, aux_layer_ids=None, *, aux_convention: str = 
 
 
 def init_cache(model: GptOss, batch: int, max_len: int) -> kvc.KVCache:
+    for name, v in (("batch", batch), ("max_len", max_len)):
+        if not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"init_cache: {name} must be a positive integer, got {v!r}")
     cfg = model.config
     return kvc.init(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim, model.dtype)
 
@@ -471,6 +520,9 @@ def step(model: GptOss, cache: kvc.KVCache, tokens, positions, lengths, mask=Non
     slots lengths .. lengths + T - 1 (lengths are not advanced here).
     Returns (logits f32 [B, T, V], features or None, cache).
     """
+    tokens = check_tokens(tokens, model.config.vocab_size)
+    check_step_inputs(tokens, positions, lengths, mask, cache.batch, cache.max_len)
+    positions, lengths = jnp.asarray(positions, jnp.int32), jnp.asarray(lengths, jnp.int32)
     h, feats, cache = run_layers(model, tokens, positions, lengths, mask, cache, feature_ids)
     return logits(model, h), feats, cache
 
@@ -482,9 +534,23 @@ def prefill(model: GptOss, cache: kvc.KVCache, tokens, prompt_lengths, *, chunk:
     recompile); padding writes only scratch slots. Returns (cache, final-normed hidden of each
     prompt's last token [B, H], features [B, P, len(feature_ids) * H] of every position, or None).
     """
+    tokens = check_tokens(tokens, model.config.vocab_size)
     B, P = tokens.shape
+    if not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise ValueError(f"prefill: chunk must be a positive integer, got {chunk!r}")
     if P % chunk:
         raise ValueError(f"prefill: padded prompt length {P} is not a multiple of chunk={chunk}")
+    if P > cache.max_len:  # whole chunks are written: a clamped cache write would overwrite the prompt
+        raise ValueError(f"prefill: padded prompt length {P} is longer than the cache ({cache.max_len} slots)")
+    if cache.batch != B:
+        raise ValueError(f"prefill: cache batch {cache.batch}, tokens batch {B}")
+    if _shape(prompt_lengths) != [B]:
+        raise ValueError(f"prefill: prompt_lengths shape {_shape(prompt_lengths)}, expected [B] = {[B]}")
+    if not isinstance(prompt_lengths, jax.core.Tracer):
+        n = np.asarray(prompt_lengths)
+        if n.min() < 1 or n.max() > P:
+            raise ValueError(f"prefill: prompt_lengths {n.tolist()} outside [1, {P}] (the padded prompt length)")
+    prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
     n_chunks = (jnp.max(prompt_lengths) + chunk - 1) // chunk
     last = prompt_lengths - 1
 

@@ -179,6 +179,8 @@ def load_split(data_dir, split):
 
 def sample_windows(tokens, rng, batch, length):
     """int32 [batch, length]: contiguous windows of the 1-D tokens, start uniform in [0, N - length]."""
+    if np.ndim(tokens) != 1:
+        raise ValueError(f"tokens: expected a 1-D token array, got shape {list(np.shape(tokens))}")
     n = len(tokens)
     if length < 1 or batch < 1:
         raise ValueError(f"batch and length must be positive, got batch={batch}, length={length}")
@@ -197,6 +199,8 @@ def eval_prompts(tokens, n, prompt_len, eos_id=0, seed=0):
     if n < 1 or prompt_len < 1:
         raise ValueError(f"n and prompt_len must be positive, got n={n}, prompt_len={prompt_len}")
     tokens = np.asarray(tokens)
+    if tokens.ndim != 1:
+        raise ValueError(f"tokens: expected a 1-D token array, got shape {list(tokens.shape)}")
     if len(tokens) < prompt_len:
         raise ValueError(f"{len(tokens)} tokens are fewer than the prompt length {prompt_len}")
     eos_before = np.concatenate([[0], np.cumsum(tokens == eos_id)])  # eos count in tokens[:i]

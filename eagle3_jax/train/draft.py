@@ -5,7 +5,8 @@ position. Step 0 runs the draft layer at every position t on (token w[t+1], g = 
 RoPE position t, causally: exactly the draft's prefill. Step i > 0 feeds each position its own
 previous output (g = h_{i-1}[t], token w[t+1+i], position t + i), as decode does at tree depth i;
 its query sees the step-0 keys of positions <= t (the committed draft cache) and the keys of
-steps 1..i at the same t (its ancestors and itself): the "diagonal" mask of EAGLE-3's TTT.
+steps 1..i at the same t (its ancestors and itself): the "diagonal" mask of EAGLE-3's TTT. With a
+draft `sliding_window` W, both sets keep only the keys whose position is > t + i - W, as decode does.
 
 Step i at t predicts w[t+2+i]; its loss is the soft cross-entropy against the target's
 distribution at t+1+i restricted to the draft vocabulary, weighted 0.8^i; positions whose target
@@ -46,9 +47,17 @@ def new_draft(config: Eagle3Config, target: gpt_oss.GptOss, vocab_ids, seed: int
     """A float32 draft to train. vocab_ids: the sorted target ids of its vocabulary (d2t follows).
     The target's embedding is copied in as a frozen `eagle3.Buffer` (the optimizer only sees
     `nnx.Param`s); `export` turns the trained draft back into one that shares the target's."""
-    vocab_ids = np.sort(np.asarray(vocab_ids, np.int64))
+    vocab_ids = np.asarray(vocab_ids)
+    if vocab_ids.ndim != 1 or (vocab_ids.size and vocab_ids.dtype.kind not in "iu"):
+        raise ValueError(f"vocab_ids: expected integer target ids of shape [k], got {vocab_ids.dtype} "
+                         f"{list(vocab_ids.shape)}")
+    vocab_ids = np.sort(vocab_ids.astype(np.int64))
     if vocab_ids.size != config.draft_vocab_size:
         raise ValueError(f"vocab_ids: {vocab_ids.size} ids, expected draft_vocab_size={config.draft_vocab_size}")
+    if vocab_ids[0] < 0 or vocab_ids[-1] >= config.vocab_size:
+        raise ValueError(f"vocab_ids: outside the target vocabulary [0, {config.vocab_size})")
+    if np.any(vocab_ids[1:] == vocab_ids[:-1]):
+        raise ValueError(f"vocab_ids: duplicate target id {int(vocab_ids[1:][vocab_ids[1:] == vocab_ids[:-1]][0])}")
     embed = None if config.own_embed else eagle3.Buffer(jnp.asarray(target.embed[...], F32))
     draft = eagle3.Eagle3(config, dtype=F32, rngs=nnx.Rngs(seed), embed=embed)
     draft.d2t.set_value(jnp.asarray(vocab_ids - np.arange(vocab_ids.size), jnp.int32))
@@ -76,6 +85,8 @@ def _ttt_attention(q, k0, v0, ks, vs, window):
     Hkv = k0.shape[2]
     G = Hq // Hkv
     i = len(ks)
+    if window is not None:  # step j's key (position t + j) is inside the window of t + i iff j > i - window
+        ks, vs = ks[max(0, i - window):], vs[max(0, i - window):]
     qf = q.astype(F32).reshape(B, T, Hkv, G, D) * D ** -0.5
     s0 = jnp.einsum("bthgd,bshd->bhgts", qf, k0.astype(F32))
     t, s = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
@@ -132,6 +143,11 @@ def ttt_loss(draft: eagle3.Eagle3, batch: dict, target: gpt_oss.GptOss, *, ttt_l
     (restricted) argmax at step i over the unmasked positions, a per-depth acceptance proxy."""
     c = draft.config
     tokens = batch["tokens"]
+    if np.ndim(tokens) != 2 or np.shape(tokens)[1] < 2:
+        raise ValueError(f'batch["tokens"]: expected [B, N] with N >= 2, got shape {list(np.shape(tokens))}')
+    if not 1 <= ttt_length <= np.shape(tokens)[1] - 1:
+        raise ValueError(f"ttt_length: {ttt_length} outside [1, N - 1 = {np.shape(tokens)[1] - 1}] (step i trains "
+                         f"positions t < N - 1 - i; later steps would have none)")
     T = tokens.shape[1] - 1
     t_logits, feats = gpt_oss.forward(target, tokens, c.aux_layer_ids, aux_convention=c.aux_convention)
     t_logits, feats = jax.lax.stop_gradient(t_logits), jax.lax.stop_gradient(feats)

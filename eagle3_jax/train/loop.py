@@ -7,6 +7,7 @@ a run resumed from a checkpoint at step s sees exactly the batches an uninterrup
 
 from __future__ import annotations
 
+import numbers
 import os
 import time
 from typing import Callable
@@ -20,8 +21,13 @@ from flax import nnx
 def adamw(lr: float, steps: int, warmup: int, *, weight_decay: float = 0.1, clip: float = 1.0,
           final_fraction: float = 0.1) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW (b2 0.95) on a warmup + cosine schedule (peak lr, ending at
-    final_fraction * lr). Weight decay applies to matrices only (not norms, biases, sinks)."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(steps, warmup + 1), lr * final_fraction)
+    final_fraction * lr; warmup 0: from the peak). Weight decay applies to matrices only (not norms,
+    biases, sinks)."""
+    if not isinstance(steps, numbers.Integral) or steps < 1:
+        raise ValueError(f"steps: must be a positive integer, got {steps!r}")
+    if not isinstance(warmup, numbers.Integral) or warmup < 0:
+        raise ValueError(f"warmup: must be a non-negative integer, got {warmup!r}")
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * final_fraction)
     decay = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
     return optax.chain(optax.clip_by_global_norm(clip),
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay))
@@ -46,6 +52,11 @@ def fit(model: nnx.Module, loss_fn: Callable, batch_fn: Callable[[int], dict], *
     (step, loss, metrics, seconds since the start, and `eval_fn(model)`'s figures prefixed "eval_"),
     one every `log_every` steps and at the end.
     """
+    for name, v in (("log_every", log_every), ("save_every", save_every)):
+        if not isinstance(v, numbers.Integral) or v < 1:
+            raise ValueError(f"{name}: must be a positive integer, got {v!r}")
+    if not isinstance(steps, numbers.Integral) or steps < 0:
+        raise ValueError(f"steps: must be a non-negative integer, got {steps!r}")
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     @nnx.jit

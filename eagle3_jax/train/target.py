@@ -45,6 +45,8 @@ def set_moe_path(model: gpt_oss.GptOss, path: str | None) -> None:
 def lm_loss(model: gpt_oss.GptOss, batch: dict):
     """batch["tokens"] int32 [B, T + 1] -> (mean next-token cross-entropy in nats, {"accuracy"})."""
     tokens = batch["tokens"]
+    if np.ndim(tokens) != 2 or np.shape(tokens)[1] < 2:
+        raise ValueError(f'batch["tokens"]: expected [B, T + 1] with T >= 1, got shape {list(np.shape(tokens))}')
     logits, _ = gpt_oss.forward(model, tokens[:, :-1])
     labels = tokens[:, 1:]
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
