@@ -678,3 +678,7 @@ def test_forward_and_layer_reject_bad_shapes(tmp_path):
                       ((tok, g, pos, zero, None, eagle3.init_cache(draft, 3, 16)), "cache batch 3, tokens batch 2")):
         with pytest.raises(ValueError, match=msg):
             eagle3.layer(draft, *args)
+    Vd = draft.config.draft_vocab_size
+    for k in (0, Vd + 1, 2.0):
+        with pytest.raises(ValueError, match=rf"top_k: k={k!r}, expected an integer in \[1, {Vd}\]"):
+            eagle3.top_k(draft, jnp.zeros((B, Vd)), k)

@@ -64,6 +64,9 @@ def test_token_frequencies():
     for bad in ([[1, 2], [V]], np.array([-1, 3]), [[0.5]]):
         with pytest.raises(ValueError, match="ids"):
             token_frequencies(bad, V)
+    for vs in (10.5, 0, True):
+        with pytest.raises(ValueError, match="vocab_size: must be a positive integer"):
+            token_frequencies(ids, vs)
 
 
 def test_select_draft_vocab_ranking_ties_and_padding():

@@ -236,6 +236,9 @@ def test_forward_and_step_reject_bad_inputs(tiny_model):
             gpt_oss.step(model, cache, *args)
     with pytest.raises(ValueError, match="max_len must be a positive integer"):
         gpt_oss.init_cache(model, 2, 0)
+    for ids in ((0, 1.5, 2), (0, True, 2)):  # float ids used to be truncated, True read as layer 1
+        with pytest.raises(ValueError, match="aux_layer_ids: expected integer layer ids"):
+            gpt_oss.forward(model, tok, aux_layer_ids=ids)
     # concrete arrays closed over by a traced function are still checked, and good ones trace
     out = jax.eval_shape(lambda t: gpt_oss.step(model, cache, t, pos, L)[0], tok)
     assert out.shape == (2, 2, V)

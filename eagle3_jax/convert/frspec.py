@@ -50,8 +50,8 @@ def token_frequencies(ids, vocab_size: int) -> np.ndarray:
     Returns int64 [vocab_size]: counts[t] = occurrences of token t. Ids outside [0, vocab_size)
     raise ValueError.
     """
-    if vocab_size <= 0:
-        raise ValueError(f"vocab_size: must be positive, got {vocab_size}")
+    if not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool) or vocab_size <= 0:
+        raise ValueError(f"vocab_size: must be a positive integer, got {vocab_size!r}")
     if isinstance(ids, (list, tuple)):
         parts = [_int_array(s, "ids") for s in ids]
         flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)

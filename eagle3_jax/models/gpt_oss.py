@@ -441,7 +441,9 @@ def feature_hidden_index(config: GptOssConfig, aux_layer_ids, convention: str = 
     hi = L - 1 if convention == "output" else L
     out = []
     for k in aux_layer_ids:
-        if not 0 <= int(k) <= hi:
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
+            raise ValueError(f"aux_layer_ids: expected integer layer ids, got {k!r}")
+        if not 0 <= k <= hi:
             raise ValueError(f"aux_layer_ids: {k} outside [0, {hi}] for {L} layers ({convention} convention)")
         out.append(int(k) + (1 if convention == "output" else 0))
     return tuple(out)
