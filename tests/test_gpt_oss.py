@@ -201,7 +201,7 @@ def test_prefill_rejects_padding_past_the_cache(tiny_model):
     for kw, msg in ((dict(prompt_lengths=jnp.asarray([33, 7])), r"prompt_lengths \[33, 7\] outside \[1, 32\]"),
                     (dict(prompt_lengths=jnp.asarray([0, 7])), "outside"),
                     (dict(prompt_lengths=jnp.asarray([20, 7, 1])), r"prompt_lengths shape \[3\], expected \[B\]"),
-                    (dict(chunk=0), "chunk must be a positive integer"),
+                    (dict(chunk=0), "prefill: chunk: must be an integer >= 1, got 0"),
                     (dict(tokens=tokens[:1]), "cache batch 2, tokens batch 1"),
                     (dict(tokens=tokens[0]), r"tokens: expected token ids of shape \[B, T\]")):
         args = dict(tokens=tokens, prompt_lengths=lens, chunk=16)
@@ -234,10 +234,10 @@ def test_forward_and_step_reject_bad_inputs(tiny_model):
                       ((tok + V, pos, L), "outside the vocabulary")):
         with pytest.raises(ValueError, match=msg):
             gpt_oss.step(model, cache, *args)
-    with pytest.raises(ValueError, match="max_len must be a positive integer"):
+    with pytest.raises(ValueError, match="init_cache: max_len: must be an integer >= 1, got 0"):
         gpt_oss.init_cache(model, 2, 0)
     for ids in ((0, 1.5, 2), (0, True, 2)):  # float ids used to be truncated, True read as layer 1
-        with pytest.raises(ValueError, match="aux_layer_ids: expected integer layer ids"):
+        with pytest.raises(ValueError, match="aux_layer_ids: expected an integer, got"):
             gpt_oss.forward(model, tok, aux_layer_ids=ids)
     # concrete arrays closed over by a traced function are still checked, and good ones trace
     out = jax.eval_shape(lambda t: gpt_oss.step(model, cache, t, pos, L)[0], tok)

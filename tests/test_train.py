@@ -164,11 +164,11 @@ def test_train_misuse_raises():
     with pytest.raises(ValueError, match=r'batch\["tokens"\]: expected \[B, T \+ 1\]'):
         ttarget.lm_loss(target, {"tokens": tokens[0]})
     # adamw(lr, 1, 0) raised inside optax; warmup 0 now starts at the peak instead of spending a step at lr 0
-    for steps, warmup, msg in ((0, 0, "steps: must be a positive integer"), (5, -1, "warmup: must be a non-negative")):
+    for steps, warmup, msg in ((0, 0, "steps: must be an integer >= 1, got 0"), (5, -1, "warmup: must be an integer >= 0")):
         with pytest.raises(ValueError, match=msg):
             loop.adamw(1e-3, steps, warmup)
     for log_every, save_every, name in ((0, 1, "log_every"), (1, 0, "save_every")):
-        with pytest.raises(ValueError, match=f"{name}: must be a positive integer"):
+        with pytest.raises(ValueError, match=f"{name}: must be an integer >= 1, got 0"):
             loop.fit(draft, ttarget.lm_loss, repeating_batches, steps=1, tx=loop.adamw(1e-3, 1, 0),
                      log_every=log_every, save_every=save_every)
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle3_jax.checks import int_arg
 from eagle3_jax.models.eagle3 import Eagle3
 
 __all__ = ["token_frequencies", "select_draft_vocab", "coverage", "restrict_head"]
@@ -50,8 +51,7 @@ def token_frequencies(ids, vocab_size: int) -> np.ndarray:
     Returns int64 [vocab_size]: counts[t] = occurrences of token t. Ids outside [0, vocab_size)
     raise ValueError.
     """
-    if not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool) or vocab_size <= 0:
-        raise ValueError(f"vocab_size: must be a positive integer, got {vocab_size!r}")
+    vocab_size = int_arg("vocab_size", vocab_size, 1)
     if isinstance(ids, (list, tuple)):
         parts = [_int_array(s, "ids") for s in ids]
         flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
@@ -73,8 +73,7 @@ def select_draft_vocab(counts, k: int) -> np.ndarray:
     """
     counts = _counts(counts)
     V = counts.shape[0]
-    if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
-        raise ValueError(f"k: expected an integer number of ids, got {k!r}")
+    k = int_arg("k", k, 1)
     if not 1 <= k <= V:
         raise ValueError(f"k: {k} outside [1, {V}] (the vocabulary has {V} ids)")
     key = -counts.astype(np.result_type(counts.dtype, np.int64))  # signed: -uint would wrap

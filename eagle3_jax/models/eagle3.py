@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle3_jax.checks import int_arg
 from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.models import rope
 from eagle3_jax.models.config import Eagle3Config
@@ -148,8 +149,8 @@ def to_target_ids(draft: Eagle3, draft_ids):
 def top_k(draft: Eagle3, draft_logits, k: int):
     """Top-k in draft space, then mapped: (log-probs f32 [..., k], target ids int32 [..., k]);
     k in [1, draft vocabulary size]."""
-    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= draft_logits.shape[-1]:
-        raise ValueError(f"top_k: k={k!r}, expected an integer in [1, {draft_logits.shape[-1]}] (the draft vocabulary)")
+    if int_arg("top_k: k", k, 1) > draft_logits.shape[-1]:
+        raise ValueError(f"top_k: k={k} > {draft_logits.shape[-1]}, the draft vocabulary")
     logp = jax.nn.log_softmax(draft_logits, axis=-1)
     vals, idx = jax.lax.top_k(logp, k)
     return vals, to_target_ids(draft, idx).astype(jnp.int32)

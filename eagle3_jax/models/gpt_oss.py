@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle3_jax.checks import int_arg
 from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.models import mxfp4, rope
 from eagle3_jax.models.config import GptOssConfig
@@ -441,9 +442,7 @@ def feature_hidden_index(config: GptOssConfig, aux_layer_ids, convention: str = 
     hi = L - 1 if convention == "output" else L
     out = []
     for k in aux_layer_ids:
-        if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
-            raise ValueError(f"aux_layer_ids: expected integer layer ids, got {k!r}")
-        if not 0 <= k <= hi:
+        if not 0 <= int_arg("aux_layer_ids", k, 0) <= hi:
             raise ValueError(f"aux_layer_ids: {k} outside [0, {hi}] for {L} layers ({convention} convention)")
         out.append(int(k) + (1 if convention == "output" else 0))
     return tuple(out)
@@ -508,9 +507,7 @@ def forward(model: GptOss, tokens, aux_layer_ids=None, *, aux_convention: str = 
 
 
 def init_cache(model: GptOss, batch: int, max_len: int) -> kvc.KVCache:
-    for name, v in (("batch", batch), ("max_len", max_len)):
-        if not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"init_cache: {name} must be a positive integer, got {v!r}")
+    batch, max_len = int_arg("init_cache: batch", batch, 1), int_arg("init_cache: max_len", max_len, 1)
     cfg = model.config
     return kvc.init(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim, model.dtype)
 
@@ -538,8 +535,7 @@ def prefill(model: GptOss, cache: kvc.KVCache, tokens, prompt_lengths, *, chunk:
     """
     tokens = check_tokens(tokens, model.config.vocab_size)
     B, P = tokens.shape
-    if not isinstance(chunk, (int, np.integer)) or chunk < 1:
-        raise ValueError(f"prefill: chunk must be a positive integer, got {chunk!r}")
+    chunk = int_arg("prefill: chunk", chunk, 1)
     if P % chunk:
         raise ValueError(f"prefill: padded prompt length {P} is not a multiple of chunk={chunk}")
     if P > cache.max_len:  # whole chunks are written: a clamped cache write would overwrite the prompt

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle3_jax.checks import ArgumentError, int_arg, is_int
 from eagle3_jax.models import eagle3, gpt_oss
 from eagle3_jax.spec.step import step as step_fn
 
@@ -30,28 +31,8 @@ class Output:
     metrics: dict
 
 
-class ArgumentError(ValueError, TypeError):
-    """A `generate` / `decode` argument of the wrong type (a ValueError and a TypeError, as numpy's
-    AxisError is a ValueError and an IndexError): catch either."""
-
-
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def _int_arg(name: str, v, lo: int, optional: bool = False):
-    """v as a Python int >= lo (None passes where optional); bools, floats and strings raise."""
-    if v is None and optional:
-        return None
-    if not _is_int(v):
-        raise ArgumentError(f"{name}: expected an integer{' or None' if optional else ''}, got {v!r}")
-    if v < lo:
-        raise ValueError(f"{name}: must be >= {lo}, got {v}")
-    return int(v)
 
 
 def _temperature(t) -> float:
@@ -69,7 +50,7 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[
         raise ValueError("prompts: expected a non-empty list of token-id lists")
     # rows of numpy / jax arrays as Python lists (their 0-d elements as Python scalars)
     rows = [np.asarray(p).tolist() if hasattr(p, "__array__") else p for p in prompts]
-    if any(_is_int(p) for p in rows):
+    if any(is_int(p) for p in rows):
         raise ArgumentError("prompts: expected a list of token-id lists, got a flat list of ids (pass one "
                             "prompt as [ids])")
     out = []
@@ -79,7 +60,7 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[
         p = list(p)
         if not p:
             raise ValueError(f"prompts[{i}]: empty prompt")
-        odd = [t for t in p if not _is_int(t)]
+        odd = [t for t in p if not is_int(t)]
         if odd:
             raise ArgumentError(f"prompts[{i}]: token ids must be integers, got {odd[0]!r}")
         bad = [t for t in p if not 0 <= t < vocab_size]
@@ -109,9 +90,9 @@ def plan_lengths(config, prompts, max_new_tokens: int, chunk: int | None, max_ca
     padded to whole chunks (prefill writes whole chunks), rounded up to LENGTH_BUCKET, or at most
     max_cache_len slots where given (the automatic chunk then shrinks to fit if it must). Raises if
     any of these does not fit."""
-    max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 1)
-    chunk = _int_arg("prefill_chunk", chunk, 1, optional=True)
-    max_cache_len = _int_arg("max_cache_len", max_cache_len, 1, optional=True)
+    max_new_tokens = int_arg("max_new_tokens", max_new_tokens, 1)
+    chunk = int_arg("prefill_chunk", chunk, 1, optional=True)
+    max_cache_len = int_arg("max_cache_len", max_cache_len, 1, optional=True)
     longest = max(len(p) for p in prompts)
     need = longest + max_new_tokens
     if need > config.max_position_embeddings:
@@ -153,10 +134,10 @@ def _eos_array(cfg, eos_ids):
     """int32 [multiple of EOS_BUCKET]: the eos ids (the config's for None), padded with -1 (matches no
     token), so calls with different numbers of eos ids share one executable."""
     eos = cfg.eos_token_ids if eos_ids is None else eos_ids
-    if _is_int(eos) or isinstance(eos, (str, bytes)) or not hasattr(eos, "__iter__"):
+    if is_int(eos) or isinstance(eos, (str, bytes)) or not hasattr(eos, "__iter__"):
         raise ArgumentError(f"eos_ids: expected a sequence of token ids (e.g. [{eos!r}]) or None, got {eos!r}")
     eos = list(eos)
-    odd = [t for t in eos if not _is_int(t)]
+    odd = [t for t in eos if not is_int(t)]
     if odd:
         raise ArgumentError(f"eos_ids: token ids must be integers, got {odd[0]!r}")
     bad = [t for t in eos if not 0 <= t < cfg.vocab_size]
@@ -172,7 +153,7 @@ def _prepare(cfg, prompts, max_new_tokens, temperature, eos_ids, seed, max_cache
     state, static lengths)."""
     prompts = validate_prompts(prompts, cfg.vocab_size)
     temperature = _temperature(temperature)
-    seed = _int_arg("seed", seed, -(1 << 63))
+    seed = int_arg("seed", seed, -(1 << 63))
     eos = _eos_array(cfg, eos_ids)
     padded, cache_len, out_len, chunk = plan_lengths(cfg, prompts, max_new_tokens, prefill_chunk, max_cache_len,
                                                      slack)
@@ -371,9 +352,9 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
     frac_steps_ge2, slot_steps.
     """
     _check_pair(target, draft)
-    num_spec_tokens = _int_arg("num_spec_tokens", num_spec_tokens, 1)
-    topk = _int_arg("topk", topk, 1)
-    num_draft_tokens = _int_arg("num_draft_tokens", num_draft_tokens, 2, optional=True)
+    num_spec_tokens = int_arg("num_spec_tokens", num_spec_tokens, 1)
+    topk = int_arg("topk", topk, 1)
+    num_draft_tokens = int_arg("num_draft_tokens", num_draft_tokens, 2, optional=True)
     if topk > draft.config.draft_vocab_size:
         raise ValueError(f"topk: {topk} > draft vocabulary size {draft.config.draft_vocab_size}")
     most = 1 + topk + (num_spec_tokens - 1) * topk * topk

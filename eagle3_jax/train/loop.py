@@ -7,7 +7,6 @@ a run resumed from a checkpoint at step s sees exactly the batches an uninterrup
 
 from __future__ import annotations
 
-import numbers
 import os
 import time
 from typing import Callable
@@ -17,16 +16,15 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from eagle3_jax.checks import int_arg
+
 
 def adamw(lr: float, steps: int, warmup: int, *, weight_decay: float = 0.1, clip: float = 1.0,
           final_fraction: float = 0.1) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW (b2 0.95) on a warmup + cosine schedule (peak lr, ending at
     final_fraction * lr; warmup 0: from the peak). Weight decay applies to matrices only (not norms,
     biases, sinks)."""
-    if not isinstance(steps, numbers.Integral) or steps < 1:
-        raise ValueError(f"steps: must be a positive integer, got {steps!r}")
-    if not isinstance(warmup, numbers.Integral) or warmup < 0:
-        raise ValueError(f"warmup: must be a non-negative integer, got {warmup!r}")
+    steps, warmup = int_arg("steps", steps, 1), int_arg("warmup", warmup, 0)
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * final_fraction)
     decay = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
     return optax.chain(optax.clip_by_global_norm(clip),
@@ -52,11 +50,8 @@ def fit(model: nnx.Module, loss_fn: Callable, batch_fn: Callable[[int], dict], *
     (step, loss, metrics, seconds since the start, and `eval_fn(model)`'s figures prefixed "eval_"),
     one every `log_every` steps and at the end.
     """
-    for name, v in (("log_every", log_every), ("save_every", save_every)):
-        if not isinstance(v, numbers.Integral) or v < 1:
-            raise ValueError(f"{name}: must be a positive integer, got {v!r}")
-    if not isinstance(steps, numbers.Integral) or steps < 0:
-        raise ValueError(f"steps: must be a non-negative integer, got {steps!r}")
+    log_every, save_every = int_arg("log_every", log_every, 1), int_arg("save_every", save_every, 1)
+    steps = int_arg("steps", steps, 0)
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     @nnx.jit
