@@ -329,7 +329,35 @@ def test_rejects_bad_input():
         moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(fma_block_i=4), interpret=True)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_mosaic_gate_up_lowers_for_cuda(T):
+    # the Mosaic GPU gate_up (pallas/moe_mosaic.py) cannot run on a CPU; its CUDA lowering can
+    args = _case(T, T, E=6, H=64, I=64)
+    fn = jax.jit(lambda *a: moe.mxfp4_moe(*a, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(mosaic_tokens=16)))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "mxfp4_moe_gate_up_fma" not in text and "mxfp4_moe_down_fma" in text
+    with pytest.raises(ValueError, match="mosaic_tokens"):
+        moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(mosaic_tokens=17), interpret=True)
+
+
 # -- GPU ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [64, 2880])
+def test_gpu_mosaic_gate_up(H):
+    # the Mosaic GPU gate_up against the reference: 16 experts so that tokens share them, fresh inputs
+    # through the same executables, and one case of tiny gate_up scales (weights near 2^-90)
+    cfg = moe.MoeConfig(mosaic_tokens=16)
+    for T in (1, 2, 5, 16):
+        for seed in (T, T + 100):
+            _check(_case(seed, T, E=16, H=H, I=H), cfg, interpret=False)
+    rng = np.random.default_rng(9)
+    gub, gus, gubias, _, _, _ = _experts(rng, 8, H, H, scale_lo=36, scale_hi=45)
+    _, _, _, dnb, dns, dnbias = _experts(rng, 8, H, H, scale_lo=150, scale_hi=159)
+    ids, w = _routing(rng, 3, 8, 4)
+    x = jnp.asarray(rng.normal(0, 1, (3, H)), jnp.bfloat16)
+    _check((x, ids, w, gub, gus, gubias * 0, dnb, dns, dnbias * 0), cfg, interpret=False)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("decode", ["ptx", "bits", "f16", "ptx/perm", "ptx/fma0", "bits/fma16", "ptx/fma3"])

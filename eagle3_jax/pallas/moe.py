@@ -145,6 +145,11 @@ class MoeConfig:
     3 and 3), 32.6 / 106 / 397 (groups 16, 6 and 6) (H200, bench_kernels --moe_sweep, session 19):
     more, shorter programs do not hide the T=1 kernels' fixed cost.
 
+    mosaic_tokens: at most this many tokens (<= moe_mosaic.MAX_TOKENS, every expert on the FMA path, GPU)
+    run the FMA gate_up as the warp-specialized Mosaic GPU kernel of pallas/moe_mosaic.py (0: never, the
+    default: 15.96 / 48.99 / 182.1 us against 15.10 / 49.19 / 166.5 at T = 1 / 4 / 16, H200, that module's
+    docstring says why and what next).
+
     MMA path: block_i: SwiGLU outputs per gate_up program (it reads 2*block_i rows); block_h: outputs
     per down program; groups: scale groups per K step (power of 2); num_warps, num_stages: Triton's;
     decode: "bits" (f32 integer ops; needs subnormal f32 multiplies), "ptx" (bf16x2 inline PTX) or
@@ -169,6 +174,7 @@ class MoeConfig:
     fma_block_i: int = 8
     fma_block_h: int = 16
     fma_warps: int = 2
+    mosaic_tokens: int = 0
 
 
 DEFAULT_CONFIG = MoeConfig()
@@ -785,6 +791,8 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     if cfg.prefetch < 1 or cfg.fma_prefetch < 0 or cfg.fma_tokens < 0 or cfg.fma_block_i not in (8, 16, 32):
         raise ValueError(f"mxfp4_moe: prefetch must be >= 1, fma_prefetch >= 0, fma_tokens >= 0, and fma_block_i 8, "
                          f"16 or 32, got {cfg}")
+    if not 0 <= cfg.mosaic_tokens <= 16:
+        raise ValueError(f"mxfp4_moe: mosaic_tokens must be in [0, 16] (all tokens' activations in SMEM), got {cfg}")
     if cfg.layout not in ("interleave", "perm") or (cfg.layout == "perm" and cfg.groups < 4):
         raise ValueError(f"mxfp4_moe: layout must be 'interleave' or 'perm' (perm: groups >= 4), got {cfg}")
     perm = cfg.layout == "perm"
@@ -824,7 +832,13 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
         params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         fma_params = plgpu.CompilerParams(num_warps=cfg.fma_warps, num_stages=1)
     out = jax.ShapeDtypeStruct((To, Ho), F32)
-    if fma.tokens:  # kernel 1, FMA path (zeroes out)
+    if not interpret and not mma and T <= cfg.mosaic_tokens:  # kernel 1, FMA path on Mosaic GPU (zeroes out)
+        from eagle3_jax.pallas import moe_mosaic
+
+        actq, out = moe_mosaic.gate_up_fma(ids_flat, xq, gate_up_blocks, gate_up_scales, gate_up_bias, k=k,
+                                           limit=float(limit), alpha=float(alpha), dtype=x.dtype,
+                                           act_words=Gf2 * _GROUP_WORDS)
+    elif fma.tokens:  # kernel 1, FMA path (zeroes out)
         actq, out = pl.pallas_call(
             functools.partial(_fma_gate_up_kernel, T=T, k=k, H=H, BF=BF, limit=float(limit), alpha=float(alpha),
                               dtype=x.dtype, zero_cols=zero_cols, fma=fma),
