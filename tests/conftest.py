@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -10,8 +12,53 @@ import jax  # noqa: E402
 # float32 parity tests mean float32: without this, GPUs run f32 matmuls in TF32 (~4e-3 error).
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# One persistent XLA compilation cache for the whole run: the xdist workers and the experiment
+# scripts that tests/test_experiments.py runs as subprocesses compile many of the same programs
+# (the tiny models' initializers, their train steps, decode and generate loops, ...), and on CPU
+# compiling is most of the suite's time. The process that starts first (the xdist controller, or
+# the only process) makes a fresh directory and removes it at the end; workers and subprocesses
+# inherit it through the environment, so a run never reads a cache left by an earlier run (a
+# JAX_COMPILATION_CACHE_DIR set outside is used as it is and left alone).
+# No size limit: with one, every write scans the whole directory (most of the time saved, spent
+# again). Without one there is no file lock either; a process reading an entry another is still
+# writing fails to decompress it, and JAX then warns and compiles the program itself.
+_CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+_made_cache_dir = None
+
+
+# The files that take longest (mostly compiling), slowest first; the others follow in collection
+# order. `--dist loadfile` hands whole files to the workers, by default those with the most tests
+# first, which let the two slowest (few tests, 40% of the suite's time) start late, often on one
+# worker while the other sat idle at the end. With that reordering off the files go out in this
+# order: longest first, the short ones fill in at the end, and the two workers finish together. A
+# name missing here only loses that balance.
+SLOW_FILES = ("test_experiments.py", "test_decode.py", "test_pallas_moe.py", "test_train.py", "test_gpt_oss.py",
+              "test_generate.py")
+
+
+def pytest_configure(config):
+    global _made_cache_dir
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's scheduler
+        config.option.loadscopereorder = False
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        _made_cache_dir = tempfile.mkdtemp(prefix="eagle3_jax_xla_cache_")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = _made_cache_dir
+        for k, v in _CACHE_ENV.items():
+            os.environ.setdefault(k, v)
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    for k in _CACHE_ENV:
+        if k in os.environ:
+            jax.config.update(k.lower(), type(getattr(jax.config, k.lower()))(os.environ[k]))
+
+
+def pytest_unconfigure(config):
+    if _made_cache_dir is not None:
+        shutil.rmtree(_made_cache_dir, ignore_errors=True)
+
 
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: otherwise collection order
     if any(d.platform == "gpu" for d in jax.devices()):
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

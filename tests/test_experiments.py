@@ -179,8 +179,9 @@ def test_make_data_train_and_eval_pair(tmp_path):
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps([[5, 6, 7, 8], [9, 10, 11]]))
     out = tmp_path / "e.json"
+    # speed at B=2, both prompts: the acceptance pass's executables (generate, decode chain2) run again
     run("eval_pair.py", "--target", str(t), "--draft", str(dr), "--prompts_file", str(prompts), "--max_new_tokens",
-        "6", "--shapes", "chain2", "--speed_batches", "1", "--speed_shapes", "chain2", "--repeats", "1",
+        "6", "--shapes", "chain2", "--speed_batches", "2", "--speed_shapes", "chain2", "--repeats", "1",
         "--dtype", "float32", "--exact_check", "chain2", "--out", str(out))
     r = json.loads(out.read_text())
     assert [a["shape"] for a in r["acceptance"]] == ["chain2"]

@@ -7,9 +7,15 @@ the comparison). GPU: the Triton kernels at gpt-oss-120b sizes and in the model'
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
 
 from eagle3_jax.pallas import moe, moe_route
+
+
+# jitted, as the model runs it (one fusion): eager, its 32-way maximum and packing compile op by op
+# for every shape (about 1 s a call on CPU)
+_f16_pairs = jax.jit(moe.f16_pairs)
 
 
 def _case(rng, T, H, E, norm=True, h_std=3.0):
@@ -34,7 +40,7 @@ def _check(args, k, interpret=True):
     np.testing.assert_allclose(xf, rxf, rtol=2 ** -7, atol=0)
     assert np.mean(xf != rxf) < 1e-3
     # xq is the pair layout of the kernel's own x, bit for bit
-    np.testing.assert_array_equal(xq, np.asarray(moe.f16_pairs(jnp.asarray(x).astype(jnp.float32))))
+    np.testing.assert_array_equal(xq, np.asarray(_f16_pairs(jnp.asarray(x).astype(jnp.float32))))
     # routing of the kernel's own x, in float64 (x itself may differ from the reference's by one
     # bf16 step in rare elements, which moves the logits by more than the tolerance below)
     logits = xf @ np.asarray(args[2], np.float64) + np.asarray(args[3], np.float64)

@@ -1,6 +1,8 @@
 """Training: the LM loss learns, MXFP4 packing keeps the model, TTT matches decode's draft steps,
 checkpoints resume exactly."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,12 @@ def tiny_target(seed=0):
     cfg = ttarget.small_config(64, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=16, sliding_window=8)
     return ttarget.new_model(cfg, seed)
+
+
+# jitted where a test runs them to check other code: one program a shape compiles far faster on CPU
+# than the eager op-by-op dispatch (a tiny forward: ~1 s against ~6 s)
+forward = nnx.jit(gpt_oss.forward, static_argnums=2)
+layer = nnx.jit(eagle3.layer)
 
 
 def repeating_batches(step, B=8, T=24):
@@ -48,10 +56,10 @@ def test_target_learns_and_packs(tmp_path):
                     log_every=20, log=lambda r: None)
     assert hist[-1]["loss"] < 0.5 * hist[0]["loss"] and hist[-1]["accuracy"] > 0.8
     tokens = jnp.asarray(repeating_batches(999)["tokens"])
-    dense_logits, _ = gpt_oss.forward(model, tokens)
+    dense_logits, _ = forward(model, tokens)
     packed = ttarget.to_mxfp4(model, dtype=jnp.float32)
     assert isinstance(packed.layers[0].mlp.experts, gpt_oss.Mxfp4Experts) and packed.layers[0].mlp.path is None
-    packed_logits, _ = gpt_oss.forward(packed, tokens)
+    packed_logits, _ = forward(packed, tokens)
     agree = jnp.mean(jnp.argmax(dense_logits, -1) == jnp.argmax(packed_logits, -1))
     assert agree > 0.9
 
@@ -70,6 +78,30 @@ def test_fit_resumes_exactly(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_fit_checkpoint_at_or_past_steps(tmp_path):
+    # a checkpoint past `steps` used to be restored silently: fit returned [] with the model trained
+    # longer than asked
+    def same(a, b):
+        return all(np.array_equal(np.asarray(x), np.asarray(y))
+                   for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))))
+
+    ckpt = tmp_path / "c"
+    done = tiny_target(seed=4)
+    assert len(loop.fit(done, ttarget.lm_loss, repeating_batches, steps=3, tx=loop.adamw(1e-3, 3, 1), ckpt_dir=ckpt,
+                        log=lambda r: None)) == 1
+    # a finished run called again: restored, nothing to train, no records
+    again, logged = tiny_target(seed=4), []
+    assert loop.fit(again, ttarget.lm_loss, repeating_batches, steps=3, tx=loop.adamw(1e-3, 3, 1), ckpt_dir=ckpt,
+                    log=logged.append) == []
+    assert logged == [{"resumed_from_step": 3}] and same(again, done) and not same(again, tiny_target(seed=4))
+    short = tiny_target(seed=4)
+    msg = f"ckpt_dir {ckpt}: holds a checkpoint at step 3, past the requested steps=2"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        loop.fit(short, ttarget.lm_loss, repeating_batches, steps=2, tx=loop.adamw(1e-3, 2, 1), ckpt_dir=ckpt,
+                 log=lambda r: None)
+    assert same(short, tiny_target(seed=4))  # refused before the checkpoint was restored
+
+
 def _draft_pair(seed, vocab_k=48):
     target = tiny_target(seed)
     cfg = tdraft.draft_config(target.config, vocab_k, aux_layer_ids=(0, 1, 3))
@@ -84,27 +116,26 @@ def test_ttt_steps_equal_decode_draft_steps():
     target, draft, _ = _draft_pair(seed % 1000)
     N, L = 12, 4
     tokens = jax.random.randint(jax.random.key(seed), (2, N), 0, 64)
-    _, feats = gpt_oss.forward(target, tokens, draft.config.aux_layer_ids)
-    hs = tdraft.ttt_hidden(draft, tokens, feats, L)
+    _, feats = forward(target, tokens, draft.config.aux_layer_ids)
+    hs = nnx.jit(tdraft.ttt_hidden, static_argnums=3)(draft, tokens, feats, L)
     for t in (2, N - 1 - L):
         cache = kv_cache.init(1, 2, 32, draft.config.num_key_value_heads, draft.config.head_dim, jnp.float32)
         zero = jnp.zeros((2,), jnp.int32)
         pos = jnp.broadcast_to(jnp.arange(t + 1, dtype=jnp.int32), (2, t + 1))
-        h0, cache = eagle3.layer(draft, tokens[:, 1:t + 2], eagle3.project(draft, feats[:, :t + 1]), pos, zero, None,
-                                 cache)
+        h0, cache = layer(draft, tokens[:, 1:t + 2], eagle3.project(draft, feats[:, :t + 1]), pos, zero, None, cache)
         np.testing.assert_allclose(h0[:, t], hs[0][:, t], rtol=2e-4, atol=2e-4)
         for i in range(1, L):
             g = jnp.stack([hs[j][:, t] for j in range(i)], 1)  # node j+1 is fed h_j
             pos = jnp.broadcast_to(t + 1 + jnp.arange(i, dtype=jnp.int32), (2, i))
-            h, _ = eagle3.layer(draft, tokens[:, t + 2:t + 2 + i], g, pos, jnp.full((2,), t + 1, jnp.int32), None,
-                                cache)
+            h, _ = layer(draft, tokens[:, t + 2:t + 2 + i], g, pos, jnp.full((2,), t + 1, jnp.int32), None, cache)
             np.testing.assert_allclose(h[:, -1], hs[i][:, t], rtol=2e-4, atol=2e-4, err_msg=f"t={t} i={i}")
 
 
 def test_ttt_loss_masks_and_learns():
     target, draft, ids = _draft_pair(5)
     batch = repeating_batches(0, B=4, T=15)
-    loss, m = tdraft.ttt_loss(draft, jax.tree.map(jnp.asarray, batch), target, ttt_length=3)
+    loss, m = nnx.jit(tdraft.ttt_loss, static_argnames="ttt_length")(draft, jax.tree.map(jnp.asarray, batch), target,
+                                                                      ttt_length=3)
     assert np.isfinite(float(loss)) and set(m) == {"loss_0", "loss_1", "loss_2", "acc_0", "acc_1", "acc_2"}
     # the target learns the pattern first, then the draft learns the target
     loop.fit(target, ttarget.lm_loss, repeating_batches, steps=60, tx=loop.adamw(3e-3, 60, 10), log=lambda r: None)
@@ -132,7 +163,6 @@ def test_ttt_sliding_window_matches_decode():
     tokens = jnp.asarray(rng.integers(0, 64, (2, N)), jnp.int32)
     feats = jnp.asarray(rng.standard_normal((2, N, 3 * 64)), jnp.float32)
     hs = nnx.jit(tdraft.ttt_hidden, static_argnums=3)(draft, tokens, feats, L)
-    layer = nnx.jit(eagle3.layer)
     t = N - 1 - L
     cache = kv_cache.init(1, 2, 16, cfg.num_key_value_heads, cfg.head_dim, jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(t + 1, dtype=jnp.int32), (2, t + 1))

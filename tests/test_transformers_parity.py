@@ -6,6 +6,8 @@ import pytest
 from hf_fixtures import dense_from_mxfp4, random_hf_weights, tiny_hf_config, write_hf_checkpoint
 
 import jax.numpy as jnp
+from flax import nnx
+
 from eagle3_jax.convert import load_gpt_oss
 from eagle3_jax.models import gpt_oss
 from eagle3_jax.spec import generate
@@ -29,7 +31,8 @@ def test_matches_transformers(tmp_path, experts, shards):
     with torch.no_grad():
         r = hf(torch.as_tensor(tokens), output_hidden_states=True)
     want = r.logits.numpy().astype(np.float64)
-    logits, feats = gpt_oss.forward(ours, tokens, aux_layer_ids=(0, 1, 2))
+    # jitted: compiles in a fraction of the eager op-by-op time (eager forward: tests/test_gpt_oss.py)
+    logits, feats = nnx.jit(gpt_oss.forward, static_argnames="aux_layer_ids")(ours, tokens, aux_layer_ids=(0, 1, 2))
     assert np.abs(np.asarray(logits) - want).max() / np.abs(want).max() < 1e-3
     np.testing.assert_array_equal(np.argmax(logits, -1), want.argmax(-1))
     # transformers' hidden_states[k + 1] is the output of block k (for k < L - 1)

@@ -49,6 +49,12 @@ def fit(model: nnx.Module, loss_fn: Callable, batch_fn: Callable[[int], dict], *
     the end, and a call finding a checkpoint there resumes from its step. Returns the logged records
     (step, loss, metrics, seconds since the start, and `eval_fn(model)`'s figures prefixed "eval_"),
     one every `log_every` steps and at the end.
+
+    A checkpoint saved at exactly `steps` (a finished run, called again) is restored and nothing is
+    trained: the model holds the finished run's weights and the result is [] (no step ran, so
+    nothing is logged). A checkpoint past `steps` raises ValueError (naming the directory, its step
+    and `steps`) before the model is touched: restoring it would hand back a model trained longer
+    than asked, and training cannot go backwards.
     """
     log_every, save_every = int_arg("log_every", log_every, 1), int_arg("save_every", save_every, 1)
     steps = int_arg("steps", steps, 0)
@@ -65,6 +71,10 @@ def fit(model: nnx.Module, loss_fn: Callable, batch_fn: Callable[[int], dict], *
         ocp, mgr = _checkpointer(ckpt_dir)
         if mgr.latest_step() is not None:
             start = int(mgr.latest_step())
+            if start > steps:
+                mgr.close()
+                raise ValueError(f"ckpt_dir {os.path.abspath(ckpt_dir)}: holds a checkpoint at step {start}, past the "
+                                 f"requested steps={steps} (resume with steps >= {start}, or use a fresh ckpt_dir)")
             state = nnx.state((model, opt))
             abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(state))
             restored = mgr.restore(start, args=ocp.args.StandardRestore(abstract))
