@@ -330,25 +330,31 @@ def test_rejects_bad_input():
 
 
 @pytest.mark.parametrize("T", [1, 3])
-def test_mosaic_gate_up_lowers_for_cuda(T):
-    # the Mosaic GPU gate_up (pallas/moe_mosaic.py) cannot run on a CPU; its CUDA lowering can
+@pytest.mark.parametrize("gate_up, down", [(16, 0), (0, 16), (16, 16)])
+def test_mosaic_kernels_lower_for_cuda(T, gate_up, down):
+    # the Mosaic GPU kernels (pallas/moe_mosaic.py) cannot run on a CPU; their CUDA lowering can
     args = _case(T, T, E=6, H=64, I=64)
-    fn = jax.jit(lambda *a: moe.mxfp4_moe(*a, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(mosaic_tokens=16)))
+    cfg = moe.MoeConfig(mosaic_tokens=gate_up, mosaic_down_tokens=down)
+    fn = jax.jit(lambda *a: moe.mxfp4_moe(*a, limit=LIMIT, alpha=ALPHA, config=cfg))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and "mxfp4_moe_gate_up_fma" not in text and "mxfp4_moe_down_fma" in text
-    with pytest.raises(ValueError, match="mosaic_tokens"):
-        moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(mosaic_tokens=17), interpret=True)
+    assert ("gate_up_mosaic" in text) == bool(gate_up) and ("mxfp4_moe_gate_up_fma" in text) == (not gate_up)
+    assert ("down_mosaic" in text) == bool(down) and ("mxfp4_moe_down_fma" in text) == (not down)
+    for bad in (dict(mosaic_tokens=17), dict(mosaic_down_tokens=-1)):
+        with pytest.raises(ValueError, match="mosaic_tokens"):
+            moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(**bad), interpret=True)
 
 
 # -- GPU ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [64, 2880])
-def test_gpu_mosaic_gate_up(H):
-    # the Mosaic GPU gate_up against the reference: 16 experts so that tokens share them, fresh inputs
-    # through the same executables, and one case of tiny gate_up scales (weights near 2^-90)
-    cfg = moe.MoeConfig(mosaic_tokens=16)
-    for T in (1, 2, 5, 16):
+@pytest.mark.parametrize("gate_up, down", [(16, 0), (0, 16), (16, 16)])
+def test_gpu_mosaic_kernels(H, gate_up, down):
+    # the Mosaic GPU kernels against the reference: 16 experts so that tokens share them, fresh inputs
+    # through the same executables (T=5: the down kernel's 16 pairs are exceeded, Triton takes it), and
+    # one case of tiny gate_up scales (weights near 2^-90)
+    cfg = moe.MoeConfig(mosaic_tokens=gate_up, mosaic_down_tokens=down)
+    for T in (1, 2, 4, 5, 16):
         for seed in (T, T + 100):
             _check(_case(seed, T, E=16, H=H, I=H), cfg, interpret=False)
     rng = np.random.default_rng(9)

@@ -148,7 +148,8 @@ class MoeConfig:
     mosaic_tokens: at most this many tokens (<= moe_mosaic.MAX_TOKENS, every expert on the FMA path, GPU)
     run the FMA gate_up as the warp-specialized Mosaic GPU kernel of pallas/moe_mosaic.py (0: never, the
     default: 15.96 / 48.99 / 182.1 us against 15.10 / 49.19 / 166.5 at T = 1 / 4 / 16, H200, that module's
-    docstring says why and what next).
+    docstring says why and what next). mosaic_down_tokens: the same for the down kernel, at most
+    moe_mosaic.MAX_DOWN_PAIRS (token, expert) pairs.
 
     MMA path: block_i: SwiGLU outputs per gate_up program (it reads 2*block_i rows); block_h: outputs
     per down program; groups: scale groups per K step (power of 2); num_warps, num_stages: Triton's;
@@ -175,6 +176,7 @@ class MoeConfig:
     fma_block_h: int = 16
     fma_warps: int = 2
     mosaic_tokens: int = 0
+    mosaic_down_tokens: int = 0
 
 
 DEFAULT_CONFIG = MoeConfig()
@@ -791,8 +793,9 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     if cfg.prefetch < 1 or cfg.fma_prefetch < 0 or cfg.fma_tokens < 0 or cfg.fma_block_i not in (8, 16, 32):
         raise ValueError(f"mxfp4_moe: prefetch must be >= 1, fma_prefetch >= 0, fma_tokens >= 0, and fma_block_i 8, "
                          f"16 or 32, got {cfg}")
-    if not 0 <= cfg.mosaic_tokens <= 16:
-        raise ValueError(f"mxfp4_moe: mosaic_tokens must be in [0, 16] (all tokens' activations in SMEM), got {cfg}")
+    if not 0 <= cfg.mosaic_tokens <= 16 or not 0 <= cfg.mosaic_down_tokens <= 16:
+        raise ValueError(f"mxfp4_moe: mosaic_tokens and mosaic_down_tokens must be in [0, 16] (activations in "
+                         f"SMEM), got {cfg}")
     if cfg.layout not in ("interleave", "perm") or (cfg.layout == "perm" and cfg.groups < 4):
         raise ValueError(f"mxfp4_moe: layout must be 'interleave' or 'perm' (perm: groups >= 4), got {cfg}")
     perm = cfg.layout == "perm"
@@ -855,7 +858,11 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
             compiler_params=params, interpret=interpret, name="mxfp4_moe_gate_up",
         )(ids_flat, x.reshape(x.shape[0], -1, 8) if perm else x, gu_w, gu_s, gu_b)
         out = zeroed[0] if zeroed else out
-    if fma.tokens:  # kernel 2, FMA path
+    if not interpret and not mma and T <= cfg.mosaic_down_tokens and T * k <= 16:  # kernel 2, FMA path, Mosaic
+        from eagle3_jax.pallas import moe_mosaic
+
+        out = moe_mosaic.down_fma(ids_flat, w_flat, actq, down_blocks, down_scales, down_bias, out, k=k)
+    elif fma.tokens:  # kernel 2, FMA path
         out = pl.pallas_call(
             functools.partial(_fma_down_kernel, T=T, k=k, H=H, I=I, BN=BNf, interpret=interpret, fma=fma),
             grid=(P, nf2),
