@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from hf_fixtures import dequantize_mxfp4_np
 
-from eagle3_jax.pallas import moe
+from eagle3_jax.pallas import moe, moe_mosaic
 
 LIMIT, ALPHA = 7.0, 1.702
 
@@ -329,40 +329,49 @@ def test_rejects_bad_input():
         moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(fma_block_i=4), interpret=True)
 
 
-@pytest.mark.parametrize("T", [1, 3])
-@pytest.mark.parametrize("gate_up, down", [(16, 0), (0, 16), (16, 16)])
-def test_mosaic_kernels_lower_for_cuda(T, gate_up, down):
-    # the Mosaic GPU kernels (pallas/moe_mosaic.py) cannot run on a CPU; their CUDA lowering can
-    args = _case(T, T, E=6, H=64, I=64)
-    cfg = moe.MoeConfig(mosaic_tokens=gate_up, mosaic_down_tokens=down)
-    fn = jax.jit(lambda *a: moe.mxfp4_moe(*a, limit=LIMIT, alpha=ALPHA, config=cfg))
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert ("gate_up_mosaic" in text) == bool(gate_up) and ("mxfp4_moe_gate_up_fma" in text) == (not gate_up)
-    assert ("down_mosaic" in text) == bool(down) and ("mxfp4_moe_down_fma" in text) == (not down)
-    for bad in (dict(mosaic_tokens=17), dict(mosaic_down_tokens=-1)):
-        with pytest.raises(ValueError, match="mosaic_tokens"):
-            moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(**bad), interpret=True)
+@pytest.mark.parametrize("T, I", [(1, 64), (2, 128)])
+def test_mosaic_kernel_lowers_for_cuda(T, I):
+    # the Mosaic GPU kernel (pallas/moe_mosaic.py) cannot run on a CPU; its CUDA lowering can
+    args = _case(T, T, E=6, H=64, I=I)
+    for pairs, mosaic in ((4 * T, True), (4 * T - 1, False)):
+        fn = jax.jit(lambda *a: moe.mxfp4_moe(*a, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(mosaic_pairs=pairs)))
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("mxfp4_moe_mosaic" in text) == mosaic and ("mxfp4_moe_gate_up_fma" in text) == (not mosaic)
+    with pytest.raises(ValueError, match="mosaic_pairs"):
+        moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(mosaic_pairs=9), interpret=True)
+    with pytest.raises(ValueError, match="pairs 12"):
+        moe_mosaic.moe_fma(jnp.zeros(12, jnp.int32), jnp.zeros(12), moe.f16_pairs(jnp.zeros((3, 64))), *args[3:],
+                           k=4, limit=LIMIT, alpha=ALPHA, dtype=jnp.bfloat16)
 
 
 # -- GPU ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H", [64, 2880])
-@pytest.mark.parametrize("gate_up, down", [(16, 0), (0, 16), (16, 16)])
-def test_gpu_mosaic_kernels(H, gate_up, down):
-    # the Mosaic GPU kernels against the reference: 16 experts so that tokens share them, fresh inputs
-    # through the same executables (T=5: the down kernel's 16 pairs are exceeded, Triton takes it), and
-    # one case of tiny gate_up scales (weights near 2^-90)
-    cfg = moe.MoeConfig(mosaic_tokens=gate_up, mosaic_down_tokens=down)
-    for T in (1, 2, 4, 5, 16):
+@pytest.mark.parametrize("H, I", [(64, 64), (64, 128), (2880, 2880)])
+def test_gpu_mosaic_kernel(H, I):
+    # the Mosaic GPU kernel against the reference: 16 experts so that tokens share them, fresh inputs
+    # through the same executables (T=3: past its 8 pairs, the Triton kernels take it), fewer blocks
+    # than multiprocessors (many units a block across the grid-wide barrier), and one case of tiny
+    # gate_up scales (weights near 2^-90)
+    cfg = moe.MoeConfig(mosaic_pairs=8)
+    errs = {}
+    for T in (1, 2, 3):
         for seed in (T, T + 100):
-            _check(_case(seed, T, E=16, H=H, I=H), cfg, interpret=False)
+            errs[T, seed] = _check(_case(seed, T, E=16, H=H, I=I), cfg, interpret=False, tol=1.0)
+    assert max(errs.values()) < 2e-3, errs
+    x, ids, w, *ex = _case(7, 2, E=16, H=H, I=I)
+    ref = moe.mxfp4_moe_reference(x, ids, w, *ex, limit=LIMIT, alpha=ALPHA)
+    for ncta in (1, 7):
+        out = moe_mosaic.moe_fma(ids.reshape(-1), w.reshape(-1), moe.f16_pairs(x.astype(jnp.float32)), *ex, k=4,
+                                 limit=LIMIT, alpha=ALPHA, dtype=x.dtype, num_ctas=ncta)
+        assert _rel(out, ref) < 2e-3, ncta
     rng = np.random.default_rng(9)
-    gub, gus, gubias, _, _, _ = _experts(rng, 8, H, H, scale_lo=36, scale_hi=45)
-    _, _, _, dnb, dns, dnbias = _experts(rng, 8, H, H, scale_lo=150, scale_hi=159)
-    ids, w = _routing(rng, 3, 8, 4)
-    x = jnp.asarray(rng.normal(0, 1, (3, H)), jnp.bfloat16)
-    _check((x, ids, w, gub, gus, gubias * 0, dnb, dns, dnbias * 0), cfg, interpret=False)
+    gub, gus, gubias, _, _, _ = _experts(rng, 8, H, I, scale_lo=36, scale_hi=45)
+    _, _, _, dnb, dns, dnbias = _experts(rng, 8, H, I, scale_lo=150, scale_hi=159)
+    ids, w = _routing(rng, 2, 8, 4)
+    x = jnp.asarray(rng.normal(0, 1, (2, H)), jnp.bfloat16)
+    # f16x2 sums of few terms (H = 64): 2.01e-3 seen on the H200 for this input
+    _check((x, ids, w, gub, gus, gubias * 0, dnb, dns, dnbias * 0), cfg, interpret=False, tol=3e-3)
 
 
 @pytest.mark.gpu

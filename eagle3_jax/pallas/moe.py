@@ -145,11 +145,10 @@ class MoeConfig:
     3 and 3), 32.6 / 106 / 397 (groups 16, 6 and 6) (H200, bench_kernels --moe_sweep, session 19):
     more, shorter programs do not hide the T=1 kernels' fixed cost.
 
-    mosaic_tokens: at most this many tokens (<= moe_mosaic.MAX_TOKENS, every expert on the FMA path, GPU)
-    run the FMA gate_up as the warp-specialized Mosaic GPU kernel of pallas/moe_mosaic.py (0: never, the
-    default: 15.96 / 48.99 / 182.1 us against 15.10 / 49.19 / 166.5 at T = 1 / 4 / 16, H200, that module's
-    docstring says why and what next). mosaic_down_tokens: the same for the down kernel, at most
-    moe_mosaic.MAX_DOWN_PAIRS (token, expert) pairs.
+    mosaic_pairs: calls of at most this many (token, expert) pairs (<= moe_mosaic.MAX_PAIRS = 8, GPU) run
+    as the one warp-specialized Mosaic GPU kernel of pallas/moe_mosaic.py (gate_up, then down once each
+    pair's act is complete, by counters between blocks) instead of the two Triton kernels (0: never, the default: the same speed, 25.50 / 44.20 us against
+    25.13 / 44.74 at T = 1 / 2 on an H200; that module's docstring says what its time is made of).
 
     MMA path: block_i: SwiGLU outputs per gate_up program (it reads 2*block_i rows); block_h: outputs
     per down program; groups: scale groups per K step (power of 2); num_warps, num_stages: Triton's;
@@ -175,8 +174,7 @@ class MoeConfig:
     fma_block_i: int = 8
     fma_block_h: int = 16
     fma_warps: int = 2
-    mosaic_tokens: int = 0
-    mosaic_down_tokens: int = 0
+    mosaic_pairs: int = 0
 
 
 DEFAULT_CONFIG = MoeConfig()
@@ -793,9 +791,8 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     if cfg.prefetch < 1 or cfg.fma_prefetch < 0 or cfg.fma_tokens < 0 or cfg.fma_block_i not in (8, 16, 32):
         raise ValueError(f"mxfp4_moe: prefetch must be >= 1, fma_prefetch >= 0, fma_tokens >= 0, and fma_block_i 8, "
                          f"16 or 32, got {cfg}")
-    if not 0 <= cfg.mosaic_tokens <= 16 or not 0 <= cfg.mosaic_down_tokens <= 16:
-        raise ValueError(f"mxfp4_moe: mosaic_tokens and mosaic_down_tokens must be in [0, 16] (activations in "
-                         f"SMEM), got {cfg}")
+    if not 0 <= cfg.mosaic_pairs <= 8:  # moe_mosaic.MAX_PAIRS (moe_mosaic imports this module)
+        raise ValueError(f"mxfp4_moe: mosaic_pairs must be in [0, 8] (all pairs' act in SMEM), got {cfg}")
     if cfg.layout not in ("interleave", "perm") or (cfg.layout == "perm" and cfg.groups < 4):
         raise ValueError(f"mxfp4_moe: layout must be 'interleave' or 'perm' (perm: groups >= 4), got {cfg}")
     perm = cfg.layout == "perm"
@@ -835,13 +832,12 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
         params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         fma_params = plgpu.CompilerParams(num_warps=cfg.fma_warps, num_stages=1)
     out = jax.ShapeDtypeStruct((To, Ho), F32)
-    if not interpret and not mma and T <= cfg.mosaic_tokens:  # kernel 1, FMA path on Mosaic GPU (zeroes out)
+    if not interpret and not mma and P <= cfg.mosaic_pairs:  # both kernels as one, on Mosaic GPU
         from eagle3_jax.pallas import moe_mosaic
 
-        actq, out = moe_mosaic.gate_up_fma(ids_flat, xq, gate_up_blocks, gate_up_scales, gate_up_bias, k=k,
-                                           limit=float(limit), alpha=float(alpha), dtype=x.dtype,
-                                           act_words=Gf2 * _GROUP_WORDS)
-    elif fma.tokens:  # kernel 1, FMA path (zeroes out)
+        return moe_mosaic.moe_fma(ids_flat, w_flat, xq, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks,
+                                  down_scales, down_bias, k=k, limit=float(limit), alpha=float(alpha), dtype=x.dtype)
+    if fma.tokens:  # kernel 1, FMA path (zeroes out)
         actq, out = pl.pallas_call(
             functools.partial(_fma_gate_up_kernel, T=T, k=k, H=H, BF=BF, limit=float(limit), alpha=float(alpha),
                               dtype=x.dtype, zero_cols=zero_cols, fma=fma),
@@ -858,11 +854,7 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
             compiler_params=params, interpret=interpret, name="mxfp4_moe_gate_up",
         )(ids_flat, x.reshape(x.shape[0], -1, 8) if perm else x, gu_w, gu_s, gu_b)
         out = zeroed[0] if zeroed else out
-    if not interpret and not mma and T <= cfg.mosaic_down_tokens and T * k <= 16:  # kernel 2, FMA path, Mosaic
-        from eagle3_jax.pallas import moe_mosaic
-
-        out = moe_mosaic.down_fma(ids_flat, w_flat, actq, down_blocks, down_scales, down_bias, out, k=k)
-    elif fma.tokens:  # kernel 2, FMA path
+    if fma.tokens:  # kernel 2, FMA path
         out = pl.pallas_call(
             functools.partial(_fma_down_kernel, T=T, k=k, H=H, I=I, BN=BNf, interpret=interpret, fma=fma),
             grid=(P, nf2),

@@ -1,40 +1,40 @@
-"""The MXFP4 FMA path's kernels as warp-specialized Mosaic GPU kernels (GPU only).
+"""The MXFP4 MoE of a few tokens as one warp-specialized Mosaic GPU kernel (GPU only): gate_up,
+clamped SwiGLU, down and the weighted combine, with the dependency of down on gate_up resolved between
+blocks by counters in GMEM instead of a second launch.
 
-BRANCH mosaic-next (session 20): `down_fma` and the gate_up changes below (biases loaded before the dot
-products; both kernels on one `_stream` body) lower for CUDA but have NOT run on a GPU yet. First:
-`pytest -m gpu tests/test_pallas_moe.py -k mosaic`, then `experiments/bench_kernels.py --only moe
---moe_tokens 1 --moe_jnp=false --moe_sweep "mosaic_tokens=0,mosaic_tokens=16,mosaic_down_tokens=16,
-mosaic_tokens=16/mosaic_down_tokens=16" --moe_sweep_tokens 1,4`.
+`moe_fma(ids, weights, xq, <gate_up experts>, <down experts>)` computes what `moe.mxfp4_moe`'s FMA path
+computes for up to MAX_PAIRS (token, expert) pairs: out[t] = sum over t's pairs p of weights[p] *
+(W2_e act_p + b2_e), act_p = SwiGLU(W1_e x_t + b1_e) rounded to x's dtype (same arithmetic: the f16x2
+PTX of `moe._group_dot_asm`, activations in the `moe.f16_pairs` layout).
 
-`down_fma(ids, weights, actq, <down experts>, out)` adds weights[p] * (W2_e act_p + b2_e) into row p // k
-of out (f32 atomics, one per row and pair), the pairs' act (gate_up's pair layout, one factor a weight
-word) all in SMEM (at most MAX_DOWN_PAIRS pairs); out is updated in place (pl.run_state + pl.core_map).
+Structure. The work is a list of units of 16 weight rows of one pair's expert: the gate_up units of
+every pair (pair-major), then the down units (pair-major). Block c of the grid (one per
+multiprocessor, all resident) takes units c, c + ncta, ... One memory warpgroup streams each unit's
+blocks and scale bytes (contiguous spans of the HF layout) by TMA into an S-slot SMEM ring; the compute
+warpgroups take the units in turn. The tokens' activations are copied to SMEM once.
+- gate_up unit: a compute thread owns one of the unit's rows and every 8th scale group: 16 bytes of
+  weights and its scale byte from SMEM, the group's 16 pair words and factor, the f16x2 PTX, a 3-step
+  shuffle sum over the row's 8 threads; gate and linear rows (adjacent) meet by one more shuffle, the
+  unit's 8 act values go through SMEM so that four threads write the block's pair words of act (GMEM
+  scratch, one factor a weight word) and one its factor; each of the four then releases the pair's
+  counter (a zeroed GMEM semaphore; proxy fence first: TMA reads act).
+- down unit: the same row sums over the pair's act (in SMEM), plus bias, times the routing weight,
+  added into out with f32 atomics. Before a block's first down unit of pair p, its memory warpgroup
+  (after issuing that unit's weights) waits for p's counter to reach 4 x the pair's gate_up units plus
+  one release per block (each block zeroes its share of out first), then copies p's act to SMEM.
 
-`gate_up_fma(ids, xq, gate_up_blocks, gate_up_scales, gate_up_bias, ...)` computes what
-`moe._fma_gate_up_kernel` computes for every (token, expert) pair: act = SwiGLU(W1_e x_t + b1_e),
-rounded to x's dtype, written in the down kernel's pair layout (one power-of-two factor per 8
-columns), and returns a zeroed f32 [T, H] for the down kernel's atomic adds.
-
-Why: the Triton kernels stall on their own loads (each program loads a K step, then decodes it, and
-the SM has nothing else to run meanwhile). Here one memory warpgroup streams 16-row units of the
-routed experts' rows (their blocks and scale bytes are contiguous spans: TMA copies with 256- and
-32-byte rows into an S-slot SMEM ring) while the compute warpgroups take the units in turn; all T
-tokens' activations (`moe.f16_pairs` layout) are copied to SMEM once. A compute thread owns one of the
-unit's rows and every 8th scale group: 16 bytes of weights and its scale byte from SMEM, the group's
-16 pair words and factor, the f16x2 PTX of `moe._group_dot_asm`, a 3-step shuffle sum over the row's
-8 threads; then gate and linear rows (adjacent) meet by one more shuffle, the 8 act values of the unit
-go through SMEM so that four threads write the block's pair words and one its factor.
-
-Status: correct (GPU tests at gpt-oss sizes) but not yet faster, so `MoeConfig.mosaic_tokens` is 0 by
-default. H200, JAX 0.11.2, device kernel time of gate_up at T = 1 / 4 / 16 (one process,
-experiments/results/moe_mosaic_h200.json): this kernel 15.96 / 48.99 / 182.1 us, the Triton kernel
-15.10 / 49.19 / 166.5 us. The same loop without the epilogue (raw row sums to HBM) took 12.1 us at T=1
-(71% of the HBM roofline) and the TMA stream alone 10.0 us (experiments/results/moe_mosaic_probe_h200.json,
-the probe script of commit c06367e, another run). So the epilogue costs about 4 us; not yet measured
-apart, the likely causes: each unit waits on a global load of its 16 biases, issued after the dot products with
-nothing to hide it, and syncs its warpgroup twice around the SMEM exchange of the 8 act values. Next:
-load the biases with the unit (TMA, or before the group loop), keep a unit's block maximum inside one
-warp, and lower the memory warpgroup's registers (setmaxnreg) so that more compute warps fit.
+Measured on an H200, JAX 0.11.2 (device kernel time, one gpt-oss-120b layer, 4 random routings;
+the roofline of T=1 is 13.2 us; experiments/results/moe_mosaic_fused_h200.json): T=1 25.50 us, T=2
+44.20 us, against the two Triton kernels' 14.87 + 10.26 and 27.35 + 17.39 us in the same run: the same
+speed, so `MoeConfig.mosaic_pairs` is 0 by default. What the time is made of (T=1, variants of this
+kernel timed in one process, the same file): the stream alone (units skipped, the
+counters kept) 18.0 us; without gate_up's compute 21.2, without down's 22.0. So the compute adds 7.5 us
+that the stream does not hide, and the stream itself (ramp, the last pair's wait for its act, the
+scales' 32-byte TMA rows) is 1.4x the roofline. Compute warpgroups / ring slots: 3/6 25.5, 3/3 25.2,
+2/4 26.0, 2/2 28.8, 4/4 27.2 us. A grid-wide barrier instead of the per-pair counters (all act copied
+over the activations' SMEM) took 26.0 us. The same structure for gate_up alone: its matvec 12.1 us
+(71% of the roofline), its TMA stream 10.0 us (86%), the Triton gate_up 15.1 us
+(experiments/results/moe_mosaic_probe_h200.json).
 """
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref, vector
 
 from eagle3_jax.pallas import moe
 
-ROWS = 16  # gate_up rows per unit (8 act columns: one block of the pair layout)
+ROWS = 16  # weight rows per unit (gate_up: 8 act columns, one block of the pair layout)
 LANES = 8  # threads per row: thread t of a warpgroup owns row t // 8 and scale groups t % 8, t % 8 + 8, ...
 WG = 128  # threads per warpgroup
 X_ROWS = 256  # 32-byte rows per copy of the activations (a TMA box holds at most 256)
-MAX_TOKENS = 16  # gate_up: all tokens' activations stay in SMEM
-MAX_DOWN_PAIRS = 16  # down: all pairs' act stays in SMEM
+ACT_ROW = 80  # u32 words per row of act (GMEM scratch and SMEM): four 20-word groups
+MAX_PAIRS = 8  # (token, expert) pairs: all pairs' act stays in SMEM beside the activations and the ring
 _LOG2E = 1.4426950408889634
 
 
@@ -75,11 +75,11 @@ def _index():
     return tid, arith.divui(tid, _c(LANES, idx)), arith.remui(tid, _c(LANES, idx))
 
 
-def _row_sum(w_ref, s_ref, x_ref, *, G, x_width, per_word):
+def _row_sum(w_ref, s_ref, x_ref, *, G, x_at, per_word):
     """This thread's row's dot product, summed over the row's 8 threads (every one holds it). w_ref u8
-    [16 G / 16, 256] (the unit's blocks, row-major [16, G, 16]), s_ref u8 [>= G / 2, 32] (its scale bytes,
-    [16, G]), x_ref u32 [>= 20 G / x_width, x_width] (the activations' pair layout [G, 20]: one factor a
-    group at word 16, or per_word one a weight word at words 16..19)."""
+    [>= G, 256] (the unit's blocks, row-major [16, G, 16]), s_ref u8 [>= G / 2, 32] (its scale bytes,
+    [16, G]), x_ref u32: the activations' pair layout, 20 words a group (one factor a group at word 16,
+    or per_word one a weight word at words 16..19), word j of group g at x_at(g, j)."""
     i8, i32, f32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32), ir.F32Type.get()
     idx = ir.IndexType.get()
     _, r, lane = _index()
@@ -92,9 +92,6 @@ def _row_sum(w_ref, s_ref, x_ref, *, G, x_width, per_word):
     def ext(v, q):
         return vector.extract(v, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([q]))
 
-    def at(off, width):  # element `off` of a ref viewed as rows of `width`
-        return [arith.divui(off, _c(width, idx)), arith.remui(off, _c(width, idx))]
-
     acc = _c(0.0, f32)
     for j in range(-(-G // LANES)):
         g = arith.addi(lane, _c(LANES * j, idx))
@@ -103,12 +100,11 @@ def _row_sum(w_ref, s_ref, x_ref, *, G, x_width, per_word):
             valid = arith.cmpi(arith.CmpIPredicate.ult, g, _c(G, idx))
             g = arith.minui(g, _c(G - 1, idx))
         off = arith.addi(arith.muli(r, _c(G * 16, idx)), arith.muli(g, _c(16, idx)))
-        wv = mu.bitcast(vector.load(v16, w_ref, at(off, 256)), v4)
-        xo = arith.muli(g, _c(20, idx))
-        xs = [ext(vector.load(v4, x_ref, at(arith.addi(xo, _c(4 * q, idx)), x_width)), t)
-              for q in range(4) for t in range(4)]
-        factors = [mu.bitcast(memref.load(x_ref, at(arith.addi(xo, _c(16 + q, idx)), x_width)), f32) for q in range(nf)]
-        sc = memref.load(s_ref, at(arith.addi(arith.muli(r, _c(G, idx)), g), 32))
+        wv = mu.bitcast(vector.load(v16, w_ref, [arith.divui(off, _c(256, idx)), arith.remui(off, _c(256, idx))]), v4)
+        xs = [ext(vector.load(v4, x_ref, x_at(g, 4 * q)), t) for q in range(4) for t in range(4)]
+        factors = [mu.bitcast(memref.load(x_ref, x_at(g, 16 + q)), f32) for q in range(nf)]
+        so = arith.addi(arith.muli(r, _c(G, idx)), g)
+        sc = memref.load(s_ref, [arith.divui(so, _c(32, idx)), arith.remui(so, _c(32, idx))])
         f = mu.bitcast(arith.shli(arith.extui(i32, sc), _c(23, i32)), f32)  # 2^(s - 127) (0 for s = 0)
         res = _asm(res_ty, [ext(wv, q) for q in range(4)] + xs, asm, cons)
         sums = [res] if nf == 1 else [llvm.extractvalue(f32, res, [q]) for q in range(nf)]
@@ -120,17 +116,33 @@ def _row_sum(w_ref, s_ref, x_ref, *, G, x_width, per_word):
     return acc
 
 
-def _gate_up_unit(ctx, w_ref, s_ref, x_ref, b_ref, ex_ref, a_ref, *, G, limit, alpha, dtype):
+def _x_at(g, j):
+    """Word j of group g of one token's activations (rows of 8 words)."""
+    idx = ir.IndexType.get()
+    off = arith.addi(arith.muli(g, _c(20, idx)), _c(j, idx))
+    return [arith.divui(off, _c(8, idx)), arith.remui(off, _c(8, idx))]
+
+
+def _act_at(g, j):
+    """Word j of group g of one pair's act (rows of ACT_ROW words, four groups a row)."""
+    idx = ir.IndexType.get()
+    col = arith.addi(arith.muli(arith.remui(g, _c(4, idx)), _c(20, idx)), _c(j, idx))
+    return [arith.divui(g, _c(4, idx)), col]
+
+
+def _gate_up_unit(ctx, w_ref, s_ref, x_ref, b_ref, ex_ref, a_ref, sem_ref, *, G, limit, alpha, dtype):
     """One gate_up unit on one compute warpgroup: `_row_sum`'s refs (x: the token's, rows of 8 words),
-    b_ref [16] (the rows' biases, GMEM, loaded before the dot products), ex_ref f32 [8] (SMEM scratch),
-    a_ref u32 [17] (GMEM: the block's pair words at 0, 4, 8, 12 and its factor at 16)."""
+    b_ref [16] (the rows' biases, GMEM, loaded before the dot products), ex_ref f32 [8] (SMEM scratch,
+    alternate units of a warpgroup alternate two of them: one barrier a unit), a_ref u32 [17] (GMEM:
+    the block's pair words at 0, 4, 8, 12 and its factor at 16), sem_ref: the pair's counter, which
+    each of the 4 writing threads releases by 1 after its stores."""
     del ctx
     i32, f32, idx = ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.IndexType.get()
     tid, r, lane = _index()
     even_r = arith.muli(arith.divui(r, _c(2, idx)), _c(2, idx))
     b_gate = arith.extf(f32, memref.load(b_ref, [even_r]))
     b_lin = arith.extf(f32, memref.load(b_ref, [arith.addi(even_r, _c(1, idx))]))
-    acc = _row_sum(w_ref, s_ref, x_ref, G=G, x_width=8, per_word=False)
+    acc = _row_sum(w_ref, s_ref, x_ref, G=G, x_at=_x_at, per_word=False)
     lin = mu.shfl_bfly(acc, 8)  # row r + 1 (the linear row of gate row r, r even) lives 8 threads up
     even = arith.cmpi(arith.CmpIPredicate.eq, r, even_r)
     with mu.when(arith.andi(even, arith.cmpi(arith.CmpIPredicate.eq, lane, _c(0, idx)))):
@@ -158,27 +170,28 @@ def _gate_up_unit(ctx, w_ref, s_ref, x_ref, b_ref, ex_ref, a_ref, *, G, limit, a
         memref.store(word, a_ref, [arith.muli(tid, _c(4, idx))])
         with mu.when(arith.cmpi(arith.CmpIPredicate.eq, tid, _c(0, idx))):
             memref.store(arith.shli(arith.addi(ex, _c(127, i32)), _c(23, i32)), a_ref, [_c(16, idx)])  # 2^e
-    mu.warpgroup_barrier()  # ex_ref is rewritten by the next unit
+        _release(sem_ref)
 
 
 def _down_unit(ctx, w_ref, s_ref, x_ref, b_ref, wt_ref, o_ref, *, G):
-    """One down unit on one compute warpgroup: `_row_sum`'s refs (x: the pair's act, rows of 64 words,
-    one factor a weight word), b_ref [16] (the rows' biases, GMEM), wt_ref f32 [1] (the pair's routing
-    weight, GMEM), o_ref f32 [16] (GMEM: the token's outputs of these rows, added to atomically)."""
+    """One down unit on one compute warpgroup: `_row_sum`'s refs (x: the pair's act, rows of ACT_ROW
+    words, one factor a weight word), b_ref [16] (the rows' biases, GMEM), wt_ref f32 [1] (the pair's
+    routing weight, GMEM), o_ref f32 [16] (GMEM: the token's outputs of these rows, added to atomically)."""
     del ctx
     i32, f32, idx = ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.IndexType.get()
     _, r, lane = _index()
     b = arith.extf(f32, memref.load(b_ref, [r]))  # loaded before the dot products
     wt = memref.load(wt_ref, [_c(0, idx)])
-    acc = _row_sum(w_ref, s_ref, x_ref, G=G, x_width=64, per_word=True)
+    acc = _row_sum(w_ref, s_ref, x_ref, G=G, x_at=_act_at, per_word=True)
     with mu.when(arith.cmpi(arith.CmpIPredicate.eq, lane, _c(0, idx))):
         ptr = mu.getelementptr(mu.memref_ptr(o_ref), [arith.index_cast(i32, r)], f32)
         llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr, arith.mulf(arith.addf(acc, b), wt)],
                         "red.relaxed.gpu.add.f32 [$0], $1;", "l,f", has_side_effects=True)
 
 
-def _zero(ctx, o_ref, *, n, ncta):
-    """Block c's share of o_ref f32 [n] (GMEM) set to 0 by one warpgroup."""
+def _zero(ctx, o_ref, sem_ref, *, n, ncta):
+    """Block c's share of o_ref f32 [n] (GMEM) set to 0 by one warpgroup, then every counter of
+    sem_ref [P] released by 1 (the down units add into out only after all blocks' zeros)."""
     del ctx
     idx, f32 = ir.IndexType.get(), ir.F32Type.get()
     per = -(-n // ncta)
@@ -191,102 +204,138 @@ def _zero(ctx, o_ref, *, n, ncta):
                         arith.cmpi(arith.CmpIPredicate.ult, pos, _c(n, idx)))
         with mu.when(ok):
             memref.store(_c(0.0, f32), o_ref, [pos])
+    mu.warpgroup_barrier()
+    with mu.when(arith.cmpi(arith.CmpIPredicate.eq, tid, _c(0, idx))):
+        for p in range(ir.MemRefType(sem_ref.type).shape[0]):
+            _release(mu.memref_slice(sem_ref, p))
 
 
-def _layout(E, R, G, P, num_ctas):
-    """Units (16 rows of one pair's expert) and the views the copies read: (upp units a pair, U units,
-    ncta blocks, steps a block, 256-byte rows of a unit's blocks, 32-byte rows of its scales, rows a scale
-    copy takes: whole 128-byte lines, past the array's end zeros)."""
-    upp = R // ROWS
-    U = P * upp
-    ncta = min(num_ctas, U)
-    WB, SB = ROWS * G * 16 // 256, ROWS * G // 32
-    return upp, U, ncta, -(-U // ncta), WB, SB, -(-SB // 4) * 4
+def _release(sem_ref):
+    """This thread's earlier stores made visible to the TMA copies of any block (async proxy), then
+    the counter at sem_ref (GMEM, i32) incremented with release semantics at GPU scope."""
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.global;", "", has_side_effects=True)
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [mu.memref_ptr(sem_ref), _c(1, ir.IntegerType.get_signless(32))],
+                    "red.release.gpu.global.add.u32 [$0], $1;", "l,r", has_side_effects=True)
 
 
-def _stream(ids_ref, w_ref, s_ref, smem, bars, consumed, *, lay, stages, compute_wgs, x_copies, prologue, unit):
-    """The kernel body shared by both kernels: the memory warpgroup copies the activations
-    (`x_copies(x_bar)`), then each unit's blocks and scales into slot i % stages; compute warpgroup w
-    runs `prologue()`, waits for the activations and runs `unit(slot, p, rb, e)` for its units i
-    (i % compute_wgs == w; block c takes units c, c + ncta, ...; the last block's spare steps redo the
-    last unit)."""
-    upp, U, ncta, steps, WB, SB, SBp = lay
-    w_smem, s_smem = smem
-    w_bar, s_bar, x_bar = bars
-    cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
-
-    def unit_at(i):
-        u = jnp.minimum(cta + i * ncta, U - 1)
-        return u // upp, u % upp
-
-    @pl.when(wg < compute_wgs)
-    def _compute():
-        prologue()
-        for c in range(x_bar.shape[0]):
-            plgpu.barrier_wait(x_bar.at[c])
-
-        @pl.loop(0, steps)
-        def _(i):
-            @pl.when(i % compute_wgs == wg)
-            def _():
-                slot = i % stages
-                p, rb = unit_at(i)
-                plgpu.barrier_wait(w_bar.at[slot])
-                plgpu.barrier_wait(s_bar.at[slot])
-                unit(w_smem.at[slot], s_smem.at[slot], p, rb, ids_ref[p])
-                plgpu.barrier_arrive(consumed.at[slot])
-
-    @pl.when(wg == compute_wgs)
-    def _memory():
-        x_copies(cta, x_bar)
-
-        @pl.loop(0, steps)
-        def _(i):
-            slot = i % stages
-            p, rb = unit_at(i)
-            u = ids_ref[p] * upp + rb
-
-            @pl.when(i >= stages)
-            def _():
-                plgpu.barrier_wait(consumed.at[slot])
-
-            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(u * WB, WB)], w_smem.at[slot], w_bar.at[slot])
-            plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(u * SB, SBp)], s_smem.at[slot], s_bar.at[slot])
+def _proxy_fence(ctx):
+    """Orders this thread's earlier generic-proxy accesses before its later async-proxy ones."""
+    del ctx
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.global;", "", has_side_effects=True)
 
 
-def _ring(lay, stages, extra_smem, nx):
-    """Scratch of `_stream`: (the two slot rings, extra SMEM...), its barriers, the slots' consumed barriers."""
-    _, _, _, _, WB, _, SBp = lay
-    return ((plgpu.SMEM((stages, WB, 256), jnp.uint8), plgpu.SMEM((stages, SBp, 32), jnp.uint8)) + tuple(extra_smem),
-            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=nx)),
-            plgpu.Barrier(num_arrivals=1, num_barriers=stages))
+def _num_ctas():
+    dev = jax.local_devices()[0]
+    return getattr(dev, "core_count", 132) if dev.platform == "gpu" else 132
 
 
-@functools.partial(jax.jit, static_argnames=("k", "limit", "alpha", "dtype", "act_words", "stages", "compute_wgs",
-                                             "num_ctas"))
-def gate_up_fma(ids, xq, gate_up_blocks, gate_up_scales, gate_up_bias, *, k: int, limit: float, alpha: float, dtype,
-                act_words: int, stages: int = 4, compute_wgs: int = 2, num_ctas: int = 132):
-    """ids int32 [P] (pair p: token p // k), xq u32 [T, G, 5, 4] (`moe.f16_pairs`, T <= 16), the packed
-    gate_up experts (HF layout) -> (actq u32 [P, act_words]: act rounded to `dtype`, in the down kernel's
-    pair layout, words past the last block unwritten; out f32 [T, H] of zeros). H = 32 G."""
-    E, R, G, _ = gate_up_blocks.shape
-    T = xq.shape[0]
-    P = ids.shape[0]
-    H = G * moe.BLOCK
-    if T > MAX_TOKENS or R % ROWS or G % 2 or stages % compute_wgs or act_words < (R // ROWS) * 5:
-        raise ValueError(f"gate_up_fma: T {T} (<= {MAX_TOKENS}), rows {R}, groups {G}, stages {stages}, "
-                         f"compute_wgs {compute_wgs}, act_words {act_words} do not fit")
-    lay = _layout(E, R, G, P, num_ctas)
-    upp, _, ncta, _, WB, SB, _ = lay
-    XT = G * 20 // 8  # 32-byte rows of one token's activations
+_SMEM_BYTES = 227 * 1024 - 1024  # the H100 / H200 limit of a block, less the barriers
+
+
+@functools.partial(jax.jit, static_argnames=("k", "limit", "alpha", "dtype", "stages", "compute_wgs", "num_ctas"))
+def moe_fma(ids, weights, xq, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias, *,
+            k: int, limit: float, alpha: float, dtype, stages: int | None = None, compute_wgs: int = 3,
+            num_ctas: int | None = None):
+    """ids int32 [P], weights f32 [P] (pair p: token p // k, P <= MAX_PAIRS), xq u32 [T, G1, 5, 4]
+    (`moe.f16_pairs`), the packed experts (HF layout: gate_up [E, 2I, G1, 16] rows interleaved gate,
+    linear; down [E, H, G2, 16]) -> out f32 [T, H]. stages: ring slots (a multiple of compute_wgs;
+    default the most that fit in SMEM, at most 2 compute_wgs); num_ctas: blocks (at most one a
+    multiprocessor: all must be resident, blocks wait on each other's act; default the device's count)."""
+    E, R1, G1, _ = gate_up_blocks.shape
+    _, R2, G2, _ = down_blocks.shape
+    T, P = xq.shape[0], ids.shape[0]
+    H = G1 * moe.BLOCK
+    cw = compute_wgs
+    WB, SB1, SB2 = max(G1, G2), G1 // 2, G2 // 2  # a unit: G 256-byte rows of blocks, G/2 32-byte rows of scales
+    SBp1, SBp2 = -(-SB1 // 4) * 4, -(-SB2 // 4) * 4  # whole 128-byte lines (past the array's end: zeros)
+    XT = G1 * 20 // 8  # 32-byte rows of one token's activations
     xr = T * XT
     nx = -(-xr // X_ROWS)
+    AR = -(-G2 // 8) * 2  # ACT_ROW-word rows of a pair's act (an even count: copies of whole 128-byte lines)
+    fixed = nx * X_ROWS * 32 + P * AR * ACT_ROW * 4 + cw * 2 * 8 * 4
+    slot = WB * 256 + max(SBp1, SBp2) * 32
+    if stages is None:
+        stages = min(2 * cw, (_SMEM_BYTES - fixed) // slot // cw * cw)
+    if (P > MAX_PAIRS or R1 % ROWS or R2 % ROWS or G1 % 2 or G2 % 2 or R2 != H or R1 != 2 * G2 * moe.BLOCK
+            or cw < 1 or stages < cw or stages % cw or fixed + stages * slot > _SMEM_BYTES):
+        raise ValueError(f"moe_fma: pairs {P} (<= {MAX_PAIRS}), gate_up {gate_up_blocks.shape}, down "
+                         f"{down_blocks.shape}, stages {stages}, compute_wgs {cw} do not fit (SMEM: "
+                         f"{fixed + stages * slot} bytes of {_SMEM_BYTES})")
+    up1, up2 = R1 // ROWS, R2 // ROWS  # units an expert
+    U1 = P * up1
+    U = U1 + P * up2
+    ncta = min(num_ctas or _num_ctas(), U)
+    steps = -(-U // ncta)
+    ready = 4 * up1 + ncta  # a pair's counter once its act is complete and every block zeroed its share of out
 
-    def body(ids_ref, w_ref, s_ref, x_ref, b_ref, a_ref, o_ref, scoped):
-        (w_smem, s_smem, x_smem, ex_smem), bars, consumed = scoped
-        wg = lax.axis_index("wg")
+    def body(ids_ref, wt_ref, x_ref, w1_ref, s1_ref, b1_ref, w2_ref, s2_ref, b2_ref, o_ref, a_ref, scoped):
+        (w_smem, s_smem, x_smem, act_smem, ex_smem), (w_bar, s_bar, x_bar, a_bar, consumed) = scoped
+        sem = pl.get_global(plgpu.SemaphoreType.REGULAR((P,)))
+        cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
+        n_valid = (U - cta + ncta - 1) // ncta  # this block's steps with a unit
 
-        def x_copies(cta, x_bar):
+        def expert_of():  # the pairs' expert ids, read once (a GMEM load a unit would sit on the memory
+            # warpgroup's critical path): p -> ids[p] by selects
+            ids = [ids_ref[q] for q in range(P)]
+            return lambda p: functools.reduce(lambda a, q: jnp.where(p == q, ids[q], a), range(1, P), ids[0])
+
+        def unit_of(i):  # (down unit?, pair, 16-row block of the expert, the block's first step of the pair)
+            u = cta + i * ncta
+            down = u >= U1
+            v = jnp.where(down, u - U1, u)
+            up = jnp.where(down, up2, up1)
+            p = v // up
+            first = jnp.maximum(jnp.where(down, U1, 0) + p * up - cta + ncta - 1, 0) // ncta
+            return down, p, v % up, first
+
+        @pl.when(wg < cw)
+        def _compute():
+            @pl.when(wg == 0)
+            def _():
+                plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2)(functools.partial(_zero, n=T * H, ncta=ncta))(
+                    o_ref, sem)
+
+            expert = expert_of()
+            for c in range(nx):
+                plgpu.barrier_wait(x_bar.at[c])
+
+            @pl.loop(0, steps)
+            def _(i):
+                @pl.when(i < n_valid)
+                def _():
+                    down, p, rb, first = unit_of(i)
+
+                    @pl.when(down & (i == first))
+                    def _():
+                        plgpu.barrier_wait(a_bar.at[p])
+
+                    @pl.when(i % cw == wg)
+                    def _():
+                        slot = i % stages
+                        e = expert(p)
+                        plgpu.barrier_wait(w_bar.at[slot])
+                        plgpu.barrier_wait(s_bar.at[slot])
+
+                        @pl.when(~down)
+                        def _():
+                            a_row = a_ref.at[p, rb // 16, pl.ds(20 * (rb // 4 % 4) + rb % 4, 17)]
+                            plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 7)(functools.partial(
+                                _gate_up_unit, G=G1, limit=limit, alpha=alpha, dtype=dtype))(
+                                w_smem.at[slot], s_smem.at[slot], x_smem.at[pl.ds((p // k) * XT, XT)],
+                                b1_ref.at[pl.ds(e * R1 + rb * ROWS, ROWS)], ex_smem.at[wg, i // cw % 2], a_row,
+                                sem.at[pl.ds(p, 1)])
+
+                        @pl.when(down)
+                        def _():
+                            plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 6)(functools.partial(_down_unit, G=G2))(
+                                w_smem.at[slot], s_smem.at[slot], act_smem.at[p],
+                                b2_ref.at[pl.ds(e * R2 + rb * ROWS, ROWS)], wt_ref.at[pl.ds(p, 1)],
+                                o_ref.at[pl.ds((p // k) * H + rb * ROWS, ROWS)])
+
+                        plgpu.barrier_arrive(consumed.at[slot])
+
+        @pl.when(wg == cw)
+        def _memory():
             for c in range(nx):
                 rows = min(X_ROWS, -(-(xr - c * X_ROWS) // 4) * 4)  # whole 128-byte lines
                 # a traced start: a static one is bounds-checked, and the last copy may read past the
@@ -294,76 +343,51 @@ def gate_up_fma(ids, xq, gate_up_blocks, gate_up_scales, gate_up_bias, *, k: int
                 start = cta * 0 + c * X_ROWS
                 plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(start, rows)], x_smem.at[pl.ds(c * X_ROWS, rows)], x_bar.at[c])
 
-        def prologue():
-            @pl.when(wg == 0)
-            def _():
-                plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(functools.partial(_zero, n=T * H, ncta=ncta))(o_ref)
+            expert = expert_of()
 
-        def unit(w_slot, s_slot, p, rb, e):
-            plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 6)(functools.partial(
-                _gate_up_unit, G=G, limit=limit, alpha=alpha, dtype=dtype))(
-                w_slot, s_slot, x_smem.at[pl.ds((p // k) * XT, XT)], b_ref.at[pl.ds(e * R + rb * ROWS, ROWS)],
-                ex_smem.at[wg], a_ref.at[p, pl.ds(20 * (rb // 4) + rb % 4, 17)])
+            @pl.loop(0, steps)
+            def _(i):
+                @pl.when(i < n_valid)
+                def _():
+                    slot = i % stages
+                    down, p, rb, first = unit_of(i)
+                    e = expert(p)
 
-        _stream(ids_ref, w_ref, s_ref, (w_smem, s_smem), bars, consumed, lay=lay, stages=stages,
-                compute_wgs=compute_wgs, x_copies=x_copies, prologue=prologue, unit=unit)
+                    @pl.when(i >= stages)
+                    def _():
+                        plgpu.barrier_wait(consumed.at[slot])
 
-    def mxfp4_moe_gate_up_mosaic(*refs):  # the profile's kernel name
-        pl.run_scoped(lambda *scoped: body(*refs, scoped),
-                      *_ring(lay, stages, (plgpu.SMEM((nx * X_ROWS, 8), jnp.uint32),
-                                           plgpu.SMEM((compute_wgs, 8), jnp.float32)), nx),
-                      collective_axes="wg")
+                    for is_down, w_ref, s_ref, up, G, SB, SBp in ((False, w1_ref, s1_ref, up1, G1, SB1, SBp1),
+                                                                 (True, w2_ref, s2_ref, up2, G2, SB2, SBp2)):
+                        @pl.when(down == is_down)
+                        def _():
+                            u = e * up + rb
+                            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(u * G, G)], w_smem.at[slot, pl.ds(0, G)],
+                                                    w_bar.at[slot])
+                            plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(u * SB, SBp)], s_smem.at[slot, pl.ds(0, SBp)],
+                                                    s_bar.at[slot])
 
-    actq, out = plgpu.kernel(
-        mxfp4_moe_gate_up_mosaic,
-        out_type=(jax.ShapeDtypeStruct((P, act_words), jnp.uint32), jax.ShapeDtypeStruct((T * H,), jnp.float32)),
-        grid=(ncta,), grid_names=("cta",), num_threads=compute_wgs + 1, thread_name="wg",
-    )(ids.astype(jnp.int32), gate_up_blocks.reshape(E * upp * WB, 256), gate_up_scales.reshape(E * upp * SB, 32),
-      xq.reshape(xr, 8), gate_up_bias.reshape(E * R))
-    return actq, out.reshape(T, H)
+                    @pl.when(down & (i == first))  # the pair's act, once complete (after the unit's weights)
+                    def _():
+                        plgpu.semaphore_wait(sem.at[p], ready, decrement=False, memory_scope="gpu")
+                        plgpu.inline_mgpu()(_proxy_fence)()
+                        plgpu.copy_gmem_to_smem(a_ref.at[p], act_smem.at[p], a_bar.at[p])
 
+    def mxfp4_moe_mosaic(*refs):  # the profile's kernel name
+        pl.run_scoped(
+            lambda *scoped: body(*refs, scoped),
+            (plgpu.SMEM((stages, WB, 256), jnp.uint8), plgpu.SMEM((stages, max(SBp1, SBp2), 32), jnp.uint8),
+             plgpu.SMEM((nx * X_ROWS, 8), jnp.uint32), plgpu.SMEM((P, AR, ACT_ROW), jnp.uint32),
+             plgpu.SMEM((cw, 2, 8), jnp.float32)),
+            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=nx),
+             plgpu.Barrier(num_barriers=P), plgpu.Barrier(num_arrivals=1, num_barriers=stages)),
+            collective_axes="wg")
 
-@functools.partial(jax.jit, static_argnames=("k", "stages", "compute_wgs", "num_ctas"))
-def down_fma(ids, weights, actq, down_blocks, down_scales, down_bias, out, *, k: int, stages: int = 4,
-             compute_wgs: int = 2, num_ctas: int = 132):
-    """ids int32 [P], weights f32 [P] (pair p: token p // k), actq u32 [P, W] (`gate_up_fma`'s pair layout,
-    W a multiple of 64 words, P <= MAX_DOWN_PAIRS), the packed down experts (HF layout), out f32 [T, H]
-    -> out + sum over pairs of weights[p] * (W2_e act_p + b2_e) in row t = p // k (f32 atomics: the
-    order of the k additions varies)."""
-    E, R, G, _ = down_blocks.shape
-    P, W = actq.shape
-    if P > MAX_DOWN_PAIRS or R % ROWS or G % 2 or stages % compute_wgs or W % 64 or W < G * 20:
-        raise ValueError(f"down_fma: pairs {P} (<= {MAX_DOWN_PAIRS}), rows {R}, groups {G}, act words {W}, stages "
-                         f"{stages}, compute_wgs {compute_wgs} do not fit")
-    lay = _layout(E, R, G, P, num_ctas)
-    upp, _, _, _, WB, SB, _ = lay
-    XR = W // 64  # 256-byte rows of one pair's act
-
-    def body(ids_ref, wt_ref, w_ref, s_ref, x_ref, b_ref, o_ref, scoped):
-        (w_smem, s_smem, x_smem), bars, consumed = scoped
-
-        def x_copies(cta, x_bar):
-            for p in range(P):
-                plgpu.copy_gmem_to_smem(x_ref.at[p], x_smem.at[p], x_bar.at[p])
-
-        def unit(w_slot, s_slot, p, rb, e):
-            plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 6)(functools.partial(_down_unit, G=G))(
-                w_slot, s_slot, x_smem.at[p], b_ref.at[pl.ds(e * R + rb * ROWS, ROWS)], wt_ref.at[pl.ds(p, 1)],
-                o_ref.at[p // k, pl.ds(rb * ROWS, ROWS)])
-
-        _stream(ids_ref, w_ref, s_ref, (w_smem, s_smem), bars, consumed, lay=lay, stages=stages,
-                compute_wgs=compute_wgs, x_copies=x_copies, prologue=lambda: None, unit=unit)
-
-    def stateful(refs):
-        ids_ref, wt_ref, w_ref, s_ref, x_ref, b_ref, o_ref = refs
-
-        @pl.core_map(plgpu.Mesh(grid=(lay[2],), grid_names=("cta",), num_threads=compute_wgs + 1, thread_name="wg"),
-                     name="mxfp4_moe_down_mosaic")
-        def _():
-            pl.run_scoped(lambda *scoped: body(ids_ref, wt_ref, w_ref, s_ref, x_ref, b_ref, o_ref, scoped),
-                          *_ring(lay, stages, (plgpu.SMEM((P, XR, 64), jnp.uint32),), P), collective_axes="wg")
-
-    *_, out = pl.run_state(stateful)((ids.astype(jnp.int32), weights.astype(jnp.float32),
-                                      down_blocks.reshape(E * upp * WB, 256), down_scales.reshape(E * upp * SB, 32),
-                                      actq.reshape(P, XR, 64), down_bias.reshape(E * R), out))
-    return out
+    out, _ = plgpu.kernel(
+        mxfp4_moe_mosaic,
+        out_type=(jax.ShapeDtypeStruct((T * H,), jnp.float32), jax.ShapeDtypeStruct((P, AR, ACT_ROW), jnp.uint32)),
+        grid=(ncta,), grid_names=("cta",), num_threads=cw + 1, thread_name="wg",
+    )(ids.astype(jnp.int32), weights.astype(jnp.float32), xq.reshape(xr, 8),
+      gate_up_blocks.reshape(E * up1 * G1, 256), gate_up_scales.reshape(E * up1 * SB1, 32), gate_up_bias.reshape(-1),
+      down_blocks.reshape(E * up2 * G2, 256), down_scales.reshape(E * up2 * SB2, 32), down_bias.reshape(-1))
+    return out.reshape(T, H)
