@@ -40,6 +40,7 @@ over the activations' SMEM) took 26.0 us. The same structure for gate_up alone: 
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref, vector
+from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref
 
 from eagle3_jax.pallas import moe
 
@@ -75,59 +76,64 @@ def _index():
     return tid, arith.divui(tid, _c(LANES, idx)), arith.remui(tid, _c(LANES, idx))
 
 
-def _row_sum(w_ref, s_ref, x_ref, *, G, x_at, per_word):
-    """This thread's row's dot product, summed over the row's 8 threads (every one holds it). w_ref u8
-    [>= G, 256] (the unit's blocks, row-major [16, G, 16]), s_ref u8 [>= G / 2, 32] (its scale bytes,
-    [16, G]), x_ref u32: the activations' pair layout, 20 words a group (one factor a group at word 16,
-    or per_word one a weight word at words 16..19), word j of group g at x_at(g, j)."""
-    i8, i32, f32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32), ir.F32Type.get()
-    idx = ir.IndexType.get()
-    _, r, lane = _index()
-    v16, v4 = ir.VectorType.get((16,), i8), ir.VectorType.get((4,), i32)
+def _group_asm(per_word, w_off, x_off, s_off):
+    """PTX: $0 = one scale group's dot product, scaled: loads from shared memory at 32-bit addresses
+    $1 + w_off (the row's 16 weight bytes), $2 + x_off (the group's 20 activation words: 16 pair words,
+    then one factor, or per_word four) and $3 + s_off (its scale byte), then `moe._group_dot_asm`
+    (sums in f16x2, one a group or per_word one a weight word), times the factor(s) and 2^(s - 127)."""
     nf = 4 if per_word else 1
-    asm = moe._group_dot_asm(1, per_word=per_word)
-    cons = ",".join(["=f"] * nf + ["r"] * 20)
-    res_ty = f32 if nf == 1 else llvm.StructType.get_literal([f32] * nf)
+    body = moe._group_dot_asm(1, per_word=per_word)
+    names = [f"s{q}" for q in range(nf)] + [f"w{q}" for q in range(4)] + [f"x{i}" for i in range(16)]
+    body = re.sub(r"\$(\d+)", lambda m: names[int(m.group(1))], body)
+    regs = ", ".join(names[nf:])
+    lines = ["{", f".reg .b32 {regs}, sc, f{', f'.join(map(str, range(nf)))};",
+             f".reg .f32 {', '.join(names[:nf])}, t, fs;",
+             f"ld.shared.v4.b32 {{w0, w1, w2, w3}}, [$1+{w_off}];"]
+    lines += [f"ld.shared.v4.b32 {{x{4 * q}, x{4 * q + 1}, x{4 * q + 2}, x{4 * q + 3}}}, [$2+{x_off + 16 * q}];"
+              for q in range(4)]
+    lines.append(f"ld.shared.v4.b32 {{f0, f1, f2, f3}}, [$2+{x_off + 64}];" if per_word
+                 else f"ld.shared.b32 f0, [$2+{x_off + 64}];")
+    lines += [f"ld.shared.u8 sc, [$3+{s_off}];", body]
+    lines.append("mov.b32 t, f0;")
+    lines.append("mul.f32 t, s0, t;")
+    for q in range(1, nf):
+        lines += [f"mov.b32 fs, f{q};", f"fma.rn.f32 t, s{q}, fs, t;"]
+    lines += ["shl.b32 sc, sc, 23;", "mov.b32 fs, sc;", "mul.f32 $0, t, fs;", "}"]  # 2^(s - 127) (0 for s = 0)
+    return "\n".join(lines)
 
-    def ext(v, q):
-        return vector.extract(v, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([q]))
+
+def _row_sum(w_ref, s_ref, x_ref, *, G, per_word):
+    """This thread's row's dot product, summed over the row's 8 threads (every one holds it). w_ref u8
+    (SMEM, the unit's blocks: row-major [16, G, 16] from its start), s_ref u8 (SMEM, its scale bytes
+    [16, G]), x_ref u32 (SMEM, the activations' pair layout: group g's 20 words at byte 80 g). Every
+    address is a per-thread 32-bit base plus an immediate: no address arithmetic in the group loop."""
+    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+    _, r, lane = _index()
+    r, lane = arith.index_cast(i32, r), arith.index_cast(i32, lane)
+
+    def addr(ref, *terms):  # the ref's shared-memory address plus sum of (value, factor) terms, i32
+        a = llvm.ptrtoint(i32, mu.memref_ptr(ref))
+        for v, f in terms:
+            a = arith.addi(a, arith.muli(v, _c(f, i32)))
+        return a
 
     acc = _c(0.0, f32)
     for j in range(-(-G // LANES)):
-        g = arith.addi(lane, _c(LANES * j, idx))
-        valid = None
-        if LANES * (j + 1) > G:
-            valid = arith.cmpi(arith.CmpIPredicate.ult, g, _c(G, idx))
-            g = arith.minui(g, _c(G - 1, idx))
-        off = arith.addi(arith.muli(r, _c(G * 16, idx)), arith.muli(g, _c(16, idx)))
-        wv = mu.bitcast(vector.load(v16, w_ref, [arith.divui(off, _c(256, idx)), arith.remui(off, _c(256, idx))]), v4)
-        xs = [ext(vector.load(v4, x_ref, x_at(g, 4 * q)), t) for q in range(4) for t in range(4)]
-        factors = [mu.bitcast(memref.load(x_ref, x_at(g, 16 + q)), f32) for q in range(nf)]
-        so = arith.addi(arith.muli(r, _c(G, idx)), g)
-        sc = memref.load(s_ref, [arith.divui(so, _c(32, idx)), arith.remui(so, _c(32, idx))])
-        f = mu.bitcast(arith.shli(arith.extui(i32, sc), _c(23, i32)), f32)  # 2^(s - 127) (0 for s = 0)
-        res = _asm(res_ty, [ext(wv, q) for q in range(4)] + xs, asm, cons)
-        sums = [res] if nf == 1 else [llvm.extractvalue(f32, res, [q]) for q in range(nf)]
-        dot = functools.reduce(arith.addf, [arith.mulf(sq, fq) for sq, fq in zip(sums, factors)])
-        term = arith.mulf(dot, f)
+        if LANES * (j + 1) <= G:  # every lane's group valid: one base a thread, immediates a group
+            if j == 0:
+                wa, xa, sa = addr(w_ref, (r, G * 16), (lane, 16)), addr(x_ref, (lane, 80)), addr(s_ref, (r, G), (lane, 1))
+            offs, bases, valid = (LANES * 16 * j, LANES * 80 * j, LANES * j), (wa, xa, sa), None
+        else:  # the last, partial step: lanes past G read group G - 1 and add nothing
+            g = arith.addi(lane, _c(LANES * j, i32))
+            valid = arith.cmpi(arith.CmpIPredicate.ult, g, _c(G, i32))
+            g = arith.minui(g, _c(G - 1, i32))
+            offs = (0, 0, 0)
+            bases = (addr(w_ref, (r, G * 16), (g, 16)), addr(x_ref, (g, 80)), addr(s_ref, (r, G), (g, 1)))
+        term = _asm(f32, bases, _group_asm(per_word, *offs), "=f,r,r,r")
         acc = arith.addf(acc, term if valid is None else arith.select(valid, term, _c(0.0, f32)))
     for d in (1, 2, 4):
         acc = arith.addf(acc, mu.shfl_bfly(acc, d))
     return acc
-
-
-def _x_at(g, j):
-    """Word j of group g of one token's activations (rows of 8 words)."""
-    idx = ir.IndexType.get()
-    off = arith.addi(arith.muli(g, _c(20, idx)), _c(j, idx))
-    return [arith.divui(off, _c(8, idx)), arith.remui(off, _c(8, idx))]
-
-
-def _act_at(g, j):
-    """Word j of group g of one pair's act (rows of ACT_ROW words, four groups a row)."""
-    idx = ir.IndexType.get()
-    col = arith.addi(arith.muli(arith.remui(g, _c(4, idx)), _c(20, idx)), _c(j, idx))
-    return [arith.divui(g, _c(4, idx)), col]
 
 
 def _gate_up_unit(ctx, w_ref, s_ref, x_ref, b_ref, ex_ref, a_ref, sem_ref, *, G, limit, alpha, dtype):
@@ -142,7 +148,7 @@ def _gate_up_unit(ctx, w_ref, s_ref, x_ref, b_ref, ex_ref, a_ref, sem_ref, *, G,
     even_r = arith.muli(arith.divui(r, _c(2, idx)), _c(2, idx))
     b_gate = arith.extf(f32, memref.load(b_ref, [even_r]))
     b_lin = arith.extf(f32, memref.load(b_ref, [arith.addi(even_r, _c(1, idx))]))
-    acc = _row_sum(w_ref, s_ref, x_ref, G=G, x_at=_x_at, per_word=False)
+    acc = _row_sum(w_ref, s_ref, x_ref, G=G, per_word=False)
     lin = mu.shfl_bfly(acc, 8)  # row r + 1 (the linear row of gate row r, r even) lives 8 threads up
     even = arith.cmpi(arith.CmpIPredicate.eq, r, even_r)
     with mu.when(arith.andi(even, arith.cmpi(arith.CmpIPredicate.eq, lane, _c(0, idx)))):
@@ -182,7 +188,7 @@ def _down_unit(ctx, w_ref, s_ref, x_ref, b_ref, wt_ref, o_ref, *, G):
     _, r, lane = _index()
     b = arith.extf(f32, memref.load(b_ref, [r]))  # loaded before the dot products
     wt = memref.load(wt_ref, [_c(0, idx)])
-    acc = _row_sum(w_ref, s_ref, x_ref, G=G, x_at=_act_at, per_word=True)
+    acc = _row_sum(w_ref, s_ref, x_ref, G=G, per_word=True)
     with mu.when(arith.cmpi(arith.CmpIPredicate.eq, lane, _c(0, idx))):
         ptr = mu.getelementptr(mu.memref_ptr(o_ref), [arith.index_cast(i32, r)], f32)
         llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr, arith.mulf(arith.addf(acc, b), wt)],
