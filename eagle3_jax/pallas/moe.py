@@ -147,8 +147,9 @@ class MoeConfig:
 
     mosaic_pairs: calls of at most this many (token, expert) pairs (<= moe_mosaic.MAX_PAIRS = 8, GPU) run
     as the one warp-specialized Mosaic GPU kernel of pallas/moe_mosaic.py (gate_up, then down once each
-    pair's act is complete, by counters between blocks) instead of the two Triton kernels (0: never, the default: the same speed, 25.50 / 44.20 us against
-    25.13 / 44.74 at T = 1 / 2 on an H200; that module's docstring says what its time is made of).
+    pair's act is complete, by counters between blocks) instead of the two Triton kernels (0: never, the
+    default: 25.19 / 42.91 us against 25.24 / 44.77 at T = 1 / 2 on an H200, and no gain end to end;
+    that module's docstring says what its time is made of).
 
     MMA path: block_i: SwiGLU outputs per gate_up program (it reads 2*block_i rows); block_h: outputs
     per down program; groups: scale groups per K step (power of 2); num_warps, num_stages: Triton's;

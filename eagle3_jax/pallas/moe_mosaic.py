@@ -23,18 +23,26 @@ warpgroups take the units in turn. The tokens' activations are copied to SMEM on
   (after issuing that unit's weights) waits for p's counter to reach 4 x the pair's gate_up units plus
   one release per block (each block zeroes its share of out first), then copies p's act to SMEM.
 
-Measured on an H200, JAX 0.11.2 (device kernel time, one gpt-oss-120b layer, 4 random routings;
-the roofline of T=1 is 13.2 us; experiments/results/moe_mosaic_fused_h200.json): T=1 25.50 us, T=2
-44.20 us, against the two Triton kernels' 14.87 + 10.26 and 27.35 + 17.39 us in the same run: the same
-speed, so `MoeConfig.mosaic_pairs` is 0 by default. What the time is made of (T=1, variants of this
-kernel timed in one process, the same file): the stream alone (units skipped, the
-counters kept) 18.0 us; without gate_up's compute 21.2, without down's 22.0. So the compute adds 7.5 us
-that the stream does not hide, and the stream itself (ramp, the last pair's wait for its act, the
-scales' 32-byte TMA rows) is 1.4x the roofline. Compute warpgroups / ring slots: 3/6 25.5, 3/3 25.2,
-2/4 26.0, 2/2 28.8, 4/4 27.2 us. A grid-wide barrier instead of the per-pair counters (all act copied
-over the activations' SMEM) took 26.0 us. The same structure for gate_up alone: its matvec 12.1 us
-(71% of the roofline), its TMA stream 10.0 us (86%), the Triton gate_up 15.1 us
-(experiments/results/moe_mosaic_probe_h200.json).
+Measured on an H200, JAX 0.11.2 (device kernel time, one gpt-oss-120b layer, 4 random routings; the
+roofline of T=1 is 13.2 us; experiments/results/moe_mosaic_fused_h200.json): T=1 25.19 us, T=2 42.91 us,
+against the two Triton kernels' 14.89 + 10.35 and 27.48 + 17.29 us in the same run. End to end (B=1
+decode, experiments/results/moe_e2e_mosaic_h200.json) the experts took 0.896 ms a token plus 0.032 ms
+for the fills of the zeroed counters, against 0.905 ms on the Triton kernels: no gain, so
+`MoeConfig.mosaic_pairs` is 0 by default.
+
+What the time is made of (T=1, variants of this kernel, the same file): the compute alone (every TMA
+copy replaced by an arrive) 19.5 us; the stream alone (units skipped, the counters kept) 18.2 us; both
+25.1 us. So the two overlap badly, and each alone is far from the roofline:
+- compute: about 12 integer instructions a weight word decode MXFP4 (shifts, masks, byte permutes) and
+  the integer pipe issues at half rate, so the decode alone needs about 10 us at T=1; 2 compute
+  warpgroups give 20.7 us, 1 gives 27.2, 4 give 22.7 (issue-bound, not latency-bound). Loads at a
+  per-thread 32-bit shared address plus immediates (no index arithmetic) took it from 20.3 to 19.4 us.
+- stream: 1.4x the roofline; its ramp, and the last pair's down units, whose act is complete only when
+  every block finished that pair's gate_up units (the memory warpgroup waits on the counter there).
+Compute warpgroups / ring slots: 3/6 24.9, 3/3 25.2, 2/4 25.8-26.0, 2/6 27.8, 2/2 28.8, 4/4 27.2 us. A
+grid-wide barrier instead of the per-pair counters (all act copied over the activations' SMEM, 16
+pairs) took 26.5 us. The same structure for gate_up alone: its matvec 12.1 us (71% of the roofline),
+its TMA stream 10.0 us (86%), the Triton gate_up 15.1 us (experiments/results/moe_mosaic_probe_h200.json).
 """
 
 from __future__ import annotations
