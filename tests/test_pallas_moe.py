@@ -339,6 +339,12 @@ def test_mosaic_kernel_lowers_for_cuda(T, I):
         assert ("mxfp4_moe_mosaic" in text) == mosaic and ("mxfp4_moe_gate_up_fma" in text) == (not mosaic)
     with pytest.raises(ValueError, match="mosaic_pairs"):
         moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(mosaic_pairs=9), interpret=True)
+    x, ids, w, *ex = args  # the timeline variant (in-kernel time stamps as a second output)
+    fn = jax.jit(lambda *a: moe_mosaic.moe_fma(*a, k=4, limit=LIMIT, alpha=ALPHA, dtype=jnp.bfloat16, timeline=True))
+    out = jax.eval_shape(fn, ids.reshape(-1), w.reshape(-1), moe.f16_pairs(x.astype(jnp.float32)), *ex)
+    assert out[0].shape == (T, 64) and out[1].dtype == jnp.uint32 and out[1].shape[1:2] == (4,)
+    fn.trace(ids.reshape(-1), w.reshape(-1), moe.f16_pairs(x.astype(jnp.float32)), *ex).lower(
+        lowering_platforms=("cuda",))
     with pytest.raises(ValueError, match="pairs 12"):
         moe_mosaic.moe_fma(jnp.zeros(12, jnp.int32), jnp.zeros(12), moe.f16_pairs(jnp.zeros((3, 64))), *args[3:],
                            k=4, limit=LIMIT, alpha=ALPHA, dtype=jnp.bfloat16)
@@ -365,6 +371,16 @@ def test_gpu_mosaic_kernel(H, I):
         out = moe_mosaic.moe_fma(ids.reshape(-1), w.reshape(-1), moe.f16_pairs(x.astype(jnp.float32)), *ex, k=4,
                                  limit=LIMIT, alpha=ALPHA, dtype=x.dtype, num_ctas=ncta)
         assert _rel(out, ref) < 2e-3, ncta
+    out, st = moe_mosaic.moe_fma(ids.reshape(-1), w.reshape(-1), moe.f16_pairs(x.astype(jnp.float32)), *ex, k=4,
+                                 limit=LIMIT, alpha=ALPHA, dtype=x.dtype, num_ctas=7, timeline=True)
+    assert _rel(out, ref) < 2e-3
+    st = np.asarray(st).astype(np.int64)  # [7, 4, S + 1, 2]: a compute warpgroup's unit is done after it starts
+    S = st.shape[2] - 1
+    for c in range(7):
+        for i in range(0, S, 3):  # warpgroup 0's steps (every block has units at steps 0, 3, ... < S - 1)
+            if i < S - 1:
+                start, ready, done = st[c, 0, S, 0], st[c, 0, i, 0], st[c, 0, i, 1]
+                assert 0 <= (ready - start) % 2 ** 32 <= (done - start) % 2 ** 32 < 10 ** 8, (c, i)
     rng = np.random.default_rng(9)
     gub, gus, gubias, _, _, _ = _experts(rng, 8, H, I, scale_lo=36, scale_hi=45)
     _, _, _, dnb, dns, dnbias = _experts(rng, 8, H, I, scale_lo=150, scale_hi=159)

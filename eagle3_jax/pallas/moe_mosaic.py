@@ -30,9 +30,21 @@ decode, experiments/results/moe_e2e_mosaic_h200.json) the experts took 0.896 ms 
 for the fills of the zeroed counters, against 0.905 ms on the Triton kernels: no gain, so
 `MoeConfig.mosaic_pairs` is 0 by default.
 
-What the time is made of (T=1, variants of this kernel, the same file): the compute alone (every TMA
-copy replaced by an arrive) 19.5 us; the stream alone (units skipped, the counters kept) 18.2 us; both
-25.1 us. So the two overlap badly, and each alone is far from the roofline:
+What the time is made of. The kernel's own time stamps (`timeline=True`, experiments/moe_mosaic_timeline.py,
+experiments/results/moe_mosaic_timeline_h200.json, T=1, 4 calls): span 22.9-24.6 us; a compute
+warpgroup first has data after 4.8-5.6 us (every block requests its whole ring at once: 19 MB ahead of
+its first unit); then, per compute warpgroup, 8.0-8.7 us waiting for gate_up data against 8.2-8.6 us
+computing it (2.2-2.4 us a unit, three warpgroups sharing the SM), and 1.7 us waiting against 2.9 us
+computing for down (1.6 us a unit). A copy takes 3.5-3.9 us from issue to SMEM on average (p90
+6.0-7.0 us) under the full stream, while the ring holds 6 slots of which up to 3 are being computed
+on: 3 x 24.5 KB in flight a multiprocessor is below the bandwidth-delay product (31 GB/s x 3.5 us =
+110 KB). That is the next step: slots finer than a unit (the K range of a unit in halves, each freed
+when consumed), so that about 5 units' bytes are in flight beside the ones being computed. Tried and
+not kept (T=1): issuing two units and waiting for the first before the rest of the ring, 24.45 against
+24.87 us; the counter polled with a 0.5 us sleep, 24.81 against 24.88; each gate_up unit's counter
+released one unit later (its fence then waits on nothing), 26.2 against 24.8 (act ready later).
+Variants of this kernel (the same file as the sweep): the compute alone (every TMA copy replaced by an
+arrive) 19.5 us; the stream alone (units skipped, the counters kept) 18.2 us; both 25.1 us:
 - compute: about 12 integer instructions a weight word decode MXFP4 (shifts, masks, byte permutes) and
   the integer pipe issues at half rate, so the decode alone needs about 10 us at T=1; 2 compute
   warpgroups give 20.7 us, 1 gives 27.2, 4 give 22.7 (issue-bound, not latency-bound). Loads at a
@@ -238,6 +250,16 @@ def _proxy_fence(ctx):
     llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.global;", "", has_side_effects=True)
 
 
+def _stamp(ctx, ref):
+    """Thread 0 of the warpgroup stores the low 32 bits of %globaltimer (ns) at ref [1] (GMEM)."""
+    del ctx
+    i32, idx = ir.IntegerType.get_signless(32), ir.IndexType.get()
+    tid, _, _ = _index()
+    t = llvm.inline_asm(i32, [], "mov.u32 $0, %globaltimer_lo;", "=r", has_side_effects=True)
+    with mu.when(arith.cmpi(arith.CmpIPredicate.eq, tid, _c(0, idx))):
+        memref.store(t, ref, [_c(0, idx)])
+
+
 def _num_ctas():
     dev = jax.local_devices()[0]
     return getattr(dev, "core_count", 132) if dev.platform == "gpu" else 132
@@ -246,15 +268,23 @@ def _num_ctas():
 _SMEM_BYTES = 227 * 1024 - 1024  # the H100 / H200 limit of a block, less the barriers
 
 
-@functools.partial(jax.jit, static_argnames=("k", "limit", "alpha", "dtype", "stages", "compute_wgs", "num_ctas"))
+@functools.partial(jax.jit, static_argnames=("k", "limit", "alpha", "dtype", "stages", "compute_wgs", "num_ctas",
+                                             "timeline"))
 def moe_fma(ids, weights, xq, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias, *,
             k: int, limit: float, alpha: float, dtype, stages: int | None = None, compute_wgs: int = 3,
-            num_ctas: int | None = None):
+            num_ctas: int | None = None, timeline: bool = False):
     """ids int32 [P], weights f32 [P] (pair p: token p // k, P <= MAX_PAIRS), xq u32 [T, G1, 5, 4]
     (`moe.f16_pairs`), the packed experts (HF layout: gate_up [E, 2I, G1, 16] rows interleaved gate,
     linear; down [E, H, G2, 16]) -> out f32 [T, H]. stages: ring slots (a multiple of compute_wgs;
     default the most that fit in SMEM, at most 2 compute_wgs); num_ctas: blocks (at most one a
-    multiprocessor: all must be resident, blocks wait on each other's act; default the device's count)."""
+    multiprocessor: all must be resident, blocks wait on each other's act; default the device's count).
+
+    timeline: also return stamps u32 [ncta, compute_wgs + 1, S + 1, 2] (S: steps a block), the low bits
+    of %globaltimer (ns) at: [c, w, S, 0] warpgroup w's start (w = compute_wgs: the memory one); for a
+    compute warpgroup and each step i it runs, [c, w, i, 0] its unit's data in SMEM (and for a pair's
+    first down unit its act), [c, w, i, 1] the unit done; for the memory warpgroup [c, w, i, 0] step i's
+    copies about to be issued (its slot free), [c, w, i, 1] after a pair's act copy was issued (first
+    down step of the pair). Other entries are unwritten. experiments/moe_mosaic_timeline.py reads them."""
     E, R1, G1, _ = gate_up_blocks.shape
     _, R2, G2, _ = down_blocks.shape
     T, P = xq.shape[0], ids.shape[0]
@@ -282,8 +312,13 @@ def moe_fma(ids, weights, xq, gate_up_blocks, gate_up_scales, gate_up_bias, down
     steps = -(-U // ncta)
     ready = 4 * up1 + ncta  # a pair's counter once its act is complete and every block zeroed its share of out
 
-    def body(ids_ref, wt_ref, x_ref, w1_ref, s1_ref, b1_ref, w2_ref, s2_ref, b2_ref, o_ref, a_ref, scoped):
-        (w_smem, s_smem, x_smem, act_smem, ex_smem), (w_bar, s_bar, x_bar, a_bar, consumed) = scoped
+    def body(ids_ref, wt_ref, x_ref, w1_ref, s1_ref, b1_ref, w2_ref, s2_ref, b2_ref, o_ref, a_ref, *rest):
+        *stamps, ((w_smem, s_smem, x_smem, act_smem, ex_smem), (w_bar, s_bar, x_bar, a_bar, consumed)) = rest
+
+        def stamp(w, i, e):
+            if timeline:
+                plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_stamp)(stamps[0].at[cta, w, i, pl.ds(e, 1)])
+
         sem = pl.get_global(plgpu.SemaphoreType.REGULAR((P,)))
         cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
         n_valid = (U - cta + ncta - 1) // ncta  # this block's steps with a unit
@@ -304,6 +339,7 @@ def moe_fma(ids, weights, xq, gate_up_blocks, gate_up_scales, gate_up_bias, down
 
         @pl.when(wg < cw)
         def _compute():
+            stamp(wg, steps, 0)
             @pl.when(wg == 0)
             def _():
                 plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2)(functools.partial(_zero, n=T * H, ncta=ncta))(
@@ -329,6 +365,7 @@ def moe_fma(ids, weights, xq, gate_up_blocks, gate_up_scales, gate_up_bias, down
                         e = expert(p)
                         plgpu.barrier_wait(w_bar.at[slot])
                         plgpu.barrier_wait(s_bar.at[slot])
+                        stamp(wg, i, 0)
 
                         @pl.when(~down)
                         def _():
@@ -346,10 +383,12 @@ def moe_fma(ids, weights, xq, gate_up_blocks, gate_up_scales, gate_up_bias, down
                                 b2_ref.at[pl.ds(e * R2 + rb * ROWS, ROWS)], wt_ref.at[pl.ds(p, 1)],
                                 o_ref.at[pl.ds((p // k) * H + rb * ROWS, ROWS)])
 
+                        stamp(wg, i, 1)
                         plgpu.barrier_arrive(consumed.at[slot])
 
         @pl.when(wg == cw)
         def _memory():
+            stamp(cw, steps, 0)
             for c in range(nx):
                 rows = min(X_ROWS, -(-(xr - c * X_ROWS) // 4) * 4)  # whole 128-byte lines
                 # a traced start: a static one is bounds-checked, and the last copy may read past the
@@ -371,6 +410,8 @@ def moe_fma(ids, weights, xq, gate_up_blocks, gate_up_scales, gate_up_bias, down
                     def _():
                         plgpu.barrier_wait(consumed.at[slot])
 
+                    stamp(cw, i, 0)
+
                     for is_down, w_ref, s_ref, up, G, SB, SBp in ((False, w1_ref, s1_ref, up1, G1, SB1, SBp1),
                                                                  (True, w2_ref, s2_ref, up2, G2, SB2, SBp2)):
                         @pl.when(down == is_down)
@@ -386,6 +427,7 @@ def moe_fma(ids, weights, xq, gate_up_blocks, gate_up_scales, gate_up_bias, down
                         plgpu.semaphore_wait(sem.at[p], ready, decrement=False, memory_scope="gpu")
                         plgpu.inline_mgpu()(_proxy_fence)()
                         plgpu.copy_gmem_to_smem(a_ref.at[p], act_smem.at[p], a_bar.at[p])
+                        stamp(cw, i, 1)
 
     def mxfp4_moe_mosaic(*refs):  # the profile's kernel name
         pl.run_scoped(
@@ -397,11 +439,12 @@ def moe_fma(ids, weights, xq, gate_up_blocks, gate_up_scales, gate_up_bias, down
              plgpu.Barrier(num_barriers=P), plgpu.Barrier(num_arrivals=1, num_barriers=stages)),
             collective_axes="wg")
 
-    out, _ = plgpu.kernel(
+    out, _, *stamps = plgpu.kernel(
         mxfp4_moe_mosaic,
-        out_type=(jax.ShapeDtypeStruct((T * H,), jnp.float32), jax.ShapeDtypeStruct((P, AR, ACT_ROW), jnp.uint32)),
+        out_type=(jax.ShapeDtypeStruct((T * H,), jnp.float32), jax.ShapeDtypeStruct((P, AR, ACT_ROW), jnp.uint32))
+        + ((jax.ShapeDtypeStruct((ncta, cw + 1, steps + 1, 2), jnp.uint32),) if timeline else ()),
         grid=(ncta,), grid_names=("cta",), num_threads=cw + 1, thread_name="wg",
     )(ids.astype(jnp.int32), weights.astype(jnp.float32), xq.reshape(xr, 8),
       gate_up_blocks.reshape(E * up1 * G1, 256), gate_up_scales.reshape(E * up1 * SB1, 32), gate_up_bias.reshape(-1),
       down_blocks.reshape(E * up2 * G2, 256), down_scales.reshape(E * up2 * SB2, 32), down_bias.reshape(-1))
-    return out.reshape(T, H)
+    return (out.reshape(T, H), *stamps) if timeline else out.reshape(T, H)
