@@ -7,8 +7,8 @@ routed by its random router, GPU only.
 Per call (--calls of them, each a different routing, after a warm-up): the span from the first
 warpgroup's start to the last unit's end; when a compute warpgroup first has data; per compute
 warpgroup the time spent waiting for its units' data and computing them, gate_up and down apart; the
-copies' latency (issue to data in SMEM, as the compute warpgroup sees it); and the memory warpgroup's
-mean gap between issues.
+time from a unit's issue to the start of its compute (the copy's latency plus any wait for a busy
+compute warpgroup); and the memory warpgroup's mean gap between issues.
 """
 
 
@@ -64,7 +64,7 @@ def summarize(st, *, units_gate_up, units, compute_wgs):
     out = dict(span=us(max(ends)), first_data_mean=us(np.mean(firsts)), end_mean=us(np.mean(ends)),
                end_min=us(min(ends)), unit_gate_up_compute_mean=us(np.mean(comp_g)),
                unit_down_compute_mean=us(np.mean(comp_d)) if comp_d else None,
-               copy_latency_mean=us(np.mean(lat)), copy_latency_p90=us(np.percentile(lat, 90)),
+               issue_to_start_mean=us(np.mean(lat)), issue_to_start_p90=us(np.percentile(lat, 90)),
                memory_issue_gap_mean=us(np.mean(gaps)))
     out.update({k + "_per_warpgroup": us(v / (ncta * cw)) for k, v in acc.items()})
     return out

@@ -212,5 +212,5 @@ def test_moe_mosaic_timeline_summary_and_cpu_refusal():
     assert np.isclose(r["span"], 6.5) and np.isclose(r["first_data_mean"], 1.0) and np.isclose(r["end_min"], 6.0)
     assert np.isclose(r["wait_gate_up_per_warpgroup"], 1.0) and np.isclose(r["wait_down_per_warpgroup"], 1.25)
     assert np.isclose(r["comp_gate_up_per_warpgroup"], 2.0) and np.isclose(r["comp_down_per_warpgroup"], 2.0)
-    assert np.isclose(r["copy_latency_mean"], (0.9 * 2 + 0.9 + 1.4) / 4) and np.isclose(r["memory_issue_gap_mean"], 3.0)
+    assert np.isclose(r["issue_to_start_mean"], (0.9 * 2 + 0.9 + 1.4) / 4) and np.isclose(r["memory_issue_gap_mean"], 3.0)
     assert "needs a GPU" in fails("moe_mosaic_timeline.py")

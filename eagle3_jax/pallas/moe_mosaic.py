@@ -30,19 +30,21 @@ decode, experiments/results/moe_e2e_mosaic_h200.json) the experts took 0.896 ms 
 for the fills of the zeroed counters, against 0.905 ms on the Triton kernels: no gain, so
 `MoeConfig.mosaic_pairs` is 0 by default.
 
-What the time is made of. The kernel's own time stamps (`timeline=True`, experiments/moe_mosaic_timeline.py,
-experiments/results/moe_mosaic_timeline_h200.json, T=1, 4 calls): span 22.9-24.6 us; a compute
-warpgroup first has data after 4.8-5.6 us (every block requests its whole ring at once: 19 MB ahead of
-its first unit); then, per compute warpgroup, 8.0-8.7 us waiting for gate_up data against 8.2-8.6 us
-computing it (2.2-2.4 us a unit, three warpgroups sharing the SM), and 1.7 us waiting against 2.9 us
-computing for down (1.6 us a unit). A copy takes 3.5-3.9 us from issue to SMEM on average (p90
-6.0-7.0 us) under the full stream, while the ring holds 6 slots of which up to 3 are being computed
-on: 3 x 24.5 KB in flight a multiprocessor is below the bandwidth-delay product (31 GB/s x 3.5 us =
-110 KB). That is the next step: slots finer than a unit (the K range of a unit in halves, each freed
-when consumed), so that about 5 units' bytes are in flight beside the ones being computed. Tried and
-not kept (T=1): issuing two units and waiting for the first before the rest of the ring, 24.45 against
-24.87 us; the counter polled with a 0.5 us sleep, 24.81 against 24.88; each gate_up unit's counter
-released one unit later (its fence then waits on nothing), 26.2 against 24.8 (act ready later).
+What the time is made of. The kernel's own time stamps (`timeline=True`, experiments/moe_mosaic_timeline.py;
+T=1, 3 compute warpgroups, 6 slots: experiments/results/moe_mosaic_timeline_h200.json): span 22.9-24.6 us
+= a compute warpgroup's first data after 4.8-5.6 us (every block requests its whole ring at once: 19
+MB ahead of its first unit) + per compute warpgroup 8.2-8.6 us computing gate_up units (2.2-2.4 us a
+unit: three warpgroups share the SM's issue) and 2.9 us down units (1.6 us a unit) + about 4.5 us
+more waiting for data + 2-3 us of blocks and warpgroups finishing apart. Other shapes
+(moe_mosaic_timeline_sweep_h200.json): 1 warpgroup / 4 slots 31.6 us (1.33 us a gate_up unit, 20.9 us
+computing, 9.1 waiting), 1 / 7 35.3, 2 / 4 24.3, 3 / 3 24.5. So at T=1 the compute warpgroups are
+busy about half the span: what to attack next is the start (the first unit of each block should land
+first) and the waits in between (more bytes in flight beside the units being computed: slots finer
+than a unit, e.g. a unit's K range in halves each freed when consumed), then the integer work of the
+decode. Tried and not kept (T=1): issuing two units and waiting for the first before the rest of the
+ring, 24.45 against 24.87 us; the counter polled with a 0.5 us sleep, 24.81 against 24.88; each
+gate_up unit's counter released one unit later (its fence then waits on nothing), 26.2 against 24.8
+(act ready later).
 Variants of this kernel (the same file as the sweep): the compute alone (every TMA copy replaced by an
 arrive) 19.5 us; the stream alone (units skipped, the counters kept) 18.2 us; both 25.1 us:
 - compute: about 12 integer instructions a weight word decode MXFP4 (shifts, masks, byte permutes) and
