@@ -42,7 +42,7 @@ flags.DEFINE_bool("moe_jnp", True, "also time the MoE layer's jnp paths (slow to
 flags.DEFINE_string("moe_preset", "gpt-oss-120b", "GptOssConfig preset of the benchmarked layer (tiny: CPU smoke run)")
 flags.DEFINE_integer("moe_copy_bytes", 4 << 30, "bytes of the copy-bandwidth measurement")
 flags.DEFINE_string("moe_config", "", "MoeConfig the model and the main table use ('key=value/...'; default: "
-                    "moe.DEFAULT_CONFIG), e.g. mosaic_pairs=16")
+                    "moe.DEFAULT_CONFIG), e.g. mosaic_pairs=8")
 
 
 def _parse_moe_config(text):

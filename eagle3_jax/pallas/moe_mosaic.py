@@ -325,11 +325,6 @@ def moe_fma(ids, weights, xq, gate_up_blocks, gate_up_scales, gate_up_bias, down
         cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
         n_valid = (U - cta + ncta - 1) // ncta  # this block's steps with a unit
 
-        def expert_of():  # the pairs' expert ids, read once (a GMEM load a unit would sit on the memory
-            # warpgroup's critical path): p -> ids[p] by selects
-            ids = [ids_ref[q] for q in range(P)]
-            return lambda p: functools.reduce(lambda a, q: jnp.where(p == q, ids[q], a), range(1, P), ids[0])
-
         def unit_of(i):  # (down unit?, pair, 16-row block of the expert, the block's first step of the pair)
             u = cta + i * ncta
             down = u >= U1
@@ -347,7 +342,6 @@ def moe_fma(ids, weights, xq, gate_up_blocks, gate_up_scales, gate_up_bias, down
                 plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2)(functools.partial(_zero, n=T * H, ncta=ncta))(
                     o_ref, sem)
 
-            expert = expert_of()
             for c in range(nx):
                 plgpu.barrier_wait(x_bar.at[c])
 
@@ -364,7 +358,7 @@ def moe_fma(ids, weights, xq, gate_up_blocks, gate_up_scales, gate_up_bias, down
                     @pl.when(i % cw == wg)
                     def _():
                         slot = i % stages
-                        e = expert(p)
+                        e = ids_ref[p]
                         plgpu.barrier_wait(w_bar.at[slot])
                         plgpu.barrier_wait(s_bar.at[slot])
                         stamp(wg, i, 0)
@@ -398,15 +392,13 @@ def moe_fma(ids, weights, xq, gate_up_blocks, gate_up_scales, gate_up_bias, down
                 start = cta * 0 + c * X_ROWS
                 plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(start, rows)], x_smem.at[pl.ds(c * X_ROWS, rows)], x_bar.at[c])
 
-            expert = expert_of()
-
             @pl.loop(0, steps)
             def _(i):
                 @pl.when(i < n_valid)
                 def _():
                     slot = i % stages
                     down, p, rb, first = unit_of(i)
-                    e = expert(p)
+                    e = ids_ref[p]
 
                     @pl.when(i >= stages)
                     def _():
