@@ -24,12 +24,16 @@ from eagle3_jax.pallas import moe, moe_mosaic
 
 import timing
 
-flags.DEFINE_string("preset", "gpt-oss-120b", "GptOssConfig preset of the layer")
-flags.DEFINE_integer("tokens", 1, "tokens T (T * k <= moe_mosaic.MAX_PAIRS)")
-flags.DEFINE_integer("compute_wgs", 3, "compute warpgroups")
-flags.DEFINE_integer("stages", None, "ring slots (default: moe_fma's)")
-flags.DEFINE_integer("calls", 4, "timed calls, each its own routing")
-flags.DEFINE_string("out", None, "JSON output path")
+
+def _define_flags():  # at run time only: the tests import summarize() beside other scripts' flags
+    flags.DEFINE_string("preset", "gpt-oss-120b", "GptOssConfig preset of the layer")
+    flags.DEFINE_integer("tokens", 1, "tokens T (T * k <= moe_mosaic.MAX_PAIRS)")
+    flags.DEFINE_integer("compute_wgs", 3, "compute warpgroups")
+    flags.DEFINE_integer("stages", None, "ring slots (default: moe_fma's)")
+    flags.DEFINE_integer("calls", 4, "timed calls, each its own routing")
+    flags.DEFINE_string("out", None, "JSON output path")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -108,4 +112,5 @@ def main(_):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
