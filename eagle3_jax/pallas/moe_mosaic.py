@@ -39,8 +39,8 @@ more waiting for data + 2-3 us of blocks and warpgroups finishing apart. Other s
 (moe_mosaic_timeline_sweep_h200.json): 1 warpgroup / 4 slots 31.6 us (1.33 us a gate_up unit, 20.9 us
 computing, 9.1 waiting), 1 / 7 35.3, 2 / 4 24.3, 3 / 3 24.5. So at T=1 the compute warpgroups are
 busy about half the span: what to attack next is the start (the first unit of each block should land
-first) and the waits in between, then the integer work of the decode. Tried and not kept (T=1): issuing two units and waiting for the first before the rest of the
-ring, 24.45 against 24.87 us; the counter polled with a 0.5 us sleep, 24.81 against 24.88; each
+first) and the waits in between, then the integer work of the decode. Tried and not kept (T=1):
+issuing two units and waiting for the first before the rest of the ring, 24.45 against 24.87 us; the counter polled with a 0.5 us sleep, 24.81 against 24.88; each
 gate_up unit's counter released one unit later (its fence then waits on nothing), 26.2 against 24.8
 (act ready later); the ring in half units (a unit's K range in two TMA boxes, each half slot freed
 when consumed; branch half-slots), 28.3 us with 12 half slots and 26.2 with 6, against 25.1: compute
