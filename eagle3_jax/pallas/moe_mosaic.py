@@ -39,13 +39,13 @@ more waiting for data + 2-3 us of blocks and warpgroups finishing apart. Other s
 (moe_mosaic_timeline_sweep_h200.json): 1 warpgroup / 4 slots 31.6 us (1.33 us a gate_up unit, 20.9 us
 computing, 9.1 waiting), 1 / 7 35.3, 2 / 4 24.3, 3 / 3 24.5. So at T=1 the compute warpgroups are
 busy about half the span: what to attack next is the start (the first unit of each block should land
-first) and the waits in between, then the integer work of the decode. Tried and not kept (T=1):
-issuing two units and waiting for the first before the rest of the ring, 24.45 against 24.87 us; the counter polled with a 0.5 us sleep, 24.81 against 24.88; each
-gate_up unit's counter released one unit later (its fence then waits on nothing), 26.2 against 24.8
-(act ready later); the ring in half units (a unit's K range in two TMA boxes, each half slot freed
-when consumed; branch half-slots), 28.3 us with 12 half slots and 26.2 with 6, against 25.1: compute
-per unit rose from 2.3 to 2.6 us and the waits for data stayed at 8.0 us a warpgroup, so the waits are
-not for free slots.
+first) and the waits in between, then the integer work of the decode. Tried and not kept (T=1): issuing
+two units and waiting for the first before the rest of the ring, 24.45 against 24.87 us; the counter
+polled with a 0.5 us sleep, 24.81 against 24.88; each gate_up unit's counter released one unit later
+(its fence then waits on nothing), 26.2 against 24.8 (act ready later); the ring in half units (a unit's
+K range in two TMA boxes, each half slot freed when consumed; branch half-slots), 28.3 us with 12 half
+slots and 26.2 with 6, against 25.1: compute per unit rose from 2.3 to 2.6 us and the waits for data
+stayed at 8.0 us a warpgroup, so the waits are not for free slots.
 Variants of this kernel (the same file as the sweep): the compute alone (every TMA copy replaced by an
 arrive) 19.5 us; the stream alone (units skipped, the counters kept) 18.2 us; both 25.1 us:
 - compute: about 12 integer instructions a weight word decode MXFP4 (shifts, masks, byte permutes) and
@@ -144,7 +144,8 @@ def _row_sum(w_ref, s_ref, x_ref, *, G, per_word):
     for j in range(-(-G // LANES)):
         if LANES * (j + 1) <= G:  # every lane's group valid: one base a thread, immediates a group
             if j == 0:
-                wa, xa, sa = addr(w_ref, (r, G * 16), (lane, 16)), addr(x_ref, (lane, 80)), addr(s_ref, (r, G), (lane, 1))
+                wa = addr(w_ref, (r, G * 16), (lane, 16))
+                xa, sa = addr(x_ref, (lane, 80)), addr(s_ref, (r, G), (lane, 1))
             offs, bases, valid = (LANES * 16 * j, LANES * 80 * j, LANES * j), (wa, xa, sa), None
         else:  # the last, partial step: lanes past G read group G - 1 and add nothing
             g = arith.addi(lane, _c(LANES * j, i32))
