@@ -225,7 +225,7 @@ def _zero(ctx, o_ref, sem_ref, *, n, ncta):
     del ctx
     idx, f32 = ir.IndexType.get(), ir.F32Type.get()
     per = -(-n // ncta)
-    tid = arith.remui(gpu.thread_id(gpu.Dimension.x), _c(WG, idx))
+    tid, _, _ = _index()
     base = arith.muli(gpu.block_id(gpu.Dimension.x), _c(per, idx))
     for j in range(-(-per // WG)):
         i = arith.addi(tid, _c(WG * j, idx))
@@ -243,7 +243,7 @@ def _zero(ctx, o_ref, sem_ref, *, n, ncta):
 def _release(sem_ref):
     """This thread's earlier stores made visible to the TMA copies of any block (async proxy), then
     the counter at sem_ref (GMEM, i32) incremented with release semantics at GPU scope."""
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.global;", "", has_side_effects=True)
+    _proxy_fence(None)
     llvm.inline_asm(ir.Type.parse("!llvm.void"), [mu.memref_ptr(sem_ref), _c(1, ir.IntegerType.get_signless(32))],
                     "red.release.gpu.global.add.u32 [$0], $1;", "l,r", has_side_effects=True)
 
