@@ -504,6 +504,7 @@ def _torch_attention(B, Nq, L, par, Hq=64, Hkv=8, D=64, n_sets=4, flex=True):
 def bench_attention():
     import math
 
+    from eagle3_jax.pallas import attention_mosaic as mosaic
     from eagle3_jax.pallas.attention import attention_config, attention_pallas, attention_reference
     bw = _copy_bw()
     gpu = jax.default_backend() == "gpu"
@@ -516,9 +517,10 @@ def bench_attention():
     table = [f"attention on {jax.devices()[0].device_kind}: us; roof% = K/V bytes / copy bandwidth "
              f"({bw / 1e12:.2f} TB/s) / time",
              "pallas = device kernel time per call (profiler, split-K merge included); stream = wall time per "
-             "call of 16 calls in one program (launch gaps included); sdpa/flex: CUDA events, 20 calls",
+             "call of 16 calls in one program (launch gaps included); sdpa/flex: CUDA events, 20 calls; mosaic: "
+             "attention_mosaic.py (full layers), device kernel time, its roof% and relerr",
              f"{'L':>7} {'B':>2} {'Nq':>3} {'win':>4} {'pallas':>8} {'roof%':>6} {'stream':>8} {'sdpa':>8} "
-             f"{'flex':>8} {'relerr':>8}  config"]
+             f"{'flex':>8} {'relerr':>8} {'mosaic':>8} {'roof%':>6} {'relerr':>8}  config"]
     key = jax.random.key(0)
 
     def run_one(B, Nq, L, window, configs=(None,), torch_side=False):
@@ -564,6 +566,20 @@ def bench_attention():
             a = np.asarray(out(qs[0], *caches[0]), np.float32)
             b_ = np.asarray(ref(qs[0], *caches[0]), np.float32)
             best["rel_err"] = float(np.linalg.norm(a - b_) / np.linalg.norm(b_))
+        if gpu and mosaic.mosaic_fits(qs[0], caches[0][0], window):  # the Mosaic GPU kernel, its default launch
+            def g(q, kc, vc):
+                return mosaic.attention_mosaic(q, k, v, kc, vc, lengths, positions, bits, sinks, window=window,
+                                               scale=D ** -0.5)
+            try:
+                prof = _safe_profile(g, [(qs[i], *caches[i % n_caches]) for i in range(len(qs))])
+                a = np.asarray(jax.jit(g)(qs[0], *caches[0]), np.float32)
+                b_ = np.asarray(attention_reference(qs[0], k, v, *caches[0], lengths, positions, bits, sinks,
+                                                    window=window, scale=D ** -0.5), np.float32)
+                kt = prof["kernel_seconds"]
+                best.update(mosaic=dict(device=prof, kernel_seconds=kt, kernel_roofline_fraction=kv_bytes / bw / kt,
+                                        rel_err=float(np.linalg.norm(a - b_) / np.linalg.norm(b_))))
+            except Exception as e:  # noqa: BLE001
+                best["mosaic"] = dict(error=repr(e)[:400])
         del caches
         if torch_side and gpu and FLAGS.attn_torch:
             try:
@@ -575,7 +591,10 @@ def bench_attention():
         table.append(f"{L:>7} {B:>2} {Nq:>3} {str(window):>4} {best['kernel_seconds'] * 1e6:8.1f} "
                      f"{100 * best['kernel_roofline_fraction']:6.1f} {best['seconds'] * 1e6:8.1f} "
                      f"{best.get('sdpa_s', float('nan')) * 1e6:8.1f} {best.get('flex_s', float('nan')) * 1e6:8.1f} "
-                     f"{best.get('rel_err', float('nan')):8.1e}  ns={c['num_splits']} bk={c['block_k']} "
+                     f"{best.get('rel_err', float('nan')):8.1e} "
+                     f"{best.get('mosaic', {}).get('kernel_seconds', float('nan')) * 1e6:8.1f} "
+                     f"{100 * best.get('mosaic', {}).get('kernel_roofline_fraction', float('nan')):6.1f} "
+                     f"{best.get('mosaic', {}).get('rel_err', float('nan')):8.1e}  ns={c['num_splits']} bk={c['block_k']} "
                      f"rb={c['block_rows']} w={c['num_warps']} st={c['num_stages']} pre={int(c['preload_new'])}")
         print(table[-1], flush=True)
         return best

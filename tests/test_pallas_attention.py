@@ -13,6 +13,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.pallas import attention_mosaic as mosaic
 from eagle3_jax.pallas.attention import (attention, attention_pallas, attention_reference, mask_words,
                                           rope_attention, rope_attention_reference)
 from eagle3_jax.pallas.tree_mask import tree_mask_reference
@@ -118,6 +119,63 @@ def test_sliding_window_keys_outside_window_are_not_read():
     assert rel_err(out, ref) < TOL
 
 
+# ------------------------------------------------------------------ Mosaic GPU kernel (attention_mosaic.py)
+# On CPU the prefix partials come from `prefix_reference` (the Mosaic interpreter runs no warp-specialized
+# kernel) and the finish kernel (sink, new tokens, merge) runs in the Pallas interpreter; the prefix
+# kernel itself is lowered for CUDA here and run against the reference on GPUs.
+
+MOSAIC_CASES = [
+    # id, B, Nq, Hq, Hkv, D, S, kind, lengths, overrides
+    ("tree_key_phases_len0", 3, 3, 16, 2, 64, 320, "tree", [300, 0, 37], dict(splits=3)),
+    ("causal_two_row_groups", 2, 12, 16, 2, 64, 512, "causal", [1, 497], dict(splits=2, block_k=128, stages=2)),
+    ("random_mask_D128", 1, 5, 16, 2, 128, 256, "random_mask", [200], dict(splits=5)),
+    ("decode_empty_splits", 3, 1, 32, 2, 64, 136, "causal", [64, 129, 1], {}),
+]
+
+
+@pytest.mark.parametrize("case", MOSAIC_CASES, ids=[c[0] for c in MOSAIC_CASES])
+def test_mosaic_matches_reference_interpret(case):
+    name, B, Nq, Hq, Hkv, D, S, kind, lengths, ov = case
+    args = make_inputs(zlib.crc32(name.encode()), B, Nq, Hq, Hkv, D, S, kind=kind, lengths=lengths)
+    kw = dict(window=None, scale=D ** -0.5)
+    ref = jax.jit(lambda *a: attention_reference(*a, **kw))(*args)
+    out = mosaic.attention_mosaic(*args, **kw, interpret=True, **ov)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("B,Nq,D,ov", [(1, 16, 64, {}), (4, 3, 64, dict(block_k=64)), (1, 8, 128, {})])
+def test_mosaic_kernel_lowers_for_cuda(B, Nq, D, ov):
+    """The prefix kernel and the finish kernel lower for CUDA at gpt-oss-120b shapes (64 / 8 heads)."""
+    S = 4096
+    sds = jax.ShapeDtypeStruct
+    args = (sds((B, Nq, 64, D), jnp.bfloat16), sds((B, Nq, 8, D), jnp.bfloat16), sds((B, Nq, 8, D), jnp.bfloat16),
+            sds((B, 8, S, D), jnp.bfloat16), sds((B, 8, S, D), jnp.bfloat16), sds((B,), jnp.int32),
+            sds((B, Nq), jnp.int32), sds((B, Nq, 1), jnp.uint32), sds((64,), jnp.float32))
+    fn = jax.jit(lambda *a: mosaic.attention_mosaic(*a, window=None, scale=D ** -0.5, **ov))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "attention_prefix" in text and "attention_finish" in text
+
+
+def test_mosaic_dispatch_and_bad_input():
+    q = jnp.zeros((1, 4, 64, 64), jnp.bfloat16)
+    kc = jnp.zeros((1, 8, 4096, 64), jnp.bfloat16)
+    assert mosaic.preferred(q, kc, None)
+    assert not mosaic.preferred(q, kc, 128)  # sliding layers: the Triton kernel reads only the window
+    assert not mosaic.preferred(q[:, :1], kc, None)  # one query token
+    assert not mosaic.preferred(q, kc[:, :, :2048], None)  # short caches
+    assert not mosaic.mosaic_fits(q[:, :, :16], kc[:, :4], None)  # G = 4: a token is half an 8-row tile
+    assert not mosaic.mosaic_fits(q, kc[:, :, :4095], None)  # the flat cache's TMA tiling
+    assert not mosaic.mosaic_fits(jnp.zeros((1, 17, 64, 64), jnp.bfloat16), kc, None)  # > 128 rows
+    args = make_inputs(3, 1, 2, 16, 2, 64, 64, kind="tree")
+    with pytest.raises(ValueError, match="full layers"):
+        mosaic.attention_mosaic(*args, window=16, scale=0.125, interpret=True)
+    with pytest.raises(ValueError, match="key phases"):
+        mosaic.attention_mosaic(*args, window=None, scale=0.125, stages=3, interpret=True)
+    with pytest.raises(ValueError, match="shared memory"):
+        mosaic.attention_mosaic(*args, window=None, scale=0.125, block_k=128, stages=8, interpret=True)
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 GPU_CASES = [
@@ -154,6 +212,19 @@ def test_split_counts_gpu(case, ov):
     kw = dict(window=window, scale=0.125)
     ref = jax.jit(lambda *a: attention_reference(*a, **kw))(*args)
     out = jax.jit(lambda *a: attention_pallas(*a, **kw, **ov))(*args)
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(1, 1, "causal", 4096, [4000], {}), (2, 3, "tree", 1104, [1000, 37], {}),
+                                  (2, 16, "tree", 4096, [3000, 0], {}), (1, 13, "causal", 64, [1], {}),
+                                  (3, 8, "tree", 800, [100, 700, 64], dict(splits=3, block_k=64, stages=4))])
+def test_mosaic_matches_reference_gpu(case):
+    B, Nq, kind, S, lengths, ov = case
+    args = make_inputs(zlib.crc32(repr(case).encode()), B, Nq, 64, 8, 64, S, kind=kind, lengths=lengths)
+    kw = dict(window=None, scale=0.125)
+    ref = jax.jit(lambda *a: attention_reference(*a, **kw))(*args)
+    out = mosaic.attention_mosaic(*args, **kw, **ov)
     assert rel_err(out, ref) < TOL
 
 

@@ -568,10 +568,17 @@ def _launch(srcs, rope, k_cache, v_cache, lengths, positions, mask, sinks, *, B,
 
 
 def attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale):
-    """The model's single attention entry point (same contract as `attention_reference`): the Pallas
-    kernel for cached steps on GPU; the jnp reference elsewhere and for cache-free full-sequence
-    passes (`forward`, training: the reference is differentiable, the kernel is not)."""
+    """The model's single attention entry point (same contract as `attention_reference`): on GPU for
+    cached steps the Mosaic GPU kernel (attention_mosaic.py) where it is faster (full layers, long
+    caches, several query tokens), else the Pallas (Triton) kernel; the jnp reference elsewhere and for
+    cache-free full-sequence passes (`forward`, training: the reference is differentiable, the kernels
+    are not)."""
     if jax.default_backend() == "gpu" and q.shape[-1] <= 256 and k_cache.shape[2] > 0:
+        from eagle3_jax.pallas import attention_mosaic  # it builds on this module
+
+        if attention_mosaic.preferred(q, k_cache, window):
+            return attention_mosaic.attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
+                                                     window=window, scale=scale)
         return attention_pallas(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
                                 window=window, scale=scale)
     return attention_reference(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,

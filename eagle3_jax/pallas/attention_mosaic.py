@@ -1,0 +1,338 @@
+"""Attention over a long committed prefix as a warp-specialized Mosaic GPU kernel (Hopper), plus a
+Pallas (Triton) kernel that adds the sink and the Nq new tokens and merges the splits.
+
+`attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale)` has the
+contract of `attention.attention_reference` for full (window None) layers. Two launches:
+
+  1. prefix, grid (splits, B * Hkv), one block per multiprocessor: a memory warpgroup streams the
+     split's K/V blocks of `block_k` keys from the [B, Hkv, S, D] cache into a shared-memory ring (TMA,
+     `stages` slots, no copy of the cache); compute warpgroups run Q K^T and P V on the tensor cores
+     (wgmma) with an online base-2 softmax in f32. The kv head's query rows (token x group head, GQA
+     folded; Nq * Hq / Hkv <= 128) are row groups of 64; with one row group (Nq * G <= 64) the two
+     compute warpgroups take alternate key blocks and write separate partials, with two each takes one
+     row group over every block. Output: unnormalized partials (acc f32 [.., D], running max m and sum
+     l, m in units of `scale * log2(e)`) per (split, key phase).
+  2. finish, grid (Nq * G, B * Hkv), one query row a program: the row's partials, its sink (a virtual
+     key of logit `sinks[h]`, value zero) and the Nq new tokens under the packed mask (or causal) merged
+     by their maxima, normalized and stored as [B, Nq, Hq, D] in q.dtype.
+
+Why Mosaic GPU: the Triton kernel (attention.py) is bound by its softmax chain at 128 rows (Nq = 16:
+51% of the HBM roofline at B=1, 32K) and reaches 64-73% at B=1 for fewer rows (split-K launch and
+merge costs). Here TMA keeps the stream running while the tensor cores and the exp units work.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as tgpu
+
+from eagle3_jax.pallas import attention as attn
+
+F32 = jnp.float32
+ROWS = 64  # rows of one compute warpgroup's wgmma tile
+# query rows a finish program: one (one warp). H200, 32K: B=1 Nq=1 2.5 us; 8 rows with 2 / 4 warps 8.8 / 4.4 us;
+# Nq=16 4.6 us, 16 rows with 4 warps 8.1 us
+FINISH_ROWS = 1
+MIN_CACHE = 4096  # `attention.attention` takes this kernel for caches at least this long (and Nq >= 2)
+_SMEM_BYTES = 227 * 1024
+_LOG2E = math.log2(math.e)
+
+
+def _num_sms() -> int:
+    return getattr(jax.devices()[0], "core_count", None) or 132
+
+
+def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages, rg, kp):
+    """q bf16 [B, Nq, Hq, D], caches [B, Hkv, S, D] -> partials (acc f32 [B * Hkv, splits * kp, rg * 64, D],
+    m f32 [B * Hkv, splits * kp, rg * 64], l likewise); row r of kv head h is token r // G, head h * G + r % G."""
+    B, Nq, Hq, D = q.shape
+    _, Hkv, S, _ = k_cache.shape
+    G = Hq // Hkv
+    BH, Rp, tpw = B * Hkv, rg * ROWS, ROWS // G  # tpw: tokens a row group
+    cw = rg * kp
+    dtype = q.dtype
+    c = float(scale) * _LOG2E
+    NP = splits * kp
+    max_blocks = -(-(-(-S // splits)) // block_k)  # blocks of the longest split
+
+    def body(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, scoped):
+        (q_smem, k_smem, v_smem, o_smem, ml_smem), (k_bar, v_bar), q_bars, (k_free, v_free), sched = scoped
+        pingpong = rg == 2  # both compute warpgroups on every block: take turns on the tensor cores
+
+        def schedule():
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        s, bh, wg = lax.axis_index("split"), lax.axis_index("bh"), lax.axis_index("wg")
+        b, h = bh // Hkv, bh % Hkv
+        length = len_ref[b]
+        chunk = (length + splits - 1) // splits
+        chunk = (chunk + block_k - 1) // block_k * block_k
+        start = s * chunk
+        end = jnp.minimum(start + chunk, length)
+        nblk = (jnp.maximum(end - start, 0) + block_k - 1) // block_k
+
+        @pl.when(wg < cw)
+        def _compute():
+            r, ph = wg % rg, wg // rg  # row group, key phase
+            qs = q_smem.at[wg]
+            for w in range(cw):  # the row group's tokens, G rows ([G, D] of q) each; padding rows stay unset
+                toks = [t for t in range(w % rg * tpw, (w % rg + 1) * tpw) if t < Nq]
+
+                bar = q_bars[w] if q_bars[w].shape == () else q_bars[w].at[0]  # one barrier: a scalar ref in JAX 0.11
+
+                @pl.when(wg == w)
+                def _():
+                    for t in toks:
+                        plgpu.copy_gmem_to_smem(q_ref.at[(b * Nq + t) * Hkv + h],
+                                                q_smem.at[w, pl.ds((t % tpw) * G, G)], bar)
+                    plgpu.barrier_wait(bar)
+            m_i = plgpu.layout_cast(jnp.full((ROWS,), attn._M_INIT, F32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.zeros((ROWS,), F32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.zeros((ROWS, D), F32), plgpu.Layout.WGMMA)
+            n_mine = jnp.maximum(nblk - ph + kp - 1, 0) // kp
+
+            def step(j, carry, masked):
+                acc, m_i, l_i = carry
+                i = ph + j * kp
+                slot = i % stages
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                def qk_of(ref):
+                    plgpu.wgmma(ref, qs, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    if pingpong:
+                        schedule()
+                    return ref[...]
+
+                qk = pl.run_scoped(qk_of, plgpu.ACC((ROWS, block_k), F32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:
+                    kv = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_k), 1, layout=plgpu.Layout.WGMMA)
+                    qk = jnp.where(kv + (start + i * block_k) < end, qk, -jnp.inf)
+                m_new = jnp.maximum(m_i, qk.max(axis=1) * c)
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(dtype)
+                if pingpong:  # the other warpgroup's softmax runs while this one's P V runs
+                    plgpu.barrier_arrive(sched)
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_wait(sched)
+                else:
+                    plgpu.barrier_wait(v_bar.at[slot])
+
+                def pv(ref):
+                    plgpu.wgmma(ref, p16, v_smem.at[slot])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i
+
+            full = jnp.maximum(end - start, 0) // block_k  # blocks with no key past `end`
+            n_full = jnp.minimum(jnp.maximum(full - ph + kp - 1, 0) // kp, n_mine)
+            if pingpong:
+                pl.when(wg == 1)(schedule)
+            carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), (acc, m_i, l_i))
+            acc, m_i, l_i = lax.fori_loop(n_full, n_mine, functools.partial(step, masked=True), carry)
+            if pingpong:
+                pl.when(wg == 0)(schedule)
+
+            o_smem.at[wg][...] = acc
+            ml_smem.at[wg, 0][...] = m_i
+            ml_smem.at[wg, 1][...] = l_i
+            plgpu.commit_smem()
+            sp = s * kp + ph
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[bh, sp, pl.ds(r * ROWS, ROWS)])
+            plgpu.copy_smem_to_gmem(ml_smem.at[wg, 0], m_ref.at[bh, sp, pl.ds(r * ROWS, ROWS)])
+            plgpu.copy_smem_to_gmem(ml_smem.at[wg, 1], l_ref.at[bh, sp, pl.ds(r * ROWS, ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == cw)
+        def _memory():
+            @pl.loop(0, max_blocks)
+            def _(i):
+                @pl.when(i < nblk)
+                def _():
+                    slot = i % stages
+
+                    @pl.when(i >= stages)
+                    def _():
+                        plgpu.barrier_wait(k_free.at[slot])
+
+                    at = pl.ds(bh * S + start + i * block_k, block_k)  # rows of the flat [B * Hkv * S, D] cache
+                    plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_bar.at[slot])
+
+                    @pl.when(i >= stages)
+                    def _():
+                        plgpu.barrier_wait(v_free.at[slot])
+
+                    plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_bar.at[slot])
+
+    def attention_prefix(*refs):  # the profile's kernel name
+        tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        pl.run_scoped(
+            lambda *scoped: body(*refs, scoped),
+            (plgpu.SMEM((cw, ROWS, D), dtype, transforms=tiles),
+             plgpu.SMEM((stages, block_k, D), dtype, transforms=tiles),
+             plgpu.SMEM((stages, block_k, D), dtype, transforms=tiles),
+             plgpu.SMEM((cw, ROWS, D), F32), plgpu.SMEM((cw, 2, ROWS), F32)),
+            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
+            tuple(plgpu.Barrier(num_arrivals=len([t for t in range(w % rg * tpw, (w % rg + 1) * tpw) if t < Nq]))
+                  for w in range(cw)),
+            (plgpu.Barrier(num_arrivals=rg, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=cw),
+            collective_axes="wg")
+
+    return plgpu.kernel(
+        attention_prefix,
+        out_type=(jax.ShapeDtypeStruct((BH, NP, Rp, D), F32), jax.ShapeDtypeStruct((BH, NP, Rp), F32),
+                  jax.ShapeDtypeStruct((BH, NP, Rp), F32)),
+        grid=(splits, BH), grid_names=("split", "bh"), num_threads=cw + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(lengths, q.reshape(B * Nq * Hkv, G, D), k_cache.reshape(B * Hkv * S, D), v_cache.reshape(B * Hkv * S, D))
+
+
+def _finish_kernel(q_ref, k_ref, v_ref, mask_ref, sinks_ref, o_ref, m_ref, l_ref, out_ref, *, Nq, G, Hkv,
+                   D, Dp, NP, NPp, BKn, RB, c, causal):
+    """RB query rows r = (token r // G, group head r % G) of kv head h a program: each row's NP partials,
+    its sink and the new tokens (BKn >= Nq keys, one tile, shared by the rows) merged by their maxima;
+    out = (sum_s w_s acc_s + sum_j p_j v_j) / (sum_s w_s l_s + w_sink + sum_j p_j)."""
+    rb, bh = pl.program_id(0), pl.program_id(1)
+    b, h = bh // Hkv, bh % Hkv
+    r = rb * RB + jnp.arange(RB, dtype=jnp.int32)
+    r_ok = r < Nq * G
+    r = jnp.minimum(r, Nq * G - 1)
+    t, hq = r // G, h * G + r % G  # [RB]
+    sp = jnp.arange(NPp, dtype=jnp.int32)
+    s_ok = (sp < NP)[None, :]
+    s_c = jnp.minimum(sp, NP - 1)
+    d = jnp.arange(Dp, dtype=jnp.int32)
+    d_ok = d < D
+    dc = jnp.minimum(d, D - 1)
+    j = jnp.arange(BKn, dtype=jnp.int32)
+    jc = jnp.minimum(j, Nq - 1)
+    # every load first
+    m = tgpu.load(m_ref.at[bh, s_c[None, :], r[:, None]])  # [RB, NPp]
+    lv = tgpu.load(l_ref.at[bh, s_c[None, :], r[:, None]])
+    o = tgpu.load(o_ref.at[bh, s_c[None, :, None], r[:, None, None], dc[None, None, :]])  # [RB, NPp, Dp]
+    sink = tgpu.load(sinks_ref.at[hq]).astype(F32) * _LOG2E  # [RB]
+    q = tgpu.load(q_ref.at[b, t[:, None], hq[:, None], dc[None, :]]).astype(F32)  # [RB, Dp]
+    kt = tgpu.load(k_ref.at[b, jc[:, None], h, dc[None, :]]).astype(F32)  # [BKn, Dp]
+    vt = tgpu.load(v_ref.at[b, jc[:, None], h, dc[None, :]]).astype(F32)
+    if causal:
+        vis = j[None, :] <= t[:, None]
+    else:
+        words = tgpu.load(mask_ref.at[b, t[:, None], (jc // 32)[None, :]])  # [RB, BKn]
+        vis = (lax.shift_right_logical(words, (jc % 32).astype(jnp.uint32)[None, :]) & 1) != 0
+    vis = vis & (j < Nq)[None, :]
+    qk = jnp.sum(q[:, None, :] * jnp.where(d_ok, kt, 0.0)[None, :, :], axis=2)  # [RB, BKn]
+    lg = jnp.where(vis, qk * c, -jnp.inf)
+
+    m = jnp.where(s_ok, m, attn._M_INIT)
+    top = jnp.maximum(jnp.maximum(jnp.max(m, axis=1), sink), jnp.max(lg, axis=1))  # [RB]
+    w = jnp.where(s_ok, jnp.exp2(m - top[:, None]), 0.0)
+    pn = jnp.exp2(lg - top[:, None])  # new tokens (0 where not visible)
+    den = jnp.sum(w * lv, axis=1) + jnp.exp2(sink - top) + jnp.sum(pn, axis=1)
+    num = jnp.sum(w[:, :, None] * o, axis=1) + jnp.sum(pn[:, :, None] * vt[None, :, :], axis=1)  # [RB, Dp]
+    tgpu.store(out_ref.at[b, t[:, None], hq[:, None], d[None, :]], (num / den[:, None]).astype(out_ref.dtype),
+               mask=r_ok[:, None] & d_ok[None, :])
+
+
+def prefix_reference(q, k_cache, v_cache, lengths, *, scale, splits, block_k, rg, kp):
+    """Plain-jnp `_prefix_call`: the same partials (key j < lengths[b] of split s = j // chunk, block
+    i = (j - s * chunk) // block_k, partial s * kp + i % kp; chunk = the split's keys rounded up to
+    whole blocks), f32 throughout. Padding rows (r >= Nq * G) are zero."""
+    B, Nq, Hq, D = q.shape
+    _, Hkv, S, _ = k_cache.shape
+    G, Rp, NP = Hq // Hkv, rg * ROWS, splits * kp
+    c = float(scale) * _LOG2E
+    qr = q.astype(F32).reshape(B, Nq, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, Nq * G, D)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, Rp - Nq * G), (0, 0)))
+    lg = jnp.einsum("bhrd,bhsd->bhrs", qr, k_cache.astype(F32)) * c
+    chunk = (-(-lengths // splits) + block_k - 1) // block_k * block_k  # [B]
+    j = jnp.arange(S)
+    split = j[None, :] // jnp.maximum(chunk, 1)[:, None]
+    part = split * kp + (j[None, :] - split * chunk[:, None]) // block_k % kp  # [B, S]
+    mine = (part[:, None, :] == jnp.arange(NP)[None, :, None]) & (j[None, None, :] < lengths[:, None, None])
+    mine = mine[:, None, :, None, :]  # [B, 1, NP, 1, S]
+    lgp = jnp.where(mine, lg[:, :, None], -jnp.inf)  # [B, Hkv, NP, Rp, S]
+    m = jnp.maximum(jnp.max(lgp, axis=-1), attn._M_INIT)
+    p = jnp.exp2(lgp - m[..., None])
+    acc = jnp.einsum("bhprs,bhsd->bhprd", p, v_cache.astype(F32))
+    flat = lambda x: x.reshape((B * Hkv,) + x.shape[2:])  # noqa: E731
+    return flat(acc), flat(m), flat(jnp.sum(p, axis=-1))
+
+
+def mosaic_fits(q, k_cache, window) -> bool:
+    """Whether `attention_mosaic` takes these shapes: full layers, bf16, D in {64, 128}, at most 128
+    query rows a kv head, group size G = Hq / Hkv in {8, 16, 32, 64} (a token's G rows are whole 8-row
+    tiles), cache length a multiple of 8 (TMA tiling of the flat cache)."""
+    B, Nq, Hq, D = q.shape
+    _, Hkv, S, _ = k_cache.shape
+    return (window is None and q.dtype == jnp.bfloat16 and k_cache.dtype == jnp.bfloat16 and D in (64, 128)
+            and Hkv > 0 and Hq % Hkv == 0 and (Hq // Hkv) % 8 == 0 and ROWS % (Hq // Hkv) == 0
+            and Nq * (Hq // Hkv) <= 2 * ROWS and S % 8 == 0)
+
+
+def preferred(q, k_cache, window) -> bool:
+    """Whether `attention.attention` runs this kernel: it fits, the cache holds at least MIN_CACHE slots
+    and there are several query tokens (B=1, Nq=1 at 32K: 23.1 us here against 22.4 for the Triton
+    kernel, whose split-K merge is lighter)."""
+    return mosaic_fits(q, k_cache, window) and k_cache.shape[2] >= MIN_CACHE and q.shape[1] >= 2
+
+
+@functools.partial(jax.jit, static_argnames=("window", "scale", "splits", "block_k", "stages", "interpret"))
+def attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale,
+                     splits: int | None = None, block_k: int | None = None, stages: int | None = None,
+                     interpret: bool = False):
+    """`attention.attention_reference`'s contract for full layers (window None) on Hopper GPUs: q [B, Nq, Hq, D]
+    bf16, k, v [B, Nq, Hkv, D], caches [B, Hkv, S, D] bf16 (read in place), lengths [B], positions [B, Nq]
+    (unused: full layers see every committed key), mask uint32 [B, Nq, ceil(Nq/32)] or None (causal),
+    sinks [Hq] -> [B, Nq, Hq, D]. splits: key ranges a kv head (default: one block per multiprocessor);
+    block_k: keys a ring slot (64 or 128); stages: ring slots (a multiple of the key phases)."""
+    del positions
+    B, Nq, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv if Hkv else 0
+    if not mosaic_fits(q, k_cache, window) or k_cache.shape != (B, Hkv, S, D) or v_cache.shape != k_cache.shape \
+            or k.shape != (B, Nq, Hkv, D) or v.shape != k.shape or sinks.shape != (Hq,) or lengths.shape != (B,):
+        raise ValueError(f"attention_mosaic: q {q.shape} {q.dtype}, k {k.shape}, v {v.shape}, caches "
+                         f"{k_cache.shape} {k_cache.dtype}, sinks {sinks.shape}, lengths {lengths.shape}, window "
+                         f"{window}: needs full layers, bf16, D in (64, 128), Nq * Hq / Hkv <= {2 * ROWS}")
+    R = Nq * G
+    rg = -(-R // ROWS)
+    kp = 2 // rg  # key phases: two compute warpgroups either way
+    block_k = block_k or (128 if D == 64 else 64)
+    smem = lambda st: (2 * st * block_k + 2 * ROWS) * D * 2 + 2 * ROWS * (D + 2) * 4 + 4096  # noqa: E731 (+ reductions)
+    if stages is None:  # up to 256 keys in the ring, as many slots as fit, whole key phases
+        fits = [st for st in range(kp, 256 // block_k + 1, kp) if smem(st) <= _SMEM_BYTES]
+        stages = fits[-1] if fits else kp
+    if block_k not in (64, 128) or stages < 2 or stages % kp:
+        raise ValueError(f"attention_mosaic: block_k {block_k} (64 or 128), stages {stages} (>= 2, a multiple of "
+                         f"the key phases, {kp})")
+    if smem(stages) > _SMEM_BYTES:
+        raise ValueError(f"attention_mosaic: {stages} stages of {block_k} keys need {smem(stages)} bytes of shared "
+                         f"memory, {_SMEM_BYTES} available")
+    if splits is None:
+        splits = max(1, (132 if interpret else _num_sms()) // (B * Hkv))
+    part = prefix_reference if interpret else functools.partial(_prefix_call, stages=stages)
+    o_p, m_p, l_p = part(q, k_cache, v_cache, lengths.astype(jnp.int32), scale=scale, splits=splits,
+                         block_k=block_k, rg=rg, kp=kp)
+    NP = splits * kp
+    causal = mask is None
+    mask_arg = jnp.zeros((1, 1, 1), jnp.uint32) if causal else mask.astype(jnp.uint32)
+    Dp = attn._pow2(max(16, D))
+    kern = functools.partial(_finish_kernel, Nq=Nq, G=G, Hkv=Hkv, D=D, Dp=Dp, NP=NP, NPp=attn._pow2(NP),
+                             BKn=attn._pow2(max(16, Nq)), RB=FINISH_ROWS, c=float(scale) * _LOG2E, causal=causal)
+    return pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((B, Nq, Hq, D), q.dtype),
+                          grid=(-(-R // FINISH_ROWS), B * Hkv),
+                          compiler_params=tgpu.CompilerParams(num_warps=1, num_stages=1),
+                          interpret=interpret, name="attention_finish")(q, k, v, mask_arg, sinks, o_p, m_p, l_p)
