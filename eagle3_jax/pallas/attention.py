@@ -8,7 +8,8 @@ positions, GQA (query head h reads kv head h // (Hq // Hkv)), float32 softmax.
 lowering; `interpret=True` runs it on CPU): GQA folded into the kernel rows, K/V read in place from
 the [B, Hkv, S, D] cache, per-sequence lengths, split-K over the prefix with a log-sum-exp merge,
 sliding layers reading only the keys inside the window. `attention` (the model's entry point)
-dispatches to the kernel when the default backend is a GPU, to the reference otherwise.
+dispatches to a kernel when the default backend is a GPU (the Mosaic GPU kernel of attention_mosaic.py
+for full layers with long caches and several query tokens, else this one), to the reference otherwise.
 `rope_attention` is the same kernel fed by the fused q/k/v projection: the bias, RoPE and the new
 tokens' cache write happen inside it (`rope_attention_reference`: `rope_write_reference` then
 `attention_reference`); gpt-oss-120b B=1 decode on an H200: 2.70 -> 2.66 ms/token without the

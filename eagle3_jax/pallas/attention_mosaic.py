@@ -4,21 +4,37 @@ Pallas (Triton) kernel that adds the sink and the Nq new tokens and merges the s
 `attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale)` has the
 contract of `attention.attention_reference` for full (window None) layers. Two launches:
 
-  1. prefix, grid (splits, B * Hkv), one block per multiprocessor: a memory warpgroup streams the
-     split's K/V blocks of `block_k` keys from the [B, Hkv, S, D] cache into a shared-memory ring (TMA,
-     `stages` slots, no copy of the cache); compute warpgroups run Q K^T and P V on the tensor cores
-     (wgmma) with an online base-2 softmax in f32. The kv head's query rows (token x group head, GQA
-     folded; Nq * Hq / Hkv <= 128) are row groups of 64; with one row group (Nq * G <= 64) the two
-     compute warpgroups take alternate key blocks and write separate partials, with two each takes one
-     row group over every block. Output: unnormalized partials (acc f32 [.., D], running max m and sum
-     l, m in units of `scale * log2(e)`) per (split, key phase).
-  2. finish, grid (Nq * G, B * Hkv), one query row a program: the row's partials, its sink (a virtual
-     key of logit `sinks[h]`, value zero) and the Nq new tokens under the packed mask (or causal) merged
-     by their maxima, normalized and stored as [B, Nq, Hq, D] in q.dtype.
+  1. prefix (`_prefix_call`), grid (splits, B * Hkv), one block per multiprocessor: a memory warpgroup
+     streams the split's K/V blocks of `block_k` keys from the cache (viewed as [B * Hkv * S, D], read
+     in place) into a shared-memory ring (TMA, `stages` slots); two compute warpgroups run Q K^T and
+     P V on the tensor cores (wgmma) with an online base-2 softmax in f32 (P rounded to bf16 for P V,
+     as in the Triton kernel). The kv head's query rows (token x group head, GQA folded: row r is token
+     r // G, head h * G + r % G) are row groups of 64, each token's G rows copied from q by TMA. One row
+     group (Nq * G <= 64): the two warpgroups take alternate key blocks and write separate partials; two
+     row groups (<= 128 rows): each takes one over every block, and they take turns on the tensor cores
+     (a schedule barrier, as in JAX's FlashAttention-3 example: one's softmax runs during the other's
+     matmuls). Output: unnormalized partials (acc f32 [.., D], running max m and sum l, m in units of
+     `scale * log2(e)`) per (split, key phase).
+  2. finish (`_finish_kernel`), grid (Nq * G, B * Hkv), one query row a program: the row's partials, its
+     sink (a virtual key of logit `sinks[hq]`, value zero) and the Nq new tokens under the packed mask
+     (or causal) merged by their maxima, normalized, stored as [B, Nq, Hq, D] in q.dtype.
 
-Why Mosaic GPU: the Triton kernel (attention.py) is bound by its softmax chain at 128 rows (Nq = 16:
-51% of the HBM roofline at B=1, 32K) and reaches 64-73% at B=1 for fewer rows (split-K launch and
-merge costs). Here TMA keeps the stream running while the tensor cores and the exp units work.
+`attention.attention` (plain q/k/v callers: the EAGLE-3 draft) takes this kernel where `preferred` says
+so; the target's cached steps on GPUs stay on `attention.rope_attention` (the Triton kernel with the
+q/k/v bias, RoPE and cache write inside: here they would be XLA ops of their own). `prefix_reference` is the jnp
+function of the prefix kernel (the same partials); with interpret=True the partials come from it (the
+Mosaic interpreter runs no warp-specialized kernel) and the finish kernel runs in the Pallas interpreter.
+
+Measured on an H200 (experiments/results/attention_mosaic_h200.json, device time of both kernels, K/V
+bytes over the copy bandwidth of the run, 4.13 TB/s; the Triton kernel in the same run): 32K prefix,
+64/8 heads, D 64, B=1 Nq=1/4/8/16 23.1/24.1/25.6/30.4 us (Triton 22.4/24.8/25.3/32.1), B=4
+67.6/68.6/71.4/90.6 us (Triton 67.6/71.4/72.1/96.4); 128K Nq=16 B=1 87.7 us (95.4), B=4 323 us (350).
+Launch: 128-key slots, 2 stages (64-key slots: Nq=16 B=1 prefix 28.3 us against 24.1; 6 stages of 64
+no faster than 4). The schedule barrier took the Nq=16 prefix kernel from 26.3 to 24.1 us (B=1) and 89.3
+to 80.4 us (B=4). Where B=1 stops: the same kernel streaming the same 67 MB with its compute left out
+took 19.6 us (82% of the roofline; B=4's 268 MB: 64.2 us, 100%), and XLA's reduce over 64 MB 21.9 us,
+so about 3.5 us of a call is one kernel's ramp and tail, whichever kernel; the finish adds 2.5 us (Nq=1)
+to 4.6 us (Nq=16) where the Triton kernel's merge takes 1.7-3.3.
 """
 
 from __future__ import annotations
