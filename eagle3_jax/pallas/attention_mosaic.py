@@ -15,7 +15,8 @@ contract of `attention.attention_reference` for full (window None) layers. Two l
      (a schedule barrier, as in JAX's FlashAttention-3 example: one's softmax runs during the other's
      matmuls). Output: unnormalized partials (acc f32 [.., D], running max m and sum l, m in units of
      `scale * log2(e)`) per (split, key phase).
-  2. finish (`_finish_kernel`), grid (Nq * G, B * Hkv), one query row a program: the row's partials, its
+  2. finish (`_finish_kernel`), grid (Nq * G, B * Hkv), one query row a program (one warp; 8 or 16 rows
+     a program with 2-4 warps were slower: 4.4-8.8 us against 2.5-4.6 on an H200): the row's partials, its
      sink (a virtual key of logit `sinks[hq]`, value zero) and the Nq new tokens under the packed mask
      (or causal) merged by their maxima, normalized, stored as [B, Nq, Hq, D] in q.dtype.
 
@@ -53,9 +54,6 @@ from eagle3_jax.pallas import attention as attn
 
 F32 = jnp.float32
 ROWS = 64  # rows of one compute warpgroup's wgmma tile
-# query rows a finish program: one (one warp). H200, 32K: B=1 Nq=1 2.5 us; 8 rows with 2 / 4 warps 8.8 / 4.4 us;
-# Nq=16 4.6 us, 16 rows with 4 warps 8.1 us
-FINISH_ROWS = 1
 MIN_CACHE = 4096  # `attention.attention` takes this kernel for caches at least this long (and Nq >= 2)
 _SMEM_BYTES = 227 * 1024
 _LOG2E = math.log2(math.e)
@@ -216,50 +214,43 @@ def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages
     )(lengths, q.reshape(B * Nq * Hkv, G, D), k_cache.reshape(B * Hkv * S, D), v_cache.reshape(B * Hkv * S, D))
 
 
-def _finish_kernel(q_ref, k_ref, v_ref, mask_ref, sinks_ref, o_ref, m_ref, l_ref, out_ref, *, Nq, G, Hkv,
-                   D, Dp, NP, NPp, BKn, RB, c, causal):
-    """RB query rows r = (token r // G, group head r % G) of kv head h a program: each row's NP partials,
-    its sink and the new tokens (BKn >= Nq keys, one tile, shared by the rows) merged by their maxima;
-    out = (sum_s w_s acc_s + sum_j p_j v_j) / (sum_s w_s l_s + w_sink + sum_j p_j)."""
-    rb, bh = pl.program_id(0), pl.program_id(1)
+def _finish_kernel(q_ref, k_ref, v_ref, mask_ref, sinks_ref, o_ref, m_ref, l_ref, out_ref, *, Nq, G, Hkv, D,
+                   NP, NPp, BKn, c, causal):
+    """One query row r = (token r // G, group head r % G) of kv head h a program: its NP partials, its
+    sink and the new tokens (BKn >= Nq keys, one tile) merged by their maxima;
+    out = (sum_s w_s acc_s + sum_j p_j v_j) / (sum_s w_s l_s + w_sink + sum_j p_j). Rows of D (64 or
+    128) elements: whole, unmasked vector loads."""
+    r, bh = pl.program_id(0), pl.program_id(1)
     b, h = bh // Hkv, bh % Hkv
-    r = rb * RB + jnp.arange(RB, dtype=jnp.int32)
-    r_ok = r < Nq * G
-    r = jnp.minimum(r, Nq * G - 1)
-    t, hq = r // G, h * G + r % G  # [RB]
+    t, hq = r // G, h * G + r % G
     sp = jnp.arange(NPp, dtype=jnp.int32)
-    s_ok = (sp < NP)[None, :]
+    s_ok = sp < NP
     s_c = jnp.minimum(sp, NP - 1)
-    d = jnp.arange(Dp, dtype=jnp.int32)
-    d_ok = d < D
-    dc = jnp.minimum(d, D - 1)
+    d = jnp.arange(D, dtype=jnp.int32)
     j = jnp.arange(BKn, dtype=jnp.int32)
     jc = jnp.minimum(j, Nq - 1)
     # every load first
-    m = tgpu.load(m_ref.at[bh, s_c[None, :], r[:, None]])  # [RB, NPp]
-    lv = tgpu.load(l_ref.at[bh, s_c[None, :], r[:, None]])
-    o = tgpu.load(o_ref.at[bh, s_c[None, :, None], r[:, None, None], dc[None, None, :]])  # [RB, NPp, Dp]
-    sink = tgpu.load(sinks_ref.at[hq]).astype(F32) * _LOG2E  # [RB]
-    q = tgpu.load(q_ref.at[b, t[:, None], hq[:, None], dc[None, :]]).astype(F32)  # [RB, Dp]
-    kt = tgpu.load(k_ref.at[b, jc[:, None], h, dc[None, :]]).astype(F32)  # [BKn, Dp]
-    vt = tgpu.load(v_ref.at[b, jc[:, None], h, dc[None, :]]).astype(F32)
+    m = tgpu.load(m_ref.at[bh, s_c, r])  # [NPp]
+    lv = tgpu.load(l_ref.at[bh, s_c, r])
+    o = tgpu.load(o_ref.at[bh, s_c[:, None], r, d[None, :]])  # [NPp, D]
+    sink = tgpu.load(sinks_ref.at[pl.ds(hq, 1)]).astype(F32) * _LOG2E  # [1]
+    q = tgpu.load(q_ref.at[b, t, hq, pl.ds(0, D)]).astype(F32)  # [D]
+    kt = tgpu.load(k_ref.at[b, jc[:, None], h, d[None, :]]).astype(F32)  # [BKn, D]
+    vt = tgpu.load(v_ref.at[b, jc[:, None], h, d[None, :]]).astype(F32)
     if causal:
-        vis = j[None, :] <= t[:, None]
+        vis = j <= t
     else:
-        words = tgpu.load(mask_ref.at[b, t[:, None], (jc // 32)[None, :]])  # [RB, BKn]
-        vis = (lax.shift_right_logical(words, (jc % 32).astype(jnp.uint32)[None, :]) & 1) != 0
-    vis = vis & (j < Nq)[None, :]
-    qk = jnp.sum(q[:, None, :] * jnp.where(d_ok, kt, 0.0)[None, :, :], axis=2)  # [RB, BKn]
-    lg = jnp.where(vis, qk * c, -jnp.inf)
+        words = tgpu.load(mask_ref.at[b, t, jc // 32])  # [BKn]
+        vis = (lax.shift_right_logical(words, (jc % 32).astype(jnp.uint32)) & 1) != 0
+    lg = jnp.where(vis & (j < Nq), jnp.sum(q[None, :] * kt, axis=1) * c, -jnp.inf)  # [BKn]
 
     m = jnp.where(s_ok, m, attn._M_INIT)
-    top = jnp.maximum(jnp.maximum(jnp.max(m, axis=1), sink), jnp.max(lg, axis=1))  # [RB]
-    w = jnp.where(s_ok, jnp.exp2(m - top[:, None]), 0.0)
-    pn = jnp.exp2(lg - top[:, None])  # new tokens (0 where not visible)
-    den = jnp.sum(w * lv, axis=1) + jnp.exp2(sink - top) + jnp.sum(pn, axis=1)
-    num = jnp.sum(w[:, :, None] * o, axis=1) + jnp.sum(pn[:, :, None] * vt[None, :, :], axis=1)  # [RB, Dp]
-    tgpu.store(out_ref.at[b, t[:, None], hq[:, None], d[None, :]], (num / den[:, None]).astype(out_ref.dtype),
-               mask=r_ok[:, None] & d_ok[None, :])
+    top = jnp.maximum(jnp.maximum(jnp.max(m), jnp.max(sink)), jnp.max(lg))
+    w = jnp.where(s_ok, jnp.exp2(m - top), 0.0)
+    pn = jnp.exp2(lg - top)  # new tokens (0 where not visible)
+    den = jnp.sum(w * lv) + jnp.sum(jnp.exp2(sink - top)) + jnp.sum(pn)
+    num = jnp.sum(w[:, None] * o, axis=0) + jnp.sum(pn[:, None] * vt, axis=0)  # [D]
+    tgpu.store(out_ref.at[b, t, hq, pl.ds(0, D)], (num / den).astype(out_ref.dtype))
 
 
 def prefix_reference(q, k_cache, v_cache, lengths, *, scale, splits, block_k, rg, kp):
@@ -345,10 +336,8 @@ def attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
     NP = splits * kp
     causal = mask is None
     mask_arg = jnp.zeros((1, 1, 1), jnp.uint32) if causal else mask.astype(jnp.uint32)
-    Dp = attn._pow2(max(16, D))
-    kern = functools.partial(_finish_kernel, Nq=Nq, G=G, Hkv=Hkv, D=D, Dp=Dp, NP=NP, NPp=attn._pow2(NP),
-                             BKn=attn._pow2(max(16, Nq)), RB=FINISH_ROWS, c=float(scale) * _LOG2E, causal=causal)
-    return pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((B, Nq, Hq, D), q.dtype),
-                          grid=(-(-R // FINISH_ROWS), B * Hkv),
+    kern = functools.partial(_finish_kernel, Nq=Nq, G=G, Hkv=Hkv, D=D, NP=NP, NPp=attn._pow2(NP),
+                             BKn=attn._pow2(max(16, Nq)), c=float(scale) * _LOG2E, causal=causal)
+    return pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((B, Nq, Hq, D), q.dtype), grid=(R, B * Hkv),
                           compiler_params=tgpu.CompilerParams(num_warps=1, num_stages=1),
                           interpret=interpret, name="attention_finish")(q, k, v, mask_arg, sinks, o_p, m_p, l_p)
