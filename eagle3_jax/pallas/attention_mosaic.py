@@ -27,15 +27,17 @@ function of the prefix kernel (the same partials); with interpret=True the parti
 Mosaic interpreter runs no warp-specialized kernel) and the finish kernel runs in the Pallas interpreter.
 
 Measured on an H200 (experiments/results/attention_mosaic_h200.json, device time of both kernels, K/V
-bytes over the copy bandwidth of the run, 4.13 TB/s; the Triton kernel in the same run): 32K prefix,
-64/8 heads, D 64, B=1 Nq=1/4/8/16 23.1/24.1/25.6/30.4 us (Triton 22.4/24.8/25.3/32.1), B=4
-67.6/68.6/71.4/90.6 us (Triton 67.6/71.4/72.1/96.4); 128K Nq=16 B=1 87.7 us (95.4), B=4 323 us (350).
+bytes over the copy bandwidth of the run, 4.18 TB/s; the Triton kernel in the same run): 32K prefix,
+64/8 heads, D 64, B=1 Nq=1/4/8/16 22.9/23.8/24.8/29.0 us (Triton 22.3/24.8/25.4/32.2), B=4
+67.5/68.5/71.1/88.5 us (Triton 67.5/71.1/71.9/96.4); 128K Nq=16 B=1 86.8 us (95.6), B=4 322 us (350).
 Launch: 128-key slots, 2 stages (64-key slots: Nq=16 B=1 prefix 28.3 us against 24.1; 6 stages of 64
 no faster than 4). The schedule barrier took the Nq=16 prefix kernel from 26.3 to 24.1 us (B=1) and 89.3
 to 80.4 us (B=4). Where B=1 stops: the same kernel streaming the same 67 MB with its compute left out
 took 19.6 us (82% of the roofline; B=4's 268 MB: 64.2 us, 100%), and XLA's reduce over 64 MB 21.9 us,
-so about 3.5 us of a call is one kernel's ramp and tail, whichever kernel; the finish adds 2.5 us (Nq=1)
-to 4.6 us (Nq=16) where the Triton kernel's merge takes 1.7-3.3.
+so about 3.5 us of a call is one kernel's ramp and tail, whichever kernel; the finish adds 2.3 us (Nq=1)
+to 3.5 us (Nq=16) where the Triton kernel's merge takes 1.7-3.3. Tried and not kept: griddepcontrol
+(programmatic dependent launch, with XLA's --xla_gpu_enable_pdl=true) at the kernel's start or only in
+the compute warpgroups: device span unchanged (B=1 Nq=1 22.9 against 22.8 us).
 """
 
 from __future__ import annotations
