@@ -37,7 +37,11 @@ took 19.6 us (82% of the roofline; B=4's 268 MB: 64.2 us, 100%), and XLA's reduc
 so about 3.5 us of a call is one kernel's ramp and tail, whichever kernel; the finish adds 2.3 us (Nq=1)
 to 3.5 us (Nq=16) where the Triton kernel's merge takes 1.7-3.3. Tried and not kept: griddepcontrol
 (programmatic dependent launch, with XLA's --xla_gpu_enable_pdl=true) at the kernel's start or only in
-the compute warpgroups: device span unchanged (B=1 Nq=1 22.9 against 22.8 us).
+the compute warpgroups: device span unchanged (B=1 Nq=1 22.9 against 22.8 us). Four compute warpgroups
+(two row groups x two key phases, each pair taking turns): correct but slower, B=4 Nq=16 90.96 against
+88.05 us with 64-key slots, 256 us with 128-key ones (five warpgroups leave ~100 registers a thread; with
+setmaxnreg moving the memory warpgroup's registers to the compute ones, the kernel hung: the increase
+waits on a pool the launch did not hold).
 """
 
 from __future__ import annotations
