@@ -170,6 +170,8 @@ def test_mosaic_dispatch_and_bad_input():
     args = make_inputs(3, 1, 2, 16, 2, 64, 64, kind="tree")
     with pytest.raises(ValueError, match="full layers"):
         mosaic.attention_mosaic(*args, window=16, scale=0.125, interpret=True)
+    with pytest.raises(ValueError, match="scale must be positive"):
+        mosaic.attention_mosaic(*args, window=None, scale=-0.125, interpret=True)
     with pytest.raises(ValueError, match="key phases"):
         mosaic.attention_mosaic(*args, window=None, scale=0.125, stages=3, interpret=True)
     with pytest.raises(ValueError, match="shared memory"):

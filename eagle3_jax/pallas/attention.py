@@ -182,6 +182,11 @@ def attention_config(batch, nq, hq, hkv, head_dim, cache_len, window, *, num_sms
     return AttnConfig(**cfg)
 
 
+def num_sms() -> int:
+    """Multiprocessors of the default device (132, an H100 / H200's, where it does not say)."""
+    return getattr(jax.devices()[0], "core_count", None) or 132
+
+
 def _f32_hex(x: float) -> str:
     """A float32 immediate in PTX hex syntax (1.0 -> 0f3F800000)."""
     return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
@@ -521,10 +526,8 @@ def _launch(srcs, rope, k_cache, v_cache, lengths, positions, mask, sinks, *, B,
     G = Hq // Hkv
     S_cfg = k_cache.shape[2] if rope is None else rope[2]
     if config is None:
-        sms = 132
-        if not interpret:
-            sms = getattr(jax.devices()[0], "core_count", None) or 132
-        config = attention_config(B, Nq, Hq, Hkv, D, S_cfg, window, num_sms=sms, **overrides)
+        config = attention_config(B, Nq, Hq, Hkv, D, S_cfg, window, num_sms=132 if interpret else num_sms(),
+                                  **overrides)
     RB, NS = config.block_rows, config.num_splits
     Dp = _pow2(max(16, D))
     R = Nq * G

@@ -22,9 +22,10 @@ contract of `attention.attention_reference` for full (window None) layers. Two l
 
 `attention.attention` (plain q/k/v callers: the EAGLE-3 draft) takes this kernel where `preferred` says
 so; the target's cached steps on GPUs stay on `attention.rope_attention` (the Triton kernel with the
-q/k/v bias, RoPE and cache write inside: here they would be XLA ops of their own). `prefix_reference` is the jnp
-function of the prefix kernel (the same partials); with interpret=True the partials come from it (the
-Mosaic interpreter runs no warp-specialized kernel) and the finish kernel runs in the Pallas interpreter.
+q/k/v bias, RoPE and cache write inside: here they would be XLA ops of their own). `prefix_reference`
+is the jnp function of the prefix kernel (the same partials); with interpret=True the partials come
+from it (the Mosaic interpreter runs no warp-specialized kernel) and the finish kernel runs in the
+Pallas interpreter.
 
 Measured on an H200 (experiments/results/attention_mosaic_h200.json, device time of both kernels, K/V
 bytes over the copy bandwidth of the run, 4.18 TB/s; the Triton kernel in the same run): 32K prefix,
@@ -47,7 +48,6 @@ waits on a pool the launch did not hold).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -61,12 +61,8 @@ from eagle3_jax.pallas import attention as attn
 F32 = jnp.float32
 ROWS = 64  # rows of one compute warpgroup's wgmma tile
 MIN_CACHE = 4096  # `attention.attention` takes this kernel for caches at least this long (and Nq >= 2)
-_SMEM_BYTES = 227 * 1024
-_LOG2E = math.log2(math.e)
-
-
-def _num_sms() -> int:
-    return getattr(jax.devices()[0], "core_count", None) or 132
+_SMEM_BYTES = 227 * 1024  # shared memory a block may use (Hopper)
+_LOG2E = attn._LOG2E
 
 
 def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages, rg, kp):
@@ -80,7 +76,9 @@ def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages
     dtype = q.dtype
     c = float(scale) * _LOG2E
     NP = splits * kp
-    max_blocks = -(-(-(-S // splits)) // block_k)  # blocks of the longest split
+    max_blocks = pl.cdiv(pl.cdiv(S, splits), block_k)  # blocks of the longest split
+    # the tokens whose G rows ([G, D] of q) warpgroup w copies: its row group's; padding rows stay unset
+    toks = [[t for t in range(w % rg * tpw, (w % rg + 1) * tpw) if t < Nq] for w in range(cw)]
 
     def body(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, scoped):
         (q_smem, k_smem, v_smem, o_smem, ml_smem), (k_bar, v_bar), q_bars, (k_free, v_free), sched = scoped
@@ -103,14 +101,12 @@ def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages
         def _compute():
             r, ph = wg % rg, wg // rg  # row group, key phase
             qs = q_smem.at[wg]
-            for w in range(cw):  # the row group's tokens, G rows ([G, D] of q) each; padding rows stay unset
-                toks = [t for t in range(w % rg * tpw, (w % rg + 1) * tpw) if t < Nq]
-
+            for w in range(cw):
                 bar = q_bars[w] if q_bars[w].shape == () else q_bars[w].at[0]  # one barrier: a scalar ref in JAX 0.11
 
                 @pl.when(wg == w)
                 def _():
-                    for t in toks:
+                    for t in toks[w]:
                         plgpu.copy_gmem_to_smem(q_ref.at[(b * Nq + t) * Hkv + h],
                                                 q_smem.at[w, pl.ds((t % tpw) * G, G)], bar)
                     plgpu.barrier_wait(bar)
@@ -205,8 +201,7 @@ def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages
              plgpu.SMEM((stages, block_k, D), dtype, transforms=tiles),
              plgpu.SMEM((cw, ROWS, D), F32), plgpu.SMEM((cw, 2, ROWS), F32)),
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
-            tuple(plgpu.Barrier(num_arrivals=len([t for t in range(w % rg * tpw, (w % rg + 1) * tpw) if t < Nq]))
-                  for w in range(cw)),
+            tuple(plgpu.Barrier(num_arrivals=len(t)) for t in toks),
             (plgpu.Barrier(num_arrivals=rg, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=cw),
             collective_axes="wg")
@@ -328,6 +323,8 @@ def attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
     if stages is None:  # up to 256 keys in the ring, as many slots as fit, whole key phases
         fits = [st for st in range(kp, 256 // block_k + 1, kp) if smem(st) <= _SMEM_BYTES]
         stages = fits[-1] if fits else kp
+    if not scale > 0:
+        raise ValueError(f"attention_mosaic: scale must be positive, got {scale}")
     if block_k not in (64, 128) or stages < 2 or stages % kp:
         raise ValueError(f"attention_mosaic: block_k {block_k} (64 or 128), stages {stages} (>= 2, a multiple of "
                          f"the key phases, {kp})")
@@ -335,7 +332,7 @@ def attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
         raise ValueError(f"attention_mosaic: {stages} stages of {block_k} keys need {smem(stages)} bytes of shared "
                          f"memory, {_SMEM_BYTES} available")
     if splits is None:
-        splits = max(1, (132 if interpret else _num_sms()) // (B * Hkv))
+        splits = max(1, (132 if interpret else attn.num_sms()) // (B * Hkv))
     part = prefix_reference if interpret else functools.partial(_prefix_call, stages=stages)
     o_p, m_p, l_p = part(q, k_cache, v_cache, lengths.astype(jnp.int32), scale=scale, splits=splits,
                          block_k=block_k, rg=rg, kp=kp)
