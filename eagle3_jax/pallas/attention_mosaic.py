@@ -305,7 +305,8 @@ def attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
     bf16, k, v [B, Nq, Hkv, D], caches [B, Hkv, S, D] bf16 (read in place), lengths [B], positions [B, Nq]
     (unused: full layers see every committed key), mask uint32 [B, Nq, ceil(Nq/32)] or None (causal),
     sinks [Hq] -> [B, Nq, Hq, D]. splits: key ranges a kv head (default: one block per multiprocessor);
-    block_k: keys a ring slot (64 or 128); stages: ring slots (a multiple of the key phases)."""
+    block_k: keys a ring slot (64 or 128; default 128 for D=64, else 64); stages: ring slots (default: as
+    many as fit, up to 256 keys; a multiple of the key phases: 2 where Nq * Hq / Hkv <= 64, else 1)."""
     del positions
     B, Nq, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
@@ -314,7 +315,8 @@ def attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
             or k.shape != (B, Nq, Hkv, D) or v.shape != k.shape or sinks.shape != (Hq,) or lengths.shape != (B,):
         raise ValueError(f"attention_mosaic: q {q.shape} {q.dtype}, k {k.shape}, v {v.shape}, caches "
                          f"{k_cache.shape} {k_cache.dtype}, sinks {sinks.shape}, lengths {lengths.shape}, window "
-                         f"{window}: needs full layers, bf16, D in (64, 128), Nq * Hq / Hkv <= {2 * ROWS}")
+                         f"{window}: needs full layers (window None), bf16, D in (64, 128), Hq / Hkv in (8, 16, 32, "
+                         f"64), Nq * Hq / Hkv <= {2 * ROWS}, S a multiple of 8")
     R = Nq * G
     rg = -(-R // ROWS)
     kp = 2 // rg  # key phases: two compute warpgroups either way
