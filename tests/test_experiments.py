@@ -214,3 +214,4 @@ def test_moe_mosaic_timeline_summary_and_cpu_refusal():
     assert np.isclose(r["comp_gate_up_per_warpgroup"], 2.0) and np.isclose(r["comp_down_per_warpgroup"], 2.0)
     assert np.isclose(r["issue_to_start_mean"], (0.9 * 2 + 0.9 + 1.4) / 4) and np.isclose(r["memory_issue_gap_mean"], 3.0)
     assert "needs a GPU" in fails("moe_mosaic_timeline.py")
+    assert "needs a GPU" in fails("attention_floor.py")

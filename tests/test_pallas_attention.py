@@ -155,6 +155,11 @@ def test_mosaic_kernel_lowers_for_cuda(B, Nq, D, ov):
     fn = jax.jit(lambda *a: mosaic.attention_mosaic(*a, window=None, scale=D ** -0.5, **ov))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "attention_prefix" in text and "attention_finish" in text
+    launch = mosaic.launch_config(args[0], args[3], **ov)
+    for probe in ("stream", "compute"):  # experiments/attention_floor.py's variants
+        fn = jax.jit(lambda q, kc, vc, n: mosaic._prefix_call(q, kc, vc, n, scale=0.125, probe=probe, **launch))
+        assert "attention_prefix" in fn.trace(args[0], args[3], args[4], args[5]).lower(
+            lowering_platforms=("cuda",)).as_text()
 
 
 def test_mosaic_dispatch_and_bad_input():

@@ -42,7 +42,18 @@ the compute warpgroups: device span unchanged (B=1 Nq=1 22.9 against 22.8 us). F
 (two row groups x two key phases, each pair taking turns): correct but slower, B=4 Nq=16 90.96 against
 88.05 us with 64-key slots, 256 us with 128-key ones (five warpgroups leave ~100 registers a thread; with
 setmaxnreg moving the memory warpgroup's registers to the compute ones, the kernel hung: the increase
-waits on a pool the launch did not hold).
+waits on a pool the launch did not hold). FlashAttention-3's intra-warpgroup overlap (Q K^T of block j and
+P V of block j - 1 issued together, block j's softmax while P V runs, the warpgroups passing a tensor-core
+turn through two barriers): B=4 Nq=16 95.2 us against 87.3 (without the turns 88.9), Nq <= 8 no faster
+with 4 stages of 128 keys (with 2, a key phase holds one slot: 30.9 against 22.7 us at B=1 Nq=1); this
+kernel with 4 stages: 87.8 us. (P V reads P from registers: P must stay live past P V's wait, or ptxas
+serializes the wgmmas, its warning C7513.)
+
+Where it stops (experiments/attention_floor.py, experiments/results/attention_floor_h200.json, one run,
+32K; `_prefix_call(probe=...)`): B=1 the prefix kernel streaming K/V with the math left out takes 19.5 us
+(Nq=1, 84% of the roofline) to 20.6 us (Nq=16, 79%), an XLA reduction of the same bytes 21.3 us, the math
+alone 13.7 us (Nq <= 8) and 22.3 us (Nq=16); B=4 the stream alone runs at the roofline (63.9-65.0 us) and
+at Nq=16 the math alone takes 77.9 us: compute-bound there.
 """
 
 from __future__ import annotations
@@ -65,9 +76,14 @@ _SMEM_BYTES = 227 * 1024  # shared memory a block may use (Hopper)
 _LOG2E = attn._LOG2E
 
 
-def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages, rg, kp):
+def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages, rg, kp, probe=None):
     """q bf16 [B, Nq, Hq, D], caches [B, Hkv, S, D] -> partials (acc f32 [B * Hkv, splits * kp, rg * 64, D],
-    m f32 [B * Hkv, splits * kp, rg * 64], l likewise); row r of kv head h is token r // G, head h * G + r % G."""
+    m f32 [B * Hkv, splits * kp, rg * 64], l likewise); row r of kv head h is token r // G, head h * G + r % G.
+    probe (measurement only, the partials are then meaningless; experiments/attention_floor.py): "stream"
+    leaves out the math (the compute warpgroups only release the slots), "compute" the copies (the memory
+    warpgroup arrives on the slots' barriers without filling them)."""
+    if probe not in (None, "stream", "compute"):
+        raise ValueError(f"_prefix_call: probe {probe!r}, expected None, 'stream' or 'compute'")
     B, Nq, Hq, D = q.shape
     _, Hkv, S, _ = k_cache.shape
     G = Hq // Hkv
@@ -82,7 +98,7 @@ def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages
 
     def body(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, scoped):
         (q_smem, k_smem, v_smem, o_smem, ml_smem), (k_bar, v_bar), q_bars, (k_free, v_free), sched = scoped
-        pingpong = rg == 2  # both compute warpgroups on every block: take turns on the tensor cores
+        pingpong = rg == 2 and probe != "stream"  # both compute warpgroups on every block: take turns on the tensor cores
 
         def schedule():
             plgpu.barrier_arrive(sched)
@@ -119,6 +135,11 @@ def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages
                 acc, m_i, l_i = carry
                 i = ph + j * kp
                 slot = i % stages
+                if probe == "stream":
+                    for bar, free in ((k_bar, k_free), (v_bar, v_free)):
+                        plgpu.barrier_wait(bar.at[slot])
+                        plgpu.barrier_arrive(free.at[slot])
+                    return carry
                 plgpu.barrier_wait(k_bar.at[slot])
 
                 def qk_of(ref):
@@ -173,6 +194,12 @@ def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages
 
         @pl.when(wg == cw)
         def _memory():
+            def fill(src, dst, bar):
+                if probe == "compute":
+                    plgpu.barrier_arrive(bar)
+                else:
+                    plgpu.copy_gmem_to_smem(src, dst, bar)
+
             @pl.loop(0, max_blocks)
             def _(i):
                 @pl.when(i < nblk)
@@ -184,13 +211,13 @@ def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages
                         plgpu.barrier_wait(k_free.at[slot])
 
                     at = pl.ds(bh * S + start + i * block_k, block_k)  # rows of the flat [B * Hkv * S, D] cache
-                    plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_bar.at[slot])
+                    fill(k_ref.at[at], k_smem.at[slot], k_bar.at[slot])
 
                     @pl.when(i >= stages)
                     def _():
                         plgpu.barrier_wait(v_free.at[slot])
 
-                    plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_bar.at[slot])
+                    fill(v_ref.at[at], v_smem.at[slot], v_bar.at[slot])
 
     def attention_prefix(*refs):  # the profile's kernel name
         tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -254,10 +281,12 @@ def _finish_kernel(q_ref, k_ref, v_ref, mask_ref, sinks_ref, o_ref, m_ref, l_ref
     tgpu.store(out_ref.at[b, t, hq, pl.ds(0, D)], (num / den).astype(out_ref.dtype))
 
 
-def prefix_reference(q, k_cache, v_cache, lengths, *, scale, splits, block_k, rg, kp):
+def prefix_reference(q, k_cache, v_cache, lengths, *, scale, splits, block_k, rg, kp, stages=None):
     """Plain-jnp `_prefix_call`: the same partials (key j < lengths[b] of split s = j // chunk, block
     i = (j - s * chunk) // block_k, partial s * kp + i % kp; chunk = the split's keys rounded up to
-    whole blocks), f32 throughout. Padding rows (r >= Nq * G) are zero."""
+    whole blocks), f32 throughout. Padding rows (r >= Nq * G) are zero. stages (the ring's depth) does not
+    change them."""
+    del stages
     B, Nq, Hq, D = q.shape
     _, Hkv, S, _ = k_cache.shape
     G, Rp, NP = Hq // Hkv, rg * ROWS, splits * kp
@@ -297,6 +326,30 @@ def preferred(q, k_cache, window) -> bool:
     return mosaic_fits(q, k_cache, window) and k_cache.shape[2] >= MIN_CACHE and q.shape[1] >= 2
 
 
+def launch_config(q, k_cache, *, splits=None, block_k=None, stages=None, interpret=False) -> dict:
+    """The prefix kernel's launch for these shapes (`attention_mosaic`'s defaults where None): splits, block_k,
+    stages, rg (64-row groups) and kp (key phases). Raises ValueError for a block_k, stages pair that does not
+    fit."""
+    _, Nq, Hq, D = q.shape
+    B, Hkv = k_cache.shape[:2]
+    rg = -(-Nq * (Hq // Hkv) // ROWS)
+    kp = 2 // rg  # key phases: two compute warpgroups either way
+    block_k = block_k or (128 if D == 64 else 64)
+    smem = lambda st: (2 * st * block_k + 2 * ROWS) * D * 2 + 2 * ROWS * (D + 2) * 4 + 4096  # noqa: E731 (+ reductions)
+    if stages is None:  # up to 256 keys in the ring, as many slots as fit, whole key phases
+        fits = [st for st in range(kp, 256 // block_k + 1, kp) if smem(st) <= _SMEM_BYTES]
+        stages = fits[-1] if fits else kp
+    if block_k not in (64, 128) or stages < 2 or stages % kp:
+        raise ValueError(f"attention_mosaic: block_k {block_k} (64 or 128), stages {stages} (>= 2, a multiple of "
+                         f"the key phases, {kp})")
+    if smem(stages) > _SMEM_BYTES:
+        raise ValueError(f"attention_mosaic: {stages} stages of {block_k} keys need {smem(stages)} bytes of shared "
+                         f"memory, {_SMEM_BYTES} available")
+    if splits is None:
+        splits = max(1, (132 if interpret else attn.num_sms()) // (B * Hkv))
+    return dict(splits=splits, block_k=block_k, stages=stages, rg=rg, kp=kp)
+
+
 @functools.partial(jax.jit, static_argnames=("window", "scale", "splits", "block_k", "stages", "interpret"))
 def attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale,
                      splits: int | None = None, block_k: int | None = None, stages: int | None = None,
@@ -317,28 +370,12 @@ def attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
                          f"{k_cache.shape} {k_cache.dtype}, sinks {sinks.shape}, lengths {lengths.shape}, window "
                          f"{window}: needs full layers (window None), bf16, D in (64, 128), Hq / Hkv in (8, 16, 32, "
                          f"64), Nq * Hq / Hkv <= {2 * ROWS}, S a multiple of 8")
-    R = Nq * G
-    rg = -(-R // ROWS)
-    kp = 2 // rg  # key phases: two compute warpgroups either way
-    block_k = block_k or (128 if D == 64 else 64)
-    smem = lambda st: (2 * st * block_k + 2 * ROWS) * D * 2 + 2 * ROWS * (D + 2) * 4 + 4096  # noqa: E731 (+ reductions)
-    if stages is None:  # up to 256 keys in the ring, as many slots as fit, whole key phases
-        fits = [st for st in range(kp, 256 // block_k + 1, kp) if smem(st) <= _SMEM_BYTES]
-        stages = fits[-1] if fits else kp
     if not scale > 0:
         raise ValueError(f"attention_mosaic: scale must be positive, got {scale}")
-    if block_k not in (64, 128) or stages < 2 or stages % kp:
-        raise ValueError(f"attention_mosaic: block_k {block_k} (64 or 128), stages {stages} (>= 2, a multiple of "
-                         f"the key phases, {kp})")
-    if smem(stages) > _SMEM_BYTES:
-        raise ValueError(f"attention_mosaic: {stages} stages of {block_k} keys need {smem(stages)} bytes of shared "
-                         f"memory, {_SMEM_BYTES} available")
-    if splits is None:
-        splits = max(1, (132 if interpret else attn.num_sms()) // (B * Hkv))
-    part = prefix_reference if interpret else functools.partial(_prefix_call, stages=stages)
-    o_p, m_p, l_p = part(q, k_cache, v_cache, lengths.astype(jnp.int32), scale=scale, splits=splits,
-                         block_k=block_k, rg=rg, kp=kp)
-    NP = splits * kp
+    launch = launch_config(q, k_cache, splits=splits, block_k=block_k, stages=stages, interpret=interpret)
+    part = prefix_reference if interpret else _prefix_call
+    o_p, m_p, l_p = part(q, k_cache, v_cache, lengths.astype(jnp.int32), scale=scale, **launch)
+    R, NP = Nq * G, launch["splits"] * launch["kp"]
     causal = mask is None
     mask_arg = jnp.zeros((1, 1, 1), jnp.uint32) if causal else mask.astype(jnp.uint32)
     kern = functools.partial(_finish_kernel, Nq=Nq, G=G, Hkv=Hkv, D=D, NP=NP, NPp=attn._pow2(NP),
