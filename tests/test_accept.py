@@ -79,10 +79,13 @@ def test_greedy_kernel_matches_reference_interpret(B, N, Dm):
     assert N == 1 or int(jnp.max(ref[0])) >= 2
 
 
-@pytest.mark.parametrize("proposal", ["sample", "deterministic"])
-def test_sample_kernel_matches_reference_interpret(proposal):
+@pytest.mark.parametrize("proposal,V,ov", [("sample", 37, {}), ("deterministic", 37, {}),
+                                           ("sample", 1000, dict(block_v=128, chunks=3)),
+                                           ("deterministic", 1000, dict(block_v=128, chunks=3))])
+def test_sample_kernel_matches_reference_interpret(proposal, V, ov):
+    """V=1000 in 128-id blocks: three vocabulary chunks of three blocks, the last one partial."""
     rng = np.random.default_rng(7)
-    B, N, V = 3, 12, 37
+    B, N = 3, 12
     par = random_tree(rng, B, N)
     p = jax.nn.softmax(jnp.asarray(rng.normal(size=(B, N, V)) * 2, jnp.float32), -1)
     q = jax.nn.softmax(jnp.asarray(rng.normal(size=(B, N, V)) * 2, jnp.float32) + jnp.log(p), -1)
@@ -91,7 +94,7 @@ def test_sample_kernel_matches_reference_interpret(proposal):
         key = jax.random.key(seed)
         ref = jax.jit(accept_sample_reference, static_argnames=("max_depth", "proposal"))(
             tok, par, p, q, key, max_depth=6, proposal=proposal)
-        out = accept_sample_pallas(tok, par, p, q, key, max_depth=6, proposal=proposal, interpret=True)
+        out = accept_sample_pallas(tok, par, p, q, key, max_depth=6, proposal=proposal, interpret=True, **ov)
         for o, r in zip(out, ref):
             np.testing.assert_array_equal(np.asarray(o), np.asarray(r))
 

@@ -34,10 +34,16 @@ Randomness: u = uniform(key, [B, N + 1]); child i's test uses u[:, i], the bonus
 normalized). Kernel and reference draw the same u, so they agree token for token (up to float
 rounding of the cumulative sums at a boundary).
 
-Kernels: Pallas Triton lowering, one program per sequence. Greedy works on [N, N] tiles in registers
-(ancestor closure by matrix squaring, tree_mask.closure). Sampling walks the tree with a while loop;
-each rejection is one pass over the vocabulary into a ping-pong residual buffer; the bonus draw is
-one more pass.
+Kernels: Pallas Triton lowering. Greedy: one program per sequence on [N, N] tiles in registers
+(ancestor closure by matrix squaring, tree_mask.closure). Sampling, three launches: the walk down the
+tree (one program per sequence, a while loop; with proposal="sample" each rejection is one pass over
+the vocabulary into a ping-pong residual buffer, with "deterministic" a rejection only drops the token
+and its mass: r(x) and the residual's mass rz - r(x)), the residual's sum over vocabulary chunks (many
+programs), and the bonus draw (one program per sequence scans the one chunk that holds it).
+Device time on an H200, B=4, N=64 (experiments/results/accept_h200.json): deterministic 8.6 us at
+V=32000 and 11.4 us at V=201088 (the reference: 166 / 207 us; one program per sequence for every pass
+before: 56 / 446 us), sample 16.1 / 72.9 us (reference 243 / 190 us; before: 34 / 200 us), its rejection
+passes still one program per sequence.
 """
 
 from __future__ import annotations
@@ -178,8 +184,11 @@ def accept_sample_reference(tokens, parents, p, q, key, *, max_depth=None, propo
             x = tok[child]
             qx = qb[cur, x] if sample else f32(1)
             accept = ub[child] * qx < r[x] / s["rz"]
-            qv = qb[cur] if sample else (vocab == x).astype(f32)
-            rbuf = jnp.maximum(r - s["rz"] * qv, 0)
+            if sample:
+                rbuf = jnp.maximum(r - s["rz"] * qb[cur], 0)
+                rz = jnp.sum(rbuf)
+            else:  # x leaves the residual and its mass
+                rbuf, rz = jnp.where(vocab == x, f32(0), r), s["rz"] - r[x]
             d = s["d"] + 1
             nxt = jnp.where(d < Dm, fc[child], -1)
             return dict(
@@ -188,7 +197,7 @@ def accept_sample_reference(tokens, parents, p, q, key, *, max_depth=None, propo
                 d=jnp.where(accept, d, s["d"]),
                 fresh=accept,
                 rbuf=jnp.where(accept, s["rbuf"], rbuf),
-                rz=jnp.where(accept, f32(1), jnp.sum(rbuf)),
+                rz=jnp.where(accept, f32(1), rz),
                 path=jnp.where(accept, s["path"].at[jnp.minimum(d, Dm)].set(child), s["path"]))
 
         s0 = dict(cur=jnp.int32(0), child=jnp.where(Dm > 0, fc[0], -1).astype(jnp.int32), d=jnp.int32(0),
@@ -207,8 +216,14 @@ def accept_sample_reference(tokens, parents, p, q, key, *, max_depth=None, propo
     return jax.vmap(one)(tokens.astype(jnp.int32), p.astype(f32), qq.astype(f32), u, first_child, next_sibling)
 
 
-def _sample_kernel(tok_ref, par_ref, p_ref, q_ref, u_ref, len_ref, path_ref, bonus_ref, rbuf_ref, *,
-                   N, Np, Dm, Dp, V, BV, sample, barrier):
+_CHUNK_PROGRAMS = 264  # chunk programs in all by default: about 2 per multiprocessor of an H100 / H200
+
+
+def _walk_kernel(tok_ref, par_ref, p_ref, q_ref, u_ref, len_ref, path_ref, cur_ref, fresh_ref, buf_ref, rz_ref,
+                 rej_ref, rbuf_ref, *, N, Np, Dm, Dp, V, BV, sample, barrier):
+    """One sequence a program: the walk down the tree. Outputs the accepted path and the residual the
+    bonus is drawn from: p[cur] where fresh, else rbuf[buf] (sample) or p[cur] without the tokens in
+    rej (deterministic), of mass rz."""
     f32 = jnp.float32
     b = pl.program_id(0)
     idx = jnp.arange(Np, dtype=jnp.int32)
@@ -221,113 +236,179 @@ def _sample_kernel(tok_ref, par_ref, p_ref, q_ref, u_ref, len_ref, path_ref, bon
     nblk = (V + BV - 1) // BV
     lane = jnp.arange(BV, dtype=jnp.int32)
     kk = jnp.arange(Dp, dtype=jnp.int32)
-
-    def sync():
-        if barrier:
-            plgpu.debug_barrier()
-
-    def residual_block(t, cur, fresh, buf):
-        v = t * BV + lane
-        ok = v < V
-        vs = jnp.minimum(v, V - 1)
-        pv = plgpu.load(p_ref.at[b, cur, vs], mask=ok & fresh, other=0.0)
-        rv = plgpu.load(rbuf_ref.at[b, buf, vs], mask=ok & jnp.logical_not(fresh), other=0.0)
-        return v, ok, vs, pv + rv
+    none = jnp.full((Np,), -1, jnp.int32)
 
     def cond(s):
         return s[1] >= 0
 
     def body(s):
-        cur, child, d, fresh, buf, rz, path = s
+        cur, child, d, fresh, buf, rz, path, rej, nrej = s
         x = pick(tok, child)
         px = plgpu.load(p_ref.at[b, cur, x])
-        rx = jnp.where(fresh, px, plgpu.load(rbuf_ref.at[b, buf, x]))
-        qx = plgpu.load(q_ref.at[b, cur, x]) if sample else f32(1)
+        if sample:
+            rx = jnp.where(fresh, px, plgpu.load(rbuf_ref.at[b, buf, x]))
+            qx = plgpu.load(q_ref.at[b, cur, x])
+        else:
+            seen = jnp.max(jnp.where(rej == x, 1, 0)) > 0  # x was rejected already: r(x) = 0
+            rx = jnp.where(seen, 0.0, px)
+            qx = f32(1)
         accept = pick(ub, child) * qx < rx / rz
 
         def on_accept(_):
             d1 = d + 1
             nxt = jnp.where(d1 < Dm, pick(fc, child), -1)
             # (branch results must be traced values for the Triton lowering, not literals)
-            return (child, nxt, d1, accept, buf, rz * 0 + 1, jnp.where(kk == d1, child, path))
+            return (child, nxt, d1, accept, buf, rz * 0 + 1, jnp.where(kk == d1, child, path), none, nrej * 0)
 
         def on_reject(_):
+            if not sample:  # x leaves the residual: no pass over the vocabulary
+                add = jnp.logical_not(seen)
+                rej1 = jnp.where(add & (idx == nrej), x, rej)
+                return (cur, pick(ns, child), d, accept, buf, rz - rx, path, rej1, nrej + add.astype(jnp.int32))
             nb = 1 - buf
 
             def rpass(t, z):
-                v, ok, vs, r = residual_block(t, cur, fresh, buf)
-                if sample:
-                    qv = plgpu.load(q_ref.at[b, cur, vs], mask=ok, other=0.0)
-                else:
-                    qv = jnp.where(v == x, 1.0, 0.0).astype(f32)
+                v = t * BV + lane
+                ok = v < V
+                vs = jnp.minimum(v, V - 1)
+                r = (plgpu.load(p_ref.at[b, cur, vs], mask=ok & fresh, other=0.0)
+                     + plgpu.load(rbuf_ref.at[b, buf, vs], mask=ok & jnp.logical_not(fresh), other=0.0))
+                qv = plgpu.load(q_ref.at[b, cur, vs], mask=ok, other=0.0)
                 new = jnp.maximum(r - rz * qv, 0.0)
                 plgpu.store(rbuf_ref.at[b, nb, jnp.where(ok, v, V)], new, mask=ok)
                 return z + jnp.sum(new)
 
             z = jax.lax.fori_loop(0, nblk, rpass, f32(0))
-            sync()
-            return (cur, pick(ns, child), d, accept, nb, z, path)  # accept is False here
+            if barrier:
+                plgpu.debug_barrier()
+            return (cur, pick(ns, child), d, accept, nb, z, path, rej, nrej)  # accept is False here
 
         return jax.lax.cond(accept, on_accept, on_reject, None)
 
     path0 = jnp.where(kk == 0, 0, -1)
     child0 = jnp.where(Dm > 0, pick(fc, 0), -1)
-    s0 = (jnp.int32(0), child0, jnp.int32(0), jnp.bool_(True), jnp.int32(0), f32(1), path0)
-    cur, _, d, fresh, buf, rz, path = jax.lax.while_loop(cond, body, s0)
-
-    target = plgpu.load(u_ref.at[b, jnp.int32(N)]) * rz
-
-    def fpass(t, carry):
-        pre, found, last = carry
-        v, ok, vs, r = residual_block(t, cur, fresh, buf)
-        r = jnp.where(ok, r, 0.0)
-        cs = jnp.cumsum(r) + pre
-        first = jnp.min(jnp.where((cs > target) & ok, v, V))
-        found = jnp.where((found == V) & (first < V), first, found)
-        last = jnp.maximum(last, jnp.max(jnp.where(r > 0, v, 0)))
-        return pre + jnp.sum(r), found, last
-
-    _, found, last = jax.lax.fori_loop(0, nblk, fpass, (f32(0), jnp.int32(V), jnp.int32(0)))
+    s0 = (jnp.int32(0), child0, jnp.int32(0), jnp.bool_(True), jnp.int32(0), f32(1), path0, none, jnp.int32(0))
+    cur, _, d, fresh, buf, rz, path, rej, _ = jax.lax.while_loop(cond, body, s0)
     plgpu.store(path_ref.at[b, jnp.where(kk <= Dm, kk, Dm + 1)], path, mask=kk <= Dm)
+    plgpu.store(rej_ref.at[b, idx], rej)
     len_ref[b] = d
-    bonus_ref[b] = jnp.where(found < V, found, last)
+    cur_ref[b] = cur
+    fresh_ref[b] = fresh.astype(jnp.int32)
+    buf_ref[b] = buf
+    rz_ref[b] = rz
 
 
-@functools.partial(jax.jit, static_argnames=("max_depth", "proposal", "interpret", "block_v"))
+def _residual(p_ref, rbuf_ref, b, cur, fresh, buf, rej, v, *, V, Np, sample):
+    """The walk's final residual at vocabulary ids v [BV] (0 past V)."""
+    ok = v < V
+    vs = jnp.minimum(v, V - 1)
+    if sample:
+        return (plgpu.load(p_ref.at[b, cur, vs], mask=ok & fresh, other=0.0)
+                + plgpu.load(rbuf_ref.at[b, buf, vs], mask=ok & jnp.logical_not(fresh), other=0.0))
+    r = plgpu.load(p_ref.at[b, cur, vs], mask=ok, other=0.0)
+    nrej = jnp.sum(jnp.where(rej >= 0, 1, 0))
+    return jax.lax.fori_loop(jnp.int32(0), nrej, lambda k, r: jnp.where(v == pick(rej, k), 0.0, r), r)
+
+
+def _state(cur_ref, fresh_ref, buf_ref, rej_ref, b, Np):
+    return cur_ref[b], fresh_ref[b] != 0, buf_ref[b], plgpu.load(rej_ref.at[b, jnp.arange(Np, dtype=jnp.int32)])
+
+
+def _chunk_kernel(p_ref, rbuf_ref, cur_ref, fresh_ref, buf_ref, rej_ref, sum_ref, last_ref, *, V, Np, BV, CB,
+                  sample):
+    """Program (b, j): the residual's sum and its last nonzero id over vocabulary chunk j (CB blocks)."""
+    b, j = pl.program_id(0), pl.program_id(1)
+    cur, fresh, buf, rej = _state(cur_ref, fresh_ref, buf_ref, rej_ref, b, Np)
+    lane = jnp.arange(BV, dtype=jnp.int32)
+
+    def blk(t, carry):
+        z, last = carry
+        v = (j * CB + t) * BV + lane
+        r = _residual(p_ref, rbuf_ref, b, cur, fresh, buf, rej, v, V=V, Np=Np, sample=sample)
+        return z + jnp.sum(r), jnp.maximum(last, jnp.max(jnp.where(r > 0, v, 0)))
+
+    z, last = jax.lax.fori_loop(0, CB, blk, (jnp.float32(0), jnp.int32(0)))
+    sum_ref[b, j] = z
+    last_ref[b, j] = last
+
+
+def _bonus_kernel(p_ref, rbuf_ref, u_ref, cur_ref, fresh_ref, buf_ref, rz_ref, rej_ref, sum_ref, last_ref, bonus_ref,
+                  *, N, V, Np, BV, CB, NC, NCp, sample):
+    """One sequence a program: the first id whose cumulative residual exceeds u[N] * rz (inverse CDF), its
+    chunk found from the chunk sums."""
+    b = pl.program_id(0)
+    cur, fresh, buf, rej = _state(cur_ref, fresh_ref, buf_ref, rej_ref, b, Np)
+    target = plgpu.load(u_ref.at[b, jnp.int32(N)]) * rz_ref[b]
+    c = jnp.arange(NCp, dtype=jnp.int32)
+    cok = c < NC
+    sums = plgpu.load(sum_ref.at[b, jnp.minimum(c, NC - 1)], mask=cok, other=0.0)
+    lasts = plgpu.load(last_ref.at[b, jnp.minimum(c, NC - 1)], mask=cok, other=0)
+    ends = jnp.cumsum(sums)
+    j = jnp.min(jnp.where(cok & (ends > target), c, NC))  # the chunk holding the target (NC: none)
+    pre0 = pick(ends - sums, jnp.minimum(j, NC - 1))
+    lane = jnp.arange(BV, dtype=jnp.int32)
+
+    def blk(t, carry):
+        pre, found = carry
+        v = (j * CB + t) * BV + lane
+        r = _residual(p_ref, rbuf_ref, b, cur, fresh, buf, rej, v, V=V, Np=Np, sample=sample)
+        cs = jnp.cumsum(r) + pre
+        first = jnp.min(jnp.where((cs > target) & (v < V), v, V))
+        return pre + jnp.sum(r), jnp.where(found == V, first, found)
+
+    nb = jnp.where(j < NC, jnp.int32(CB), jnp.int32(0))  # (loop bounds of one type for the Triton lowering)
+    _, found = jax.lax.fori_loop(jnp.int32(0), nb, blk, (pre0, jnp.int32(V)))
+    # no id found (a rounding tie at the end): the last nonzero id of the chunk, or of all
+    bonus_ref[b] = jnp.where(found < V, found, jnp.where(j < NC, pick(lasts, j), jnp.max(lasts)))
+
+
+@functools.partial(jax.jit, static_argnames=("max_depth", "proposal", "interpret", "block_v", "chunks"))
 def accept_sample_pallas(tokens, parents, p, q, key, *, max_depth=None, proposal="sample",
-                         interpret: bool = False, block_v: int = 2048):
+                         interpret: bool = False, block_v: int = 2048, chunks: int | None = None):
+    """Three launches: the walk (one program a sequence), the residual's sums over `chunks` vocabulary
+    chunks (default: about 2 programs per multiprocessor in all), the bonus draw (one program a sequence,
+    one chunk scanned)."""
     Dm = _check(tokens, parents, max_depth)
     if proposal not in PROPOSALS:
         raise ValueError(f"accept_sample: proposal must be one of {PROPOSALS}, got {proposal!r}")
     B, N, V = p.shape
     Np, Dp = _pow2(max(16, N)), _pow2(max(16, Dm + 1))
     BV = min(block_v, _pow2(max(128, V)))
+    nblk = -(-V // BV)
+    want = chunks or max(1, _CHUNK_PROGRAMS // B)
+    CB = -(-nblk // max(1, min(want, nblk)))  # blocks a chunk
+    NC = -(-nblk // CB)
     u = _uniforms(key, B, N)
     sample = proposal == "sample"
+    p = p.astype(jnp.float32)
     qq = q.astype(jnp.float32) if sample else jnp.zeros((1, 1, 1), jnp.float32)
-    i32 = jnp.int32
-    out_shape = (jax.ShapeDtypeStruct((B,), i32), jax.ShapeDtypeStruct((B, Dm + 1), i32),
-                 jax.ShapeDtypeStruct((B,), i32), jax.ShapeDtypeStruct((B, 2, V), jnp.float32))
-    kern = functools.partial(_sample_kernel, N=N, Np=Np, Dm=Dm, Dp=Dp, V=V, BV=BV, sample=sample,
+    i32, f32 = jnp.int32, jnp.float32
+    sds = jax.ShapeDtypeStruct
+    params = plgpu.CompilerParams(num_warps=8, num_stages=2)
+    kern = functools.partial(_walk_kernel, N=N, Np=Np, Dm=Dm, Dp=Dp, V=V, BV=BV, sample=sample,
                              barrier=not interpret)
-    acc, path, bonus, _ = pl.pallas_call(
-        kern, out_shape=out_shape, grid=(B,), interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=2), name="accept_sample")(
-        tokens.astype(i32), parents.astype(i32), p.astype(jnp.float32), qq, u)
+    acc, path, cur, fresh, buf, rz, rej, rbuf = pl.pallas_call(
+        kern, grid=(B,), interpret=interpret, compiler_params=params, name="accept_sample",
+        out_shape=(sds((B,), i32), sds((B, Dm + 1), i32), sds((B,), i32), sds((B,), i32), sds((B,), i32),
+                   sds((B,), f32), sds((B, Np), i32), sds((B, 2, V) if sample else (1, 2, 1), f32)))(
+        tokens.astype(i32), parents.astype(i32), p, qq, u)
+    state = (cur, fresh, buf, rej)
+    kw = dict(V=V, Np=Np, BV=BV, CB=CB, sample=sample)
+    sums, last = pl.pallas_call(
+        functools.partial(_chunk_kernel, **kw), grid=(B, NC), interpret=interpret, compiler_params=params,
+        name="accept_sample_chunks", out_shape=(sds((B, NC), f32), sds((B, NC), i32)))(p, rbuf, *state)
+    bonus = pl.pallas_call(
+        functools.partial(_bonus_kernel, N=N, NC=NC, NCp=_pow2(max(16, NC)), **kw), grid=(B,), interpret=interpret,
+        compiler_params=params, name="accept_sample_bonus", out_shape=sds((B,), i32))(
+        p, rbuf, u, cur, fresh, buf, rz, rej, sums, last)
     return acc, path, bonus
-
-
-# Above this vocabulary the XLA reference beats the one-program-per-sequence kernel on an H200
-# (B=4, N=64: V=32000 kernel 34-56 us vs reference 150-244 us; V=201088 kernel 200-446 us vs
-# reference 178-216 us; experiments/results/kernels_h200.json).
-SAMPLE_KERNEL_MAX_VOCAB = 65536
 
 
 def accept_sample(tokens, parents, p, q, key, *, max_depth=None, proposal="sample",
                   interpret: bool | None = None):
-    """Lossless tree sampling: the kernel on GPU for vocabularies up to SAMPLE_KERNEL_MAX_VOCAB (or
-    with interpret=True), the reference elsewhere (same outputs for the same key)."""
-    if interpret or (interpret is None and _on_gpu() and p.shape[-1] <= SAMPLE_KERNEL_MAX_VOCAB):
+    """Lossless tree sampling: the kernels on GPU (or with interpret=True), the reference elsewhere (same
+    outputs for the same key)."""
+    if interpret or (interpret is None and _on_gpu()):
         return accept_sample_pallas(tokens, parents, p, q, key, max_depth=max_depth, proposal=proposal,
                                     interpret=bool(interpret))
     return accept_sample_reference(tokens, parents, p, q, key, max_depth=max_depth, proposal=proposal)
