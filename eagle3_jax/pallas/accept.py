@@ -37,13 +37,14 @@ rounding of the cumulative sums at a boundary).
 Kernels: Pallas Triton lowering. Greedy: one program per sequence on [N, N] tiles in registers
 (ancestor closure by matrix squaring, tree_mask.closure). Sampling, three launches: the walk down the
 tree (one program per sequence, a while loop; with proposal="sample" each rejection is one pass over
-the vocabulary into a ping-pong residual buffer, with "deterministic" a rejection only drops the token
-and its mass: r(x) and the residual's mass rz - r(x)), the residual's sum over vocabulary chunks (many
-programs), and the bonus draw (one program per sequence scans the one chunk that holds it).
+the vocabulary summing the residual in closed form, max(p - w q, 0), see _walk_kernel; with
+"deterministic" a rejection only drops the token and its mass r(x)), the residual's sum over vocabulary
+chunks (many programs), and the bonus draw (one program per sequence scans the one chunk that holds it).
 Device time on an H200, B=4, N=64 (experiments/results/accept_h200.json): deterministic 8.6 us at
-V=32000 and 11.4 us at V=201088 (the reference: 166 / 207 us; one program per sequence for every pass
-before: 56 / 446 us), sample 16.1 / 72.9 us (reference 243 / 190 us; before: 34 / 200 us), its rejection
-passes still one program per sequence.
+V=32000 and 11.5 us at V=201088 (the reference: 164 / 225 us; one program per sequence for every pass
+before: 56 / 446 us), sample 15.4 / 59.0 us (reference 244 / 176 us; before: 34 / 200 us; with the
+residual written to a buffer at each rejection: 16.1 / 72.9 us), its rejection passes still one program
+per sequence.
 """
 
 from __future__ import annotations
@@ -219,11 +220,13 @@ def accept_sample_reference(tokens, parents, p, q, key, *, max_depth=None, propo
 _CHUNK_PROGRAMS = 264  # chunk programs in all by default: about 2 per multiprocessor of an H100 / H200
 
 
-def _walk_kernel(tok_ref, par_ref, p_ref, q_ref, u_ref, len_ref, path_ref, cur_ref, fresh_ref, buf_ref, rz_ref,
-                 rej_ref, rbuf_ref, *, N, Np, Dm, Dp, V, BV, sample, barrier):
+def _walk_kernel(tok_ref, par_ref, p_ref, q_ref, u_ref, len_ref, path_ref, cur_ref, w_ref, rz_ref, rej_ref, *,
+                 N, Np, Dm, Dp, V, BV, sample):
     """One sequence a program: the walk down the tree. Outputs the accepted path and the residual the
-    bonus is drawn from: p[cur] where fresh, else rbuf[buf] (sample) or p[cur] without the tokens in
-    rej (deterministic), of mass rz."""
+    bonus is drawn from, at node cur, of mass rz: max(p - w q, 0) (sample; w = 0: p itself) or p without
+    the tokens in rej (deterministic). With i.i.d. proposals the residual after k rejections at a node is
+    max(p - w_k q, 0) / rz_k, w_0 = 0, w_{k+1} = w_k + rz_k (max(max(a, 0) - b, 0) = max(a - b, 0) for b >= 0):
+    a rejection is one pass summing it over the vocabulary, nothing written."""
     f32 = jnp.float32
     b = pl.program_id(0)
     idx = jnp.arange(Np, dtype=jnp.int32)
@@ -242,12 +245,12 @@ def _walk_kernel(tok_ref, par_ref, p_ref, q_ref, u_ref, len_ref, path_ref, cur_r
         return s[1] >= 0
 
     def body(s):
-        cur, child, d, fresh, buf, rz, path, rej, nrej = s
+        cur, child, d, w, rz, path, rej, nrej = s
         x = pick(tok, child)
         px = plgpu.load(p_ref.at[b, cur, x])
         if sample:
-            rx = jnp.where(fresh, px, plgpu.load(rbuf_ref.at[b, buf, x]))
             qx = plgpu.load(q_ref.at[b, cur, x])
+            rx = jnp.maximum(px - w * qx, 0.0)
         else:
             seen = jnp.max(jnp.where(rej == x, 1, 0)) > 0  # x was rejected already: r(x) = 0
             rx = jnp.where(seen, 0.0, px)
@@ -258,73 +261,60 @@ def _walk_kernel(tok_ref, par_ref, p_ref, q_ref, u_ref, len_ref, path_ref, cur_r
             d1 = d + 1
             nxt = jnp.where(d1 < Dm, pick(fc, child), -1)
             # (branch results must be traced values for the Triton lowering, not literals)
-            return (child, nxt, d1, accept, buf, rz * 0 + 1, jnp.where(kk == d1, child, path), none, nrej * 0)
+            return (child, nxt, d1, w * 0, rz * 0 + 1, jnp.where(kk == d1, child, path), none, nrej * 0)
 
         def on_reject(_):
             if not sample:  # x leaves the residual: no pass over the vocabulary
                 add = jnp.logical_not(seen)
                 rej1 = jnp.where(add & (idx == nrej), x, rej)
-                return (cur, pick(ns, child), d, accept, buf, rz - rx, path, rej1, nrej + add.astype(jnp.int32))
-            nb = 1 - buf
+                return (cur, pick(ns, child), d, w, rz - rx, path, rej1, nrej + add.astype(jnp.int32))
+            w1 = w + rz
 
             def rpass(t, z):
                 v = t * BV + lane
-                ok = v < V
-                vs = jnp.minimum(v, V - 1)
-                r = (plgpu.load(p_ref.at[b, cur, vs], mask=ok & fresh, other=0.0)
-                     + plgpu.load(rbuf_ref.at[b, buf, vs], mask=ok & jnp.logical_not(fresh), other=0.0))
-                qv = plgpu.load(q_ref.at[b, cur, vs], mask=ok, other=0.0)
-                new = jnp.maximum(r - rz * qv, 0.0)
-                plgpu.store(rbuf_ref.at[b, nb, jnp.where(ok, v, V)], new, mask=ok)
-                return z + jnp.sum(new)
+                return z + jnp.sum(_residual(p_ref, q_ref, b, cur, w1, none, v, V=V, Np=Np, sample=True))
 
-            z = jax.lax.fori_loop(0, nblk, rpass, f32(0))
-            if barrier:
-                plgpu.debug_barrier()
-            return (cur, pick(ns, child), d, accept, nb, z, path, rej, nrej)  # accept is False here
+            return (cur, pick(ns, child), d, w1, jax.lax.fori_loop(0, nblk, rpass, f32(0)), path, rej, nrej)
 
         return jax.lax.cond(accept, on_accept, on_reject, None)
 
     path0 = jnp.where(kk == 0, 0, -1)
     child0 = jnp.where(Dm > 0, pick(fc, 0), -1)
-    s0 = (jnp.int32(0), child0, jnp.int32(0), jnp.bool_(True), jnp.int32(0), f32(1), path0, none, jnp.int32(0))
-    cur, _, d, fresh, buf, rz, path, rej, _ = jax.lax.while_loop(cond, body, s0)
+    s0 = (jnp.int32(0), child0, jnp.int32(0), f32(0), f32(1), path0, none, jnp.int32(0))
+    cur, _, d, w, rz, path, rej, _ = jax.lax.while_loop(cond, body, s0)
     plgpu.store(path_ref.at[b, jnp.where(kk <= Dm, kk, Dm + 1)], path, mask=kk <= Dm)
     plgpu.store(rej_ref.at[b, idx], rej)
     len_ref[b] = d
     cur_ref[b] = cur
-    fresh_ref[b] = fresh.astype(jnp.int32)
-    buf_ref[b] = buf
+    w_ref[b] = w
     rz_ref[b] = rz
 
 
-def _residual(p_ref, rbuf_ref, b, cur, fresh, buf, rej, v, *, V, Np, sample):
-    """The walk's final residual at vocabulary ids v [BV] (0 past V)."""
+def _residual(p_ref, q_ref, b, cur, w, rej, v, *, V, Np, sample):
+    """The unnormalized residual at node cur, vocabulary ids v [BV] (0 past V)."""
     ok = v < V
     vs = jnp.minimum(v, V - 1)
-    if sample:
-        return (plgpu.load(p_ref.at[b, cur, vs], mask=ok & fresh, other=0.0)
-                + plgpu.load(rbuf_ref.at[b, buf, vs], mask=ok & jnp.logical_not(fresh), other=0.0))
     r = plgpu.load(p_ref.at[b, cur, vs], mask=ok, other=0.0)
+    if sample:
+        return jnp.maximum(r - w * plgpu.load(q_ref.at[b, cur, vs], mask=ok, other=0.0), 0.0)
     nrej = jnp.sum(jnp.where(rej >= 0, 1, 0))
     return jax.lax.fori_loop(jnp.int32(0), nrej, lambda k, r: jnp.where(v == pick(rej, k), 0.0, r), r)
 
 
-def _state(cur_ref, fresh_ref, buf_ref, rej_ref, b, Np):
-    return cur_ref[b], fresh_ref[b] != 0, buf_ref[b], plgpu.load(rej_ref.at[b, jnp.arange(Np, dtype=jnp.int32)])
+def _state(cur_ref, w_ref, rej_ref, b, Np):
+    return cur_ref[b], w_ref[b], plgpu.load(rej_ref.at[b, jnp.arange(Np, dtype=jnp.int32)])
 
 
-def _chunk_kernel(p_ref, rbuf_ref, cur_ref, fresh_ref, buf_ref, rej_ref, sum_ref, last_ref, *, V, Np, BV, CB,
-                  sample):
+def _chunk_kernel(p_ref, q_ref, cur_ref, w_ref, rej_ref, sum_ref, last_ref, *, V, Np, BV, CB, sample):
     """Program (b, j): the residual's sum and its last nonzero id over vocabulary chunk j (CB blocks)."""
     b, j = pl.program_id(0), pl.program_id(1)
-    cur, fresh, buf, rej = _state(cur_ref, fresh_ref, buf_ref, rej_ref, b, Np)
+    cur, w, rej = _state(cur_ref, w_ref, rej_ref, b, Np)
     lane = jnp.arange(BV, dtype=jnp.int32)
 
     def blk(t, carry):
         z, last = carry
         v = (j * CB + t) * BV + lane
-        r = _residual(p_ref, rbuf_ref, b, cur, fresh, buf, rej, v, V=V, Np=Np, sample=sample)
+        r = _residual(p_ref, q_ref, b, cur, w, rej, v, V=V, Np=Np, sample=sample)
         return z + jnp.sum(r), jnp.maximum(last, jnp.max(jnp.where(r > 0, v, 0)))
 
     z, last = jax.lax.fori_loop(0, CB, blk, (jnp.float32(0), jnp.int32(0)))
@@ -332,12 +322,12 @@ def _chunk_kernel(p_ref, rbuf_ref, cur_ref, fresh_ref, buf_ref, rej_ref, sum_ref
     last_ref[b, j] = last
 
 
-def _bonus_kernel(p_ref, rbuf_ref, u_ref, cur_ref, fresh_ref, buf_ref, rz_ref, rej_ref, sum_ref, last_ref, bonus_ref,
-                  *, N, V, Np, BV, CB, NC, NCp, sample):
+def _bonus_kernel(p_ref, q_ref, u_ref, cur_ref, w_ref, rz_ref, rej_ref, sum_ref, last_ref, bonus_ref, *, N, V, Np,
+                  BV, CB, NC, NCp, sample):
     """One sequence a program: the first id whose cumulative residual exceeds u[N] * rz (inverse CDF), its
     chunk found from the chunk sums."""
     b = pl.program_id(0)
-    cur, fresh, buf, rej = _state(cur_ref, fresh_ref, buf_ref, rej_ref, b, Np)
+    cur, w, rej = _state(cur_ref, w_ref, rej_ref, b, Np)
     target = plgpu.load(u_ref.at[b, jnp.int32(N)]) * rz_ref[b]
     c = jnp.arange(NCp, dtype=jnp.int32)
     cok = c < NC
@@ -351,7 +341,7 @@ def _bonus_kernel(p_ref, rbuf_ref, u_ref, cur_ref, fresh_ref, buf_ref, rz_ref, r
     def blk(t, carry):
         pre, found = carry
         v = (j * CB + t) * BV + lane
-        r = _residual(p_ref, rbuf_ref, b, cur, fresh, buf, rej, v, V=V, Np=Np, sample=sample)
+        r = _residual(p_ref, q_ref, b, cur, w, rej, v, V=V, Np=Np, sample=sample)
         cs = jnp.cumsum(r) + pre
         first = jnp.min(jnp.where((cs > target) & (v < V), v, V))
         return pre + jnp.sum(r), jnp.where(found == V, first, found)
@@ -385,22 +375,19 @@ def accept_sample_pallas(tokens, parents, p, q, key, *, max_depth=None, proposal
     i32, f32 = jnp.int32, jnp.float32
     sds = jax.ShapeDtypeStruct
     params = plgpu.CompilerParams(num_warps=8, num_stages=2)
-    kern = functools.partial(_walk_kernel, N=N, Np=Np, Dm=Dm, Dp=Dp, V=V, BV=BV, sample=sample,
-                             barrier=not interpret)
-    acc, path, cur, fresh, buf, rz, rej, rbuf = pl.pallas_call(
+    kern = functools.partial(_walk_kernel, N=N, Np=Np, Dm=Dm, Dp=Dp, V=V, BV=BV, sample=sample)
+    acc, path, cur, w, rz, rej = pl.pallas_call(
         kern, grid=(B,), interpret=interpret, compiler_params=params, name="accept_sample",
-        out_shape=(sds((B,), i32), sds((B, Dm + 1), i32), sds((B,), i32), sds((B,), i32), sds((B,), i32),
-                   sds((B,), f32), sds((B, Np), i32), sds((B, 2, V) if sample else (1, 2, 1), f32)))(
-        tokens.astype(i32), parents.astype(i32), p, qq, u)
-    state = (cur, fresh, buf, rej)
+        out_shape=(sds((B,), i32), sds((B, Dm + 1), i32), sds((B,), i32), sds((B,), f32), sds((B,), f32),
+                   sds((B, Np), i32)))(tokens.astype(i32), parents.astype(i32), p, qq, u)
     kw = dict(V=V, Np=Np, BV=BV, CB=CB, sample=sample)
     sums, last = pl.pallas_call(
         functools.partial(_chunk_kernel, **kw), grid=(B, NC), interpret=interpret, compiler_params=params,
-        name="accept_sample_chunks", out_shape=(sds((B, NC), f32), sds((B, NC), i32)))(p, rbuf, *state)
+        name="accept_sample_chunks", out_shape=(sds((B, NC), f32), sds((B, NC), i32)))(p, qq, cur, w, rej)
     bonus = pl.pallas_call(
         functools.partial(_bonus_kernel, N=N, NC=NC, NCp=_pow2(max(16, NC)), **kw), grid=(B,), interpret=interpret,
         compiler_params=params, name="accept_sample_bonus", out_shape=sds((B,), i32))(
-        p, rbuf, u, cur, fresh, buf, rz, rej, sums, last)
+        p, qq, u, cur, w, rz, rej, sums, last)
     return acc, path, bonus
 
 
