@@ -98,6 +98,7 @@ E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5,
                 np.float32)
 TOKEN_TILE = 16  # rows of one MMA tile of tokens
 MAX_TOKENS = 64
+MOSAIC_MAX_PAIRS = 8  # (token, expert) pairs of pallas/moe_mosaic.py's kernel: all pairs' act stays in SMEM
 _SHIFT = 32  # the kernels' weights are the true weights times 2^-_SHIFT (keeps scale bytes up to 160 finite)
 _UNSCALE = float(2.0 ** _SHIFT)
 _MASK = np.int32(np.uint32(0x81C00000).view(np.int32))  # f32 sign | exponent bits 0-1 | mantissa bit 22
@@ -145,7 +146,7 @@ class MoeConfig:
     3 and 3), 32.6 / 106 / 397 (groups 16, 6 and 6) (H200, bench_kernels --moe_sweep, session 19):
     more, shorter programs do not hide the T=1 kernels' fixed cost.
 
-    mosaic_pairs: calls of at most this many (token, expert) pairs (<= moe_mosaic.MAX_PAIRS = 8, GPU) run
+    mosaic_pairs: calls of at most this many (token, expert) pairs (<= MOSAIC_MAX_PAIRS = 8, GPU) run
     as the one warp-specialized Mosaic GPU kernel of pallas/moe_mosaic.py (gate_up, then down once each
     pair's act is complete, by counters between blocks) instead of the two Triton kernels (0: never, the
     default: 25.19 / 42.91 us against 25.24 / 44.77 at T = 1 / 2 on an H200, and no gain end to end;
@@ -792,8 +793,9 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     if cfg.prefetch < 1 or cfg.fma_prefetch < 0 or cfg.fma_tokens < 0 or cfg.fma_block_i not in (8, 16, 32):
         raise ValueError(f"mxfp4_moe: prefetch must be >= 1, fma_prefetch >= 0, fma_tokens >= 0, and fma_block_i 8, "
                          f"16 or 32, got {cfg}")
-    if not 0 <= cfg.mosaic_pairs <= 8:  # moe_mosaic.MAX_PAIRS (moe_mosaic imports this module)
-        raise ValueError(f"mxfp4_moe: mosaic_pairs must be in [0, 8] (all pairs' act in SMEM), got {cfg}")
+    if not 0 <= cfg.mosaic_pairs <= MOSAIC_MAX_PAIRS:
+        raise ValueError(f"mxfp4_moe: mosaic_pairs must be in [0, {MOSAIC_MAX_PAIRS}] (all pairs' act in SMEM), "
+                         f"got {cfg}")
     if cfg.layout not in ("interleave", "perm") or (cfg.layout == "perm" and cfg.groups < 4):
         raise ValueError(f"mxfp4_moe: layout must be 'interleave' or 'perm' (perm: groups >= 4), got {cfg}")
     perm = cfg.layout == "perm"

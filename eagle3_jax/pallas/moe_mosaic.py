@@ -81,7 +81,7 @@ LANES = 8  # threads per row: thread t of a warpgroup owns row t // 8 and scale 
 WG = 128  # threads per warpgroup
 X_ROWS = 256  # 32-byte rows per copy of the activations (a TMA box holds at most 256)
 ACT_ROW = 80  # u32 words per row of act (GMEM scratch and SMEM): four 20-word groups
-MAX_PAIRS = 8  # (token, expert) pairs: all pairs' act stays in SMEM beside the activations and the ring
+MAX_PAIRS = moe.MOSAIC_MAX_PAIRS  # (token, expert) pairs: all pairs' act stays in SMEM beside the activations and the ring
 _LOG2E = 1.4426950408889634
 
 
