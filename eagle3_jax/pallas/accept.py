@@ -302,6 +302,7 @@ def _residual(p_ref, q_ref, b, cur, w, rej, v, *, V, Np, sample):
 
 
 def _state(cur_ref, w_ref, rej_ref, b, Np):
+    """Sequence b's residual as the walk left it: (node cur, weight w, rejected tokens rej [Np])."""
     return cur_ref[b], w_ref[b], plgpu.load(rej_ref.at[b, jnp.arange(Np, dtype=jnp.int32)])
 
 
