@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .attention import num_sms
 from .tree_mask import _on_gpu, _pow2, closure, links, pick, tree_mask_reference
 
 PROPOSALS = ("sample", "deterministic")
@@ -220,15 +221,20 @@ def accept_sample_reference(tokens, parents, p, q, key, *, max_depth=None, propo
 _CHUNK_PROGRAMS = 264  # chunk programs in all by default: about 2 per multiprocessor of an H100 / H200
 
 
-def _walk_kernel(tok_ref, par_ref, p_ref, q_ref, u_ref, len_ref, path_ref, cur_ref, w_ref, rz_ref, rej_ref, *,
-                 N, Np, Dm, Dp, V, BV, sample):
+def _walk_kernel(tok_ref, par_ref, p_ref, q_ref, u_ref, cnt_in_ref, len_ref, path_ref, cur_ref, w_ref, rz_ref, rej_ref,
+                 part_ref, cnt_ref, *, N, Np, Dm, Dp, V, BV, CB, P, Pp, sample):
     """One sequence a program: the walk down the tree. Outputs the accepted path and the residual the
     bonus is drawn from, at node cur, of mass rz: max(p - w q, 0) (sample; w = 0: p itself) or p without
     the tokens in rej (deterministic). With i.i.d. proposals the residual after k rejections at a node is
     max(p - w_k q, 0) / rz_k, w_0 = 0, w_{k+1} = w_k + rz_k (max(max(a, 0) - b, 0) = max(a - b, 0) for b >= 0):
-    a rejection is one pass summing it over the vocabulary, nothing written."""
+    a rejection is one pass summing it over the vocabulary, nothing written. Grid (B, P): the P programs of
+    a sequence walk it alike and share each pass, program j summing vocabulary chunk j (CB blocks): its
+    partial to part [b, k, j] (pass k), then a release-acquire count in cnt [b, k] (zeroed) that each
+    program waits to see reach P (so all B * P programs must be resident: P <= multiprocessors / B);
+    each sums the P partials in one order. Program 0 writes the outputs."""
+    del cnt_in_ref  # aliased to cnt_ref
     f32 = jnp.float32
-    b = pl.program_id(0)
+    b, j = pl.program_id(0), pl.program_id(1)
     idx = jnp.arange(Np, dtype=jnp.int32)
     valid = idx < N
     safe = jnp.minimum(idx, N - 1)
@@ -236,7 +242,7 @@ def _walk_kernel(tok_ref, par_ref, p_ref, q_ref, u_ref, len_ref, path_ref, cur_r
     tok = plgpu.load(tok_ref.at[b, safe])
     ub = jnp.where(valid, plgpu.load(u_ref.at[b, safe]), 0.0)
     fc, ns = links(par, N, Np)
-    nblk = (V + BV - 1) // BV
+    pp = jnp.arange(Pp, dtype=jnp.int32)
     lane = jnp.arange(BV, dtype=jnp.int32)
     kk = jnp.arange(Dp, dtype=jnp.int32)
     none = jnp.full((Np,), -1, jnp.int32)
@@ -261,7 +267,8 @@ def _walk_kernel(tok_ref, par_ref, p_ref, q_ref, u_ref, len_ref, path_ref, cur_r
             d1 = d + 1
             nxt = jnp.where(d1 < Dm, pick(fc, child), -1)
             # (branch results must be traced values for the Triton lowering, not literals)
-            return (child, nxt, d1, w * 0, rz * 0 + 1, jnp.where(kk == d1, child, path), none, nrej * 0)
+            return (child, nxt, d1, w * 0, rz * 0 + 1, jnp.where(kk == d1, child, path), none,
+                    nrej if sample else nrej * 0)  # (a sample walk counts all its passes in nrej)
 
         def on_reject(_):
             if not sample:  # x leaves the residual: no pass over the vocabulary
@@ -271,10 +278,17 @@ def _walk_kernel(tok_ref, par_ref, p_ref, q_ref, u_ref, len_ref, path_ref, cur_r
             w1 = w + rz
 
             def rpass(t, z):
-                v = t * BV + lane
+                v = (j * CB + t) * BV + lane
                 return z + jnp.sum(_residual(p_ref, q_ref, b, cur, w1, none, v, V=V, Np=Np, sample=True))
 
-            return (cur, pick(ns, child), d, w1, jax.lax.fori_loop(0, nblk, rpass, f32(0)), path, rej, nrej)
+            z = jax.lax.fori_loop(0, CB, rpass, f32(0))
+            if P > 1:  # share the pass: k = passes so far (a sample walk's rejections)
+                k = nrej
+                part_ref[b, k, j] = z
+                count = plgpu.atomic_add(cnt_ref, (b, k), jnp.int32(1)) + 1
+                jax.lax.while_loop(lambda c: c < P, lambda c: plgpu.atomic_add(cnt_ref, (b, k), jnp.int32(0)), count)
+                z = jnp.sum(plgpu.load(part_ref.at[b, k, jnp.minimum(pp, P - 1)], mask=pp < P, other=0.0))
+            return (cur, pick(ns, child), d, w1, z, path, rej, nrej + 1)
 
         return jax.lax.cond(accept, on_accept, on_reject, None)
 
@@ -282,12 +296,15 @@ def _walk_kernel(tok_ref, par_ref, p_ref, q_ref, u_ref, len_ref, path_ref, cur_r
     child0 = jnp.where(Dm > 0, pick(fc, 0), -1)
     s0 = (jnp.int32(0), child0, jnp.int32(0), f32(0), f32(1), path0, none, jnp.int32(0))
     cur, _, d, w, rz, path, rej, _ = jax.lax.while_loop(cond, body, s0)
-    plgpu.store(path_ref.at[b, jnp.where(kk <= Dm, kk, Dm + 1)], path, mask=kk <= Dm)
-    plgpu.store(rej_ref.at[b, idx], rej)
-    len_ref[b] = d
-    cur_ref[b] = cur
-    w_ref[b] = w
-    rz_ref[b] = rz
+
+    @pl.when(j == 0)
+    def _():
+        plgpu.store(path_ref.at[b, jnp.where(kk <= Dm, kk, Dm + 1)], path, mask=kk <= Dm)
+        plgpu.store(rej_ref.at[b, idx], rej)
+        len_ref[b] = d
+        cur_ref[b] = cur
+        w_ref[b] = w
+        rz_ref[b] = rz
 
 
 def _residual(p_ref, q_ref, b, cur, w, rej, v, *, V, Np, sample):
@@ -376,11 +393,17 @@ def accept_sample_pallas(tokens, parents, p, q, key, *, max_depth=None, proposal
     i32, f32 = jnp.int32, jnp.float32
     sds = jax.ShapeDtypeStruct
     params = plgpu.CompilerParams(num_warps=8, num_stages=2)
-    kern = functools.partial(_walk_kernel, N=N, Np=Np, Dm=Dm, Dp=Dp, V=V, BV=BV, sample=sample)
-    acc, path, cur, w, rz, rej = pl.pallas_call(
-        kern, grid=(B,), interpret=interpret, compiler_params=params, name="accept_sample",
+    # the walk's programs a sequence: all resident (see _walk_kernel); one in the interpreter (it runs them in turn)
+    PW = 1 if interpret or not sample else max(1, min(nblk, num_sms() // B))
+    CBW = -(-nblk // PW)
+    kern = functools.partial(_walk_kernel, N=N, Np=Np, Dm=Dm, Dp=Dp, V=V, BV=BV, CB=CBW, P=PW, Pp=_pow2(max(16, PW)),
+                             sample=sample)
+    acc, path, cur, w, rz, rej, _, _ = pl.pallas_call(
+        kern, grid=(B, PW), interpret=interpret, compiler_params=params, name="accept_sample",
+        input_output_aliases={5: 7},
         out_shape=(sds((B,), i32), sds((B, Dm + 1), i32), sds((B,), i32), sds((B,), f32), sds((B,), f32),
-                   sds((B, Np), i32)))(tokens.astype(i32), parents.astype(i32), p, qq, u)
+                   sds((B, Np), i32), sds((B, N, PW), f32), sds((B, N), i32)))(
+        tokens.astype(i32), parents.astype(i32), p, qq, u, jnp.zeros((B, N), i32))
     kw = dict(V=V, Np=Np, BV=BV, CB=CB, sample=sample)
     sums, last = pl.pallas_call(
         functools.partial(_chunk_kernel, **kw), grid=(B, NC), interpret=interpret, compiler_params=params,
