@@ -36,15 +36,15 @@ rounding of the cumulative sums at a boundary).
 
 Kernels: Pallas Triton lowering. Greedy: one program per sequence on [N, N] tiles in registers
 (ancestor closure by matrix squaring, tree_mask.closure). Sampling, three launches: the walk down the
-tree (one program per sequence, a while loop; with proposal="sample" each rejection is one pass over
-the vocabulary summing the residual in closed form, max(p - w q, 0), see _walk_kernel; with
-"deterministic" a rejection only drops the token and its mass r(x)), the residual's sum over vocabulary
-chunks (many programs), and the bonus draw (one program per sequence scans the one chunk that holds it).
+tree (a while loop; with proposal="sample" each rejection is one pass over the vocabulary summing
+the residual in closed form, max(p - w q, 0), shared by SMs / B programs a sequence, see _walk_kernel;
+with "deterministic" a rejection only drops the token and its mass r(x), one program a sequence), the
+residual's sum over vocabulary chunks (many programs), and the bonus draw (one program per sequence
+scans the one chunk that holds it).
 Device time on an H200, B=4, N=64 (experiments/results/accept_h200.json): deterministic 8.6 us at
-V=32000 and 11.5 us at V=201088 (the reference: 164 / 225 us; one program per sequence for every pass
-before: 56 / 446 us), sample 15.4 / 59.0 us (reference 244 / 176 us; before: 34 / 200 us; with the
-residual written to a buffer at each rejection: 16.1 / 72.9 us), its rejection passes still one program
-per sequence.
+V=32000 and 11.6 us at V=201088 (the reference: 207 / 178 us; one program per sequence for every pass
+before: 56 / 446 us), sample 9.9 / 13.5 us (reference 259 / 248 us; with each pass one program a
+sequence: 15.4 / 59.0 us; with the residual also written to a buffer at each rejection: 16.1 / 72.9 us).
 """
 
 from __future__ import annotations
