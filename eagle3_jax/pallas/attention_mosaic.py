@@ -50,10 +50,19 @@ kernel with 4 stages: 87.8 us. (P V reads P from registers: P must stay live pas
 serializes the wgmmas, its warning C7513.)
 
 Where it stops (experiments/attention_floor.py, experiments/results/attention_floor_h200.json, one run,
-32K; `_prefix_call(probe=...)`): B=1 the prefix kernel streaming K/V with the math left out takes 19.5 us
-(Nq=1, 84% of the roofline) to 20.6 us (Nq=16, 79%), an XLA reduction of the same bytes 21.3 us, the math
-alone 13.7 us (Nq <= 8) and 22.3 us (Nq=16); B=4 the stream alone runs at the roofline (63.9-65.0 us) and
-at Nq=16 the math alone takes 77.9 us: compute-bound there.
+32K, copy bandwidth 4.01 TB/s; `_prefix_call(probe=...)`): B=1 the prefix kernel streaming K/V with the
+math left out takes 19.7 us (Nq=1, 85% of the roofline) to 20.6 us (Nq=16, 81%), an XLA reduction of the
+same bytes 21.1-21.4 us, the math alone 13.7 us (Nq <= 8) and 21.7 us (Nq=16); B=4 the stream alone runs
+at the roofline (63.8-65.1 us) and at Nq=16 the math alone takes 76.4 us: compute-bound there.
+The softmax at B=4 Nq=16 (the math alone, scratch variants of the kernel, one H200 run each): without the
+exp2 at all 67.1 us against 78.2, without the row sums 72.9, so a block's softmax and its warpgroup's two
+matmuls add up (one warpgroup's softmax, then its P V and next Q K^T: the other's softmax hides only part
+of them). Kept: each thread's partial row sums stay apart in an [64, 8] tile (`LW`), summed across
+threads once at the end instead of a shuffle reduction per block: 76.2 against 78.0 us (call 86.9 against
+89.0, in one run, twice). Tried and not kept: a quarter of the exp2 as a degree-3 polynomial on the FMA
+pipe (FlashAttention-4's trick; slices of P joined by `inline_mgpu`): 81.8 us (an eighth: 78.4); the row
+maxima as a tree over column slices: 77.2.
+"""
 """
 
 from __future__ import annotations
@@ -74,6 +83,14 @@ ROWS = 64  # rows of one compute warpgroup's wgmma tile
 MIN_CACHE = 4096  # `attention.attention` takes this kernel for caches at least this long (and Nq >= 2)
 _SMEM_BYTES = 227 * 1024  # shared memory a block may use (Hopper)
 _LOG2E = attn._LOG2E
+LW = 8  # columns of the running row sums a thread keeps apart (one WGMMA column tile)
+
+
+def _tree(parts, op):
+    """op over parts, pairwise (a shallow dependency chain)."""
+    while len(parts) > 1:
+        parts = [op(parts[i], parts[i + 1]) if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+    return parts[0]
 
 
 def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages, rg, kp, probe=None):
@@ -127,7 +144,7 @@ def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages
                                                 q_smem.at[w, pl.ds((t % tpw) * G, G)], bar)
                     plgpu.barrier_wait(bar)
             m_i = plgpu.layout_cast(jnp.full((ROWS,), attn._M_INIT, F32), plgpu.Layout.WGMMA.reduce(1))
-            l_i = plgpu.layout_cast(jnp.zeros((ROWS,), F32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.zeros((ROWS, LW), F32), plgpu.Layout.WGMMA)  # row sums, LW apart
             acc = plgpu.layout_cast(jnp.zeros((ROWS, D), F32), plgpu.Layout.WGMMA)
             n_mine = jnp.maximum(nblk - ph + kp - 1, 0) // kp
 
@@ -156,7 +173,9 @@ def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages
                 m_new = jnp.maximum(m_i, qk.max(axis=1) * c)
                 alpha = jnp.exp2(m_i - m_new)
                 p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_new, qk.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
+                # each thread keeps its own partial row sums (no shuffles until the end)
+                part = _tree([p[:, o:o + LW] for o in range(0, block_k, LW)], jnp.add)
+                l_i = l_i * lax.broadcast_in_dim(alpha, l_i.shape, [0]) + part
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(dtype)
                 if pingpong:  # the other warpgroup's softmax runs while this one's P V runs
@@ -184,7 +203,7 @@ def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages
 
             o_smem.at[wg][...] = acc
             ml_smem.at[wg, 0][...] = m_i
-            ml_smem.at[wg, 1][...] = l_i
+            ml_smem.at[wg, 1][...] = l_i.sum(axis=1)
             plgpu.commit_smem()
             sp = s * kp + ph
             plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[bh, sp, pl.ds(r * ROWS, ROWS)])
