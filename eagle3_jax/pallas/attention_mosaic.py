@@ -63,7 +63,6 @@ threads once at the end instead of a shuffle reduction per block: 76.2 against 7
 pipe (FlashAttention-4's trick; slices of P joined by `inline_mgpu`): 81.8 us (an eighth: 78.4); the row
 maxima as a tree over column slices: 77.2.
 """
-"""
 
 from __future__ import annotations
 
