@@ -364,7 +364,10 @@ class Block(nnx.Module):
         token it is also the reduce of o_proj's split-K GEMM; moved (with o_proj's bias) into the MoE
         routing kernel, XLA ran that reduce as a kernel of its own and the router took 0.7 us longer,
         a net loss (B=1 gpt-oss-120b on an H200: add 56 -> 1 us, new reduce 47 us, router 128 -> 155 us
-        a token)."""
+        a token). Nor did Pallas (Triton) one-token GEMVs with bias and residual inside beat XLA (one
+        program per 16-64 output columns over all of K, 3-5 stages; session 25, H200, scratch probe):
+        o_proj 10.8 us at best against XLA's 7.9 us GEMM + 1.5 us add, qkv 12.4 against its 9.7 us GEMM;
+        what is left there takes split-K with the partial sums reduced by the consumer."""
         a, k_cache, v_cache = self.self_attn(h, cos, sin, k_cache, v_cache, lengths, positions, mask)
         x = x + a
         return x, self.mlp(x, norm=self.post_attention_layernorm, dtype=F32), k_cache, v_cache

@@ -58,6 +58,13 @@ Compute warpgroups / ring slots: 3/6 24.9, 3/3 25.2, 2/4 25.8-26.0, 2/6 27.8, 2/
 grid-wide barrier instead of the per-pair counters (all act copied over the activations' SMEM, 16
 pairs) took 26.5 us. The same structure for gate_up alone: its matvec 12.1 us (71% of the roofline),
 its TMA stream 10.0 us (86%), the Triton gate_up 15.1 us (experiments/results/moe_mosaic_probe_h200.json).
+Two launches instead (branch mosaic-split, session 25: gate_up and its epilogue, then down in units of
+(token, 16 output rows) summing the token's k pairs' tiles in order and storing once, so no zeroing,
+atomics or counters; each compute warpgroup its own ring slots) were correct (rel err <= 1.7e-3) and
+slower at T=1: gate_up 15.4 + down 14.7 us (2 compute warpgroups, 2 / 3 slots each), 15.9 + 16.1 (2 x 3
+/ 1 x 6), against the Triton kernels' 14.7 + 10.0 in the same run: the gate_up epilogue (bias loads,
+one SMEM exchange and barrier a unit) costs about 3 us over the bare matvec above, and a down unit's
+k tiles in turn on one warpgroup leave 90 blocks with two serial units each.
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref
 
 from eagle3_jax.pallas import moe
+from eagle3_jax.pallas.attention import num_sms
 
 ROWS = 16  # weight rows per unit (gate_up: 8 act columns, one block of the pair layout)
 LANES = 8  # threads per row: thread t of a warpgroup owns row t // 8 and scale groups t % 8, t % 8 + 8, ...
@@ -264,11 +272,6 @@ def _stamp(ctx, ref):
         memref.store(t, ref, [_c(0, idx)])
 
 
-def _num_ctas():
-    dev = jax.local_devices()[0]
-    return getattr(dev, "core_count", 132) if dev.platform == "gpu" else 132
-
-
 _SMEM_BYTES = 227 * 1024 - 1024  # the H100 / H200 limit of a block, less the barriers
 
 
@@ -312,7 +315,7 @@ def moe_fma(ids, weights, xq, gate_up_blocks, gate_up_scales, gate_up_bias, down
     up1, up2 = R1 // ROWS, R2 // ROWS  # units an expert
     U1 = P * up1
     U = U1 + P * up2
-    ncta = min(num_ctas or _num_ctas(), U)
+    ncta = min(num_ctas or num_sms(), U)
     steps = -(-U // ncta)
     ready = 4 * up1 + ncta  # a pair's counter once its act is complete and every block zeroed its share of out
 
