@@ -1,16 +1,23 @@
 """Frequency-ranked draft vocabularies (FR-Spec) for EAGLE-3 drafts, for notebooks.
 
     counts = token_frequencies(corpus_ids, target.config.vocab_size)   # int64 [V]
-    ids = select_draft_vocab(counts, 32000)                            # sorted target ids [k]
+    ids = select_draft_vocab(counts, 256, draft=draft)                 # sorted target ids [k]
     coverage(counts, ids)                                              # share of tokens inside ids
-    small = restrict_head(draft, ids, source="target", target=target)  # k-row head, d2t recomputed
+    small = restrict_head(draft, ids)                                  # k-row head, d2t recomputed
     save_eagle3(small, "out/")                                         # a standard EAGLE-3 checkpoint
 
-The draft head of a restricted draft scores only its k ids; `eagle3.top_k` / `to_target_ids` map
-draft indices back to target ids (draft index i -> target id ids[i] = i + d2t[i]).
+With `draft=`, the k ids are the most frequent inside the draft's current vocabulary, so the rows
+come from the draft's own trained head (restrict_head's default, source="draft"). Rows from the
+target's lm_head (source="target") only make sense for drafts trained against the target's head
+(checkpoints without their own lm_head, as NVIDIA's): an EAGLE-3 draft with its own head computes
+its hidden state for that head, and the target's rows score it as noise (tau 1.0 on the shipped
+pair). The restricted draft scores only its k ids; `eagle3.top_k` / `to_target_ids` map draft
+indices back to target ids (draft index i -> target id ids[i] = i + d2t[i]).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +26,7 @@ from flax import nnx
 from eagle3_jax.checks import int_arg
 from eagle3_jax.models.eagle3 import Eagle3
 
-__all__ = ["token_frequencies", "select_draft_vocab", "coverage", "restrict_head"]
+__all__ = ["token_frequencies", "draft_vocab", "select_draft_vocab", "coverage", "restrict_head"]
 
 
 def _int_array(a, what: str) -> np.ndarray:
@@ -63,22 +70,38 @@ def token_frequencies(ids, vocab_size: int) -> np.ndarray:
     return np.bincount(flat, minlength=vocab_size).astype(np.int64)
 
 
-def select_draft_vocab(counts, k: int) -> np.ndarray:
+def draft_vocab(draft: Eagle3) -> np.ndarray:
+    """The target ids the draft's head scores, in draft-index order: int64 [draft_vocab_size]."""
+    return np.arange(draft.config.draft_vocab_size) + np.asarray(draft.d2t[...]).astype(np.int64)
+
+
+def select_draft_vocab(counts, k: int, draft: Eagle3 | None = None) -> np.ndarray:
     """The k most frequent target ids, sorted ascending: int64 [k].
 
     counts: [V] non-negative token counts (token_frequencies) or frequencies, integer or float (e.g.
     normalized to sum 1). Ranked by count as given, ties broken by the lower id; when fewer than k ids
-    were seen, the lowest unseen ids fill the rest. Another shape or dtype, a negative or NaN count,
-    or k outside [1, V] raises ValueError.
+    were seen, the lowest unseen ids fill the rest. draft: choose only among the ids the draft's head
+    already scores (`draft_vocab`), so that `restrict_head(draft, ids)` can keep the draft's own rows;
+    k is then at most its draft_vocab_size. Another shape or dtype, a negative or NaN count, or k
+    outside [1, V] (or [1, draft_vocab_size]) raises ValueError.
     """
     counts = _counts(counts)
     V = counts.shape[0]
     k = int_arg("k", k, 1)
-    if not 1 <= k <= V:
-        raise ValueError(f"k: {k} outside [1, {V}] (the vocabulary has {V} ids)")
-    key = -counts.astype(np.result_type(counts.dtype, np.int64))  # signed: -uint would wrap
-    order = np.lexsort((np.arange(V), key))  # last key first: count desc, then id
-    return np.sort(order[:k]).astype(np.int64)
+    if draft is not None:
+        if V != draft.config.vocab_size:
+            raise ValueError(f"counts: {V} entries, expected the target vocabulary of the draft, "
+                             f"{draft.config.vocab_size}")
+        allowed = np.sort(draft_vocab(draft))
+        if not 1 <= k <= allowed.size:
+            raise ValueError(f"k: {k} outside [1, {allowed.size}] (the draft's vocabulary has {allowed.size} ids)")
+    else:
+        allowed = np.arange(V)
+        if not 1 <= k <= V:
+            raise ValueError(f"k: {k} outside [1, {V}] (the vocabulary has {V} ids)")
+    key = -counts[allowed].astype(np.result_type(counts.dtype, np.int64))  # signed: -uint would wrap
+    order = np.lexsort((allowed, key))  # last key first: count desc, then id
+    return np.sort(allowed[order[:k]]).astype(np.int64)
 
 
 def coverage(counts, ids) -> float:
@@ -97,10 +120,13 @@ def coverage(counts, ids) -> float:
 def restrict_head(draft: Eagle3, ids, source: str = "draft", target=None) -> Eagle3:
     """A new draft whose head scores only the target ids `ids` (k of them, sorted on the way in).
 
-    source "draft": rows gathered from the draft's own head; every id must be in its current
-    vocabulary (re-ranking a reduced vocab to a smaller k). source "target": rows gathered from
-    the target's lm_head [V, H] (`target`, a GptOss; a draft that already uses the target's head
-    may omit it). The result has draft_vocab_size k, its own lm_head [k, H] and d2t[i] = ids[i] - i;
+    source "draft" (the default, the FR-Spec recipe): rows gathered from the draft's own head; every
+    id must be in its current vocabulary (`select_draft_vocab(counts, k, draft=draft)` picks such
+    ids). source "target": rows gathered from the target's lm_head [V, H] (`target`, a GptOss; a
+    draft that already uses the target's head may omit it). That is meaningful only for a draft
+    trained against the target's head (no lm_head of its own); for a draft with its own head whose
+    rows differ from the target's it warns (UserWarning): its hidden state is made for its own rows,
+    and the result accepts almost nothing. The result has draft_vocab_size k, its own lm_head [k, H] and d2t[i] = ids[i] - i;
     every other weight is the same array (an embedding shared with the target stays shared).
     """
     c = draft.config
@@ -113,12 +139,12 @@ def restrict_head(draft: Eagle3, ids, source: str = "draft", target=None) -> Eag
     if ids[0] < 0 or ids[-1] >= c.vocab_size:
         raise ValueError(f"ids: outside the target vocabulary [0, {c.vocab_size})")
     if source == "draft":
-        current = np.arange(c.draft_vocab_size) + np.asarray(draft.d2t[...]).astype(np.int64)
+        current = draft_vocab(draft)
         where = {int(t): i for i, t in enumerate(current)}
         missing = [int(t) for t in ids if int(t) not in where]
         if missing:
             raise ValueError(f"ids: {len(missing)} ids are not in the draft's vocabulary of {c.draft_vocab_size} "
-                             f"(first: {missing[:5]}); use source='target' to take rows from the target's lm_head")
+                             f"(first: {missing[:5]}); choose them with select_draft_vocab(counts, k, draft=draft)")
         head = draft.lm_head[...][np.asarray([where[int(t)] for t in ids])]
     elif source == "target":
         if target is not None:
@@ -130,6 +156,11 @@ def restrict_head(draft: Eagle3, ids, source: str = "draft", target=None) -> Eag
         if tuple(full.shape) != (c.vocab_size, c.hidden_size):
             raise ValueError(f"target lm_head: shape {list(full.shape)}, expected {[c.vocab_size, c.hidden_size]} "
                              "(the target's vocab x the draft's hidden size)")
+        if c.own_lm_head and not _same_rows(draft, full):
+            warnings.warn("restrict_head(source='target'): this draft has its own lm_head, trained in its own "
+                          "space, whose rows differ from the target's; the target's rows will score its hidden "
+                          "state as noise (expect tau near 1). Use source='draft' with "
+                          "select_draft_vocab(counts, k, draft=draft).", UserWarning, stacklevel=2)
         head = full[...][ids]
     else:
         raise ValueError(f"source: {source!r}, expected 'draft' or 'target'")
@@ -149,3 +180,10 @@ def restrict_head(draft: Eagle3, ids, source: str = "draft", target=None) -> Eag
     new.lm_head.set_value(head.astype(draft.dtype))
     new.d2t.set_value(jnp.asarray(ids - np.arange(k), jnp.int32))
     return new
+
+
+def _same_rows(draft: Eagle3, full_head) -> bool:
+    """Whether the draft's own head rows are the target head's rows of the same ids (to rounding)."""
+    own = np.asarray(draft.lm_head[...], np.float32)
+    theirs = np.asarray(full_head[...][draft_vocab(draft)], np.float32)
+    return bool(np.allclose(own, theirs, rtol=1e-2, atol=1e-3 * (np.abs(theirs).max() + 1e-30)))

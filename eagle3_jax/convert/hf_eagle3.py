@@ -21,6 +21,7 @@ from flax import nnx
 from eagle3_jax.convert import params
 from eagle3_jax.convert import safetensors_io as stio
 from eagle3_jax.models.config import Eagle3Config, GptOssConfig, rope_from_hf, rope_to_hf
+from eagle3_jax.models import eagle3
 from eagle3_jax.models.eagle3 import Eagle3
 
 LAYER_PREFIXES = ("midlayer.", "layers.0.")
@@ -140,18 +141,22 @@ def check_d2t(d2t: np.ndarray, vocab_size: int, where: str) -> None:
 
 
 def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = None, *, target=None,
-                dtype=jnp.bfloat16, aux_layer_ids=None, aux_convention: str | None = None,
+                dtype=None, aux_layer_ids=None, aux_convention: str | None = None,
                 sliding_window: int | None = None) -> Eagle3:
     """HF EAGLE-3 draft folder -> Eagle3 on the default device.
 
     target_config: the target's GptOssConfig (or pass `target=`, the GptOss module, which is
     required when the checkpoint has no `embed_tokens` or no `lm_head`: those are shared with the
-    target, not copied). aux_layer_ids / aux_convention override the checkpoint's; sliding_window
-    bounds the draft's attention (None: full). Raises ValueError naming the problem.
+    target, not copied). dtype None: the target's dtype when `target=` is given (a pair must share
+    one dtype to run together), else bfloat16. aux_layer_ids / aux_convention override the
+    checkpoint's; sliding_window bounds the draft's attention (None: full). Raises ValueError naming
+    the problem.
     """
     path = os.fspath(path)
     if target is not None:
         target_config = target.config
+    if dtype is None:
+        dtype = eagle3.pair_dtype(target)
     if target_config is None:
         raise ValueError("load_eagle3: pass target_config= (or target=)")
     tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in stio.open_checkpoint(path).items()}

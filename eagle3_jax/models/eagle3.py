@@ -174,9 +174,19 @@ def init_cache(draft: Eagle3, batch: int, max_len: int) -> kvc.KVCache:
     return kvc.init(1, batch, max_len, c.num_key_value_heads, c.head_dim, draft.dtype)
 
 
-def random_eagle3(config: Eagle3Config, seed: int = 0, dtype=jnp.bfloat16, *, target=None):
+def pair_dtype(target=None):
+    """The dtype a draft takes by default: its target's (the dtype of its embedding where the object
+    has no `dtype`), bfloat16 without a target. A pair runs in one dtype."""
+    if target is None:
+        return jnp.bfloat16
+    dtype = getattr(target, "dtype", None)
+    return jnp.dtype(dtype if dtype is not None else target.embed.get_value().dtype)
+
+
+def random_eagle3(config: Eagle3Config, seed: int = 0, dtype=None, *, target=None):
     """Random draft (d2t maps draft index i to target id i), on the default device. Without its own
-    embedding or head it shares the given target's."""
+    embedding or head it shares the given target's. dtype None: `pair_dtype(target)`."""
+    dtype = pair_dtype(target) if dtype is None else dtype
     if (not config.own_embed or not config.own_lm_head) and target is None:
         raise ValueError("random_eagle3: the config shares the target's embedding or head: pass target=")
     return Eagle3(config, dtype=dtype, rngs=nnx.Rngs(seed),

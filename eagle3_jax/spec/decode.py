@@ -246,6 +246,10 @@ def _check_pair(target, draft):
     if not (isinstance(target, gpt_oss.GptOss) and isinstance(draft, eagle3.Eagle3)):
         raise ArgumentError(f"decode(target, draft, ...): expected a gpt_oss.GptOss and an eagle3.Eagle3, got "
                             f"{type(target).__name__} and {type(draft).__name__}")
+    if jnp.dtype(target.dtype) != jnp.dtype(draft.dtype):
+        raise ArgumentError(f"decode(target, draft, ...): the target is {jnp.dtype(target.dtype).name} and the draft "
+                            f"{jnp.dtype(draft.dtype).name}; a pair runs in one dtype (load_eagle3(..., target=target) "
+                            "follows the target's)")
     tc, dc = target.config, draft.config
     problems = []
     if dc.vocab_size != tc.vocab_size:
