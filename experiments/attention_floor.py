@@ -15,17 +15,14 @@ and each as a fraction of the roofline (K/V bytes over the copy bandwidth measur
 """
 
 import math
-import os
-import sys
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import timing  # noqa: E402
+from lib import cli, timing
 
 flags.DEFINE_integer("length", 32768, "committed keys a sequence")
 flags.DEFINE_list("batches", ["1", "4"], "batch sizes B")
@@ -93,4 +90,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -6,7 +6,7 @@
 Random packed gpt-oss-120b and a random draft of the published EAGLE-3 shape (hidden 2880, MLP
 17280, draft vocab 32000): acceptance is meaningless, so each scenario reports the baseline time
 per token, the speculative step split into draft / verify / accept+rewind / extend, the byte
-roofline of each (experiments/roofline.py, at the copy bandwidth measured in this run), and the
+roofline of each (experiments/lib/roofline.py, at the copy bandwidth measured in this run), and the
 projected speedup tau * T_base / T_step for the published gpt-oss-120b tau (2.29, 2.68, 3.22 at 3
 draft tokens) and, with --tau_trained, a measured one.
 
@@ -18,13 +18,12 @@ stress (decode() end to end, B=16 ragged prompts, early eos).
 import json
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-import roofline
-import timing
 from eagle3_jax.models import GptOssConfig
 from eagle3_jax.spec import decode
-from step_timing import parse_shape, random_pair, time_baseline, time_step, validate_shape_flags
+from lib import cli, roofline, timing
+from lib.step_timing import parse_shape, random_pair, time_baseline, time_step, validate_shape_flags
 
 flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
 SCENARIOS = ["single", "gates", "batch", "large", "sweep", "stress"]
@@ -40,6 +39,7 @@ flags.DEFINE_float("tau_trained", None, "tau measured on a trained pair (project
 flags.DEFINE_string("out", None, "JSON output path")
 flags.DEFINE_string("plot", None, "PNG output path (needs matplotlib)")
 flags.DEFINE_list("plot_from", None, "only draw --plot from these results JSONs (no benchmark)")
+cli.progress_flag()
 FLAGS = flags.FLAGS
 flags.register_validator("scenarios", lambda names: set(names) <= set(SCENARIOS),
                          "expected names of " + ",".join(SCENARIOS))
@@ -79,11 +79,10 @@ def measure(target, draft, bw, name, B, ctx, shape_name, base_cache):
                roofline_speedup={f"{t:g}": t * base_bytes / sb["total"] for t in taus})
     row["baseline_roofline_fraction"] = row["roofline_seconds"]["baseline"] / t_base
     row["step_roofline_fraction"] = row["roofline_seconds"]["step"] / sec["step"]
-    print(f"{name:<12} B={B:<2} ctx={ctx:<6} {shape_name:<10} base {t_base * 1e3:7.2f} ms "
+    cli.write(f"{name:<12} B={B:<2} ctx={ctx:<6} {shape_name:<10} base {t_base * 1e3:7.2f} ms "
           f"({row['baseline_roofline_fraction']:.0%} of roofline)  step {sec['step'] * 1e3:7.2f} ms "
           f"({row['step_roofline_fraction']:.0%})  " + " ".join(f"{k} {v * 1e3:.2f}" for k, v in split.items()) +
-          f"  proj@3.22 {row['projected_speedup']['3.22']:.2f}x roof@3.22 {row['roofline_speedup']['3.22']:.2f}x",
-          flush=True)
+          f"  proj@3.22 {row['projected_speedup']['3.22']:.2f}x roof@3.22 {row['roofline_speedup']['3.22']:.2f}x")
     return row
 
 
@@ -96,8 +95,8 @@ def stress(target, draft):
     out = decode(target, draft, prompts, 64, num_spec_tokens=3, eos_ids=eos, prefill_chunk=512)
     m = out.metrics
     lens = [len(t) for t in out.tokens]
-    print(f"stress B=16: {m['generated_tokens']} tokens, {m['steps']} steps, {m['tokens_per_second']:.1f} tok/s, "
-          f"lengths {min(lens)}..{max(lens)}", flush=True)
+    cli.write(f"stress B=16: {m['generated_tokens']} tokens, {m['steps']} steps, {m['tokens_per_second']:.1f} tok/s, "
+              f"lengths {min(lens)}..{max(lens)}")
     return dict(name="stress", batch=16, lengths=lens, metrics=m)
 
 
@@ -142,16 +141,16 @@ def main(argv):
     rows, base_cache = [], {}
     result = dict(timing.device_info(), preset=FLAGS.preset, copy_bandwidth=bw, iters=FLAGS.iters,
                   tau_published=PUBLISHED_TAU, tau_trained=FLAGS.tau_trained, scenarios=rows)
-    for sc in FLAGS.scenarios:
-        if sc == "stress":
-            rows.append(stress(target, draft))
-        for args in rows_for(sc):
-            rows.append(measure(target, draft, bw, *args, base_cache))
-            timing.write_json(FLAGS.out, result)  # after every row: a run cut short keeps what it measured
+    work = [args for sc in FLAGS.scenarios for args in (["stress"] if sc == "stress" else rows_for(sc))]
+    bar = cli.bar(work, "scenarios", unit="row")
+    for args in bar:
+        bar.set_postfix_str(args if args == "stress" else f"{args[0]} {args[3]}")
+        rows.append(stress(target, draft) if args == "stress" else measure(target, draft, bw, *args, base_cache))
+        timing.write_json(FLAGS.out, result)  # after every row: a run cut short keeps what it measured
     timing.write_json(FLAGS.out, result)
     if FLAGS.plot:
         plot([r for r in rows if "step_seconds" in r], FLAGS.plot)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -13,14 +13,13 @@ import json
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import jax
 
 from eagle3_jax.models import GptOssConfig, gpt_oss
 from eagle3_jax.spec import generate
-
-import timing
+from lib import cli, timing
 
 flags.DEFINE_string("preset", "gpt-oss-120b", "GptOssConfig preset")
 flags.DEFINE_integer("batch", 1, "sequences")
@@ -85,4 +84,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -8,18 +8,15 @@ Every roofline fraction divides by the copy bandwidth measured in the same proce
 
 import json
 import os
-import sys
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import step_timing  # noqa: E402
-import timing  # noqa: E402
+from lib import cli, step_timing, timing
 
 flags.DEFINE_list("only", None, "sections to run (default: all)")
 flags.DEFINE_string("out", None, "JSON output path")
@@ -815,4 +812,4 @@ def _print_moe_table(r):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

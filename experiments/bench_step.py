@@ -14,13 +14,12 @@ accepted tokens). A step much slower than the sum of its parts would mean a hidd
 import json
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from eagle3_jax.models import GptOssConfig
 from eagle3_jax.spec import decode
-
-import timing
-from step_timing import parse_shape, random_pair, time_step, validate_shape_flags
+from lib import cli, timing
+from lib.step_timing import parse_shape, random_pair, time_step, validate_shape_flags
 
 flags.DEFINE_integer("layers", 8, "target layers")
 flags.DEFINE_integer("experts", 32, "target experts (top-4)")
@@ -31,6 +30,7 @@ flags.DEFINE_integer("iters", 10, "steps per timed loop")
 flags.DEFINE_bool("profile", True, "also record each timing's device kernel seconds by kernel family (GPU)")
 flags.DEFINE_string("preset", None, "use this GptOssConfig preset instead (e.g. tiny, for a smoke run)")
 flags.DEFINE_string("out", None, "JSON output path")
+cli.progress_flag()
 FLAGS = flags.FLAGS
 validate_shape_flags("shapes")
 
@@ -60,20 +60,21 @@ def main(argv):
     del argv
     target, draft = models()
     rows = []
-    for B in map(int, FLAGS.batch):
-        for name in FLAGS.shapes:
-            r = time_step(target, draft, B, parse_shape(name), FLAGS.context, FLAGS.iters, profile=FLAGS.profile)
-            if r.get("kernels", {}).get("step"):
-                r["kernel_diff"] = kernel_diff(r["kernels"])
-            rows.append(r)
-            print(f"B={B} {name}: step {r['seconds']['step'] * 1e3:.3f} ms, parts {r['sum_of_parts'] * 1e3:.3f} ms, "
+    bar = cli.bar([(int(B), name) for B in FLAGS.batch for name in FLAGS.shapes], "step timings", unit="shape")
+    for B, name in bar:
+        bar.set_postfix_str(f"B={B} {name}")
+        r = time_step(target, draft, B, parse_shape(name), FLAGS.context, FLAGS.iters, profile=FLAGS.profile)
+        if r.get("kernels", {}).get("step"):
+            r["kernel_diff"] = kernel_diff(r["kernels"])
+        rows.append(r)
+        cli.write(f"B={B} {name}: step {r['seconds']['step'] * 1e3:.3f} ms, parts {r['sum_of_parts'] * 1e3:.3f} ms, "
                   f"ratio {r['step_over_parts']:.3f}  " +
-                  " ".join(f"{k}={v * 1e3:.3f}" for k, v in r["seconds"].items() if k != "step"), flush=True)
-            if "kernel_diff" in r:
-                kd = r["kernel_diff"]
-                print(f"  kernel time: step {kd['kernel_seconds_step'] * 1e3:.3f} ms, parts {kd['kernel_seconds_parts'] * 1e3:.3f}"
-                      f" ms; step - parts: launches {kd['launches']:+.0f}, " + " ".join(
-                          f"{f}={v * 1e6:+.1f}us" for f, v in list(kd["by_family"].items())[:10]), flush=True)
+                  " ".join(f"{k}={v * 1e3:.3f}" for k, v in r["seconds"].items() if k != "step"))
+        if "kernel_diff" in r:
+            kd = r["kernel_diff"]
+            cli.write(f"  kernel time: step {kd['kernel_seconds_step'] * 1e3:.3f} ms, parts "
+                      f"{kd['kernel_seconds_parts'] * 1e3:.3f} ms; step - parts: launches {kd['launches']:+.0f}, " +
+                      " ".join(f"{f}={v * 1e6:+.1f}us" for f, v in list(kd["by_family"].items())[:10]))
     rng = np.random.default_rng(0)
     V = target.config.vocab_size
     prompts = [rng.integers(0, V, 40).tolist(), rng.integers(0, V, 25).tolist()]
@@ -92,4 +93,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -18,21 +18,21 @@ import json
 import os
 import statistics
 
-from absl import app, flags
+from absl import flags
 
 import jax
 import jax.numpy as jnp
 
-import eagle3_jax
+from eagle3_jax import assets
 from eagle3_jax.convert import load_eagle3, load_gpt_oss
 from eagle3_jax.spec import decode, generate
-from step_timing import parse_shape, validate_shape_flags
-from timing import device_info, write_json
+from lib import cli
+from lib.step_timing import parse_shape, validate_shape_flags
+from lib.timing import device_info, write_json
 
-PAIR = os.path.join(os.path.dirname(eagle3_jax.__file__), "assets", "stdlib-gpt-oss")
-flags.DEFINE_string("target", os.path.join(PAIR, "target"), "HF GPT-OSS checkpoint folder")
-flags.DEFINE_string("draft", os.path.join(PAIR, "draft"), "HF EAGLE-3 draft folder")
-flags.DEFINE_string("prompts_file", os.path.join(PAIR, "eval_prompts.json"), "JSON list of token-id lists")
+flags.DEFINE_string("target", assets.TARGET_DIR, "HF GPT-OSS checkpoint folder")
+flags.DEFINE_string("draft", assets.DRAFT_DIR, "HF EAGLE-3 draft folder")
+flags.DEFINE_string("prompts_file", os.path.join(assets.PAIR_DIR, "eval_prompts.json"), "JSON list of token-id lists")
 flags.DEFINE_integer("num_prompts", 16, "prompts used (the first n)")
 flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per prompt")
 flags.DEFINE_list("shapes", ["chain1", "chain2", "chain3", "chain4", "chain5", "tree3x4n8", "tree5x8n16"],
@@ -43,6 +43,7 @@ flags.DEFINE_integer("repeats", 3, "timed runs per throughput figure (median)")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights / activations dtype")
 flags.DEFINE_list("exact_check", ["chain3", "tree3x4n8"], "shapes compared with generate in float32 (empty: skip)")
 flags.DEFINE_string("out", None, "JSON output path")
+cli.progress_flag()
 FLAGS = flags.FLAGS
 validate_shape_flags("shapes", "speed_shapes", "exact_check")
 
@@ -65,17 +66,22 @@ def first_differences(a, b):
 def exact_check(prompts, n):
     """decode vs generate in float32 with full-precision matmuls, for --exact_check shapes."""
     with jax.default_matmul_precision("highest"):
-        target = load_gpt_oss(FLAGS.target, dtype=jnp.float32)
-        draft = load_eagle3(FLAGS.draft, target=target, dtype=jnp.float32)
+        target = load_gpt_oss(FLAGS.target, dtype=jnp.float32, progress=_load_progress())
+        draft = load_eagle3(FLAGS.draft, target=target, dtype=jnp.float32, progress=_load_progress())
         base = generate(target, prompts, n).tokens
-        return {s: decode(target, draft, prompts, n, **_shape_kw(s)).tokens == base for s in FLAGS.exact_check}
+        return {s: decode(target, draft, prompts, n, **_shape_kw(s)).tokens == base
+                for s in cli.bar(FLAGS.exact_check, "float32 check", unit="shape")}
+
+
+def _load_progress():
+    return None if FLAGS.progress else False  # None: a bar for checkpoints worth waiting for
 
 
 def main(argv):
     del argv
     dtype = jnp.dtype(FLAGS.dtype)
-    target = load_gpt_oss(FLAGS.target, dtype=dtype)
-    draft = load_eagle3(FLAGS.draft, target=target, dtype=dtype)
+    target = load_gpt_oss(FLAGS.target, dtype=dtype, progress=_load_progress())
+    draft = load_eagle3(FLAGS.draft, target=target, dtype=dtype, progress=_load_progress())
     with open(FLAGS.prompts_file) as f:
         prompts = json.load(f)[:FLAGS.num_prompts]
     n = FLAGS.max_new_tokens
@@ -83,7 +89,7 @@ def main(argv):
     res = dict(**device_info(), target=FLAGS.target, draft=FLAGS.draft, num_prompts=len(prompts),
                prompt_lengths=sorted({len(p) for p in prompts}), max_new_tokens=n, dtype=FLAGS.dtype, acceptance=[],
                speed=[])
-    for s in FLAGS.shapes:
+    for s in cli.bar(FLAGS.shapes, "acceptance", unit="shape"):
         out = decode(target, draft, prompts, n, **_shape_kw(s))
         m = out.metrics
         row = dict(shape=s, **_shape_kw(s), tau=m["mean_accept_length"], accept_rate=m["accept_rate"],
@@ -91,12 +97,16 @@ def main(argv):
                    identical=out.tokens == base.tokens, first_difference=first_differences(out.tokens, base.tokens))
         res["acceptance"].append(row)
         write_json(FLAGS.out, res)  # after every row: a run cut short keeps what it measured
-        print(f"{s:12s} tau {row['tau']:.3f}  accept rate {row['accept_rate']:.3f}  identical to generate "
-              f"{row['identical']}", flush=True)
+        cli.write(f"{s:12s} tau {row['tau']:.3f}  accept rate {row['accept_rate']:.3f}  identical to generate "
+                  f"{row['identical']}")
+    bar = cli.bar(total=len(FLAGS.speed_batches) * (1 + len(FLAGS.speed_shapes)), desc="speed", unit="run")
     for b in map(int, FLAGS.speed_batches):
         ps = prompts[:b]
+        bar.set_postfix_str(f"B={b} generate")
         t_base = _median_seconds(lambda: generate(target, ps, n))
+        bar.update()
         for s in FLAGS.speed_shapes:
+            bar.set_postfix_str(f"B={b} {s}")
             kw = _shape_kw(s)
             last = decode(target, draft, ps, n, **kw)
             t_spec = _median_seconds(lambda: decode(target, draft, ps, n, **kw))
@@ -104,8 +114,10 @@ def main(argv):
                        tau=last.metrics["mean_accept_length"], tokens=sum(map(len, last.tokens)))
             res["speed"].append(row)
             write_json(FLAGS.out, res)
-            print(f"B={b} {s:12s} generate {t_base * 1e3:8.1f} ms  decode {t_spec * 1e3:8.1f} ms  "
-                  f"speedup {row['speedup']:.2f}x  (tau {row['tau']:.2f})", flush=True)
+            bar.update()
+            cli.write(f"B={b} {s:12s} generate {t_base * 1e3:8.1f} ms  decode {t_spec * 1e3:8.1f} ms  "
+                      f"speedup {row['speedup']:.2f}x  (tau {row['tau']:.2f})")
+    bar.close()
     if FLAGS.exact_check:
         res["identical_float32"] = exact_check(prompts, n)
         print(f"float32, full-precision matmuls, identical to generate: {res['identical_float32']}", flush=True)
@@ -113,4 +125,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

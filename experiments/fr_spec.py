@@ -13,7 +13,7 @@ target` takes rows of the target's lm_head); greedy `decode` on the prompts: tau
 length, bonus counted), accept rate, per-position accept rates, and whether the output equals
 greedy `generate` (`identical`: always in float32; in bf16 near-tied argmaxes may part, see
 eval_pair.py); the draft head alone (`eagle3.logits` for h [batch, H]) and one
-full speculative chain step at `--context` committed tokens (experiments/step_timing.py), timed
+full speculative chain step at `--context` committed tokens (experiments/lib/step_timing.py), timed
 on the current device, with a baseline decode step for the projected speedup tau * baseline /
 step. "full" uses the draft as it is, and so does k >= the draft's vocabulary with `--source
 draft`; with `--source target` every numeric k (capped at the target's vocabulary) gets a head of
@@ -32,25 +32,23 @@ import os
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import eagle3_jax
+from eagle3_jax import assets
 from eagle3_jax.convert import frspec, load_eagle3, load_gpt_oss
 from eagle3_jax.models import eagle3
 from eagle3_jax.spec import decode, generate
 from eagle3_jax.train import data
 
-import timing
-from step_timing import time_baseline, time_step
+from lib import cli, timing
+from lib.step_timing import time_baseline, time_step
 
-PAIR = os.path.join(os.path.dirname(eagle3_jax.__file__), "assets", "stdlib-gpt-oss")
-
-flags.DEFINE_string("target", os.path.join(PAIR, "target"), "HF GPT-OSS checkpoint folder")
-flags.DEFINE_string("draft", os.path.join(PAIR, "draft"), "HF EAGLE-3 draft folder")
+flags.DEFINE_string("target", assets.TARGET_DIR, "HF GPT-OSS checkpoint folder")
+flags.DEFINE_string("draft", assets.DRAFT_DIR, "HF EAGLE-3 draft folder")
 flags.DEFINE_string("corpus", None, ".npy token ids for the frequencies (default: the target's greedy "
                     "generations on the prompts)")
 flags.DEFINE_string("prompts_file", None, "JSON list of prompts (token id lists)")
@@ -72,6 +70,7 @@ flags.DEFINE_integer("seed", 0, "prompt sampling seed")
 flags.DEFINE_string("json_out", None, "JSON output path")
 flags.DEFINE_string("plot", None, "PNG output path (needs matplotlib)")
 flags.DEFINE_string("plot_from", None, "only draw --plot from this results JSON (no study)")
+cli.progress_flag()
 FLAGS = flags.FLAGS
 for _name in ("corpus", "prompts_file", "eval_data"):  # checked when flags are parsed: before the loads
     flags.register_validator(_name, lambda p: p is None or (os.path.isfile(p) and os.access(p, os.R_OK)),
@@ -79,7 +78,7 @@ for _name in ("corpus", "prompts_file", "eval_data"):  # checked when flags are 
 
 
 def _say(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    cli.write(f"[{time.strftime('%H:%M:%S')}] {msg}")  # above the bar over ks
 
 
 def load_prompts(vocab_size):
@@ -87,7 +86,7 @@ def load_prompts(vocab_size):
         with open(FLAGS.prompts_file) as f:
             prompts = json.load(f)
         if not all(isinstance(p, list) for p in prompts):
-            raise app.UsageError("--prompts_file: expected a JSON list of token id lists")
+            raise ValueError(f"--prompts_file {FLAGS.prompts_file}: expected a JSON list of token id lists")
         return prompts, dict(source="prompts_file", path=os.path.abspath(FLAGS.prompts_file))
     if FLAGS.eval_data:
         tokens = np.load(FLAGS.eval_data, mmap_mode="r")
@@ -110,9 +109,9 @@ def parse_ks(ks, draft_vocab):
             try:
                 v = int(k)
             except ValueError:
-                raise app.UsageError(f"--ks: {k!r} is neither an integer nor 'full'")
+                raise ValueError(f"--ks: {k!r} is neither an integer nor 'full'") from None
             if v < 1:
-                raise app.UsageError(f"--ks: {v} must be >= 1")
+                raise ValueError(f"--ks: {v} must be >= 1")
             out.append((v, v))
     return out
 
@@ -169,9 +168,10 @@ def main(argv):
             return plot(json.load(f), FLAGS.plot)
     dtype = jnp.dtype(FLAGS.dtype)
     _say(f"loading target {os.path.abspath(FLAGS.target)} on {jax.devices()[0].device_kind}")
-    target = load_gpt_oss(FLAGS.target, dtype=dtype)
+    load = dict(dtype=dtype, progress=None if FLAGS.progress else False)  # None: a bar for big checkpoints
+    target = load_gpt_oss(FLAGS.target, **load)
     _say(f"loading draft {os.path.abspath(FLAGS.draft)}")
-    draft = load_eagle3(FLAGS.draft, target=target, dtype=dtype)
+    draft = load_eagle3(FLAGS.draft, target=target, **load)
     V, Vd = target.config.vocab_size, draft.config.draft_vocab_size
     ks = parse_ks(FLAGS.ks, Vd)
     prompts, prompt_info = load_prompts(V)
@@ -197,7 +197,7 @@ def main(argv):
     _say(f"baseline decode step, batch {FLAGS.batch}, context {FLAGS.context} ...")
     base_step = time_baseline(target, FLAGS.batch, FLAGS.context, FLAGS.iters)
     rows = []
-    for name, k in ks:
+    for name, k in cli.bar(ks, "draft vocabularies", unit="k"):
         if name == "full" or (k >= Vd and FLAGS.source == "draft"):
             d, ids, as_is = draft, own_ids, True
         else:  # --source target may also grow the head past the draft's vocabulary, up to the target's
@@ -236,4 +236,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

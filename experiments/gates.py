@@ -12,7 +12,9 @@ a gate may ask for more than the hardware allows; the reader sees which.
 import json
 import sys
 
-from absl import app, flags
+from absl import flags
+
+from lib import cli
 
 flags.DEFINE_string("results", None, "bench.py JSON", required=True)
 FLAGS = flags.FLAGS
@@ -51,10 +53,7 @@ def main(argv):
     del argv
     with open(FLAGS.results) as f:
         results = json.load(f)
-    try:
-        rows = evaluate(results, FLAGS.results)
-    except ValueError as e:
-        raise app.UsageError(str(e), exitcode=2) from e
+    rows = evaluate(results, FLAGS.results)  # a missing key: ValueError, one line and exit 2 (cli.run)
     print(f"device {results.get('device')}, JAX {results.get('jax_version')}, {results.get('date')}")
     for r in rows:
         if r.get("missing"):
@@ -67,4 +66,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, error_exitcode=2)

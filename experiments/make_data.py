@@ -8,9 +8,10 @@ prints files, tokens and bytes per token of each split.
 
 import time
 
-from absl import app, flags
+from absl import flags
 
 from eagle3_jax.train.data import build_dataset
+from lib import cli
 
 flags.DEFINE_string("out_dir", "data/stdlib", "output directory")
 flags.DEFINE_integer("vocab_size", 4096, "BPE vocabulary size, eos and the 256 bytes included")
@@ -34,4 +35,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -13,7 +13,7 @@ compute warpgroup); and the memory warpgroup's mean gap between issues.
 
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +21,7 @@ from flax import nnx
 
 from eagle3_jax.models import GptOssConfig, gpt_oss
 from eagle3_jax.pallas import moe, moe_mosaic
-
-import timing
+from lib import cli, timing
 
 
 def _define_flags():  # at run time only: the tests import summarize() beside other scripts' flags
@@ -113,4 +112,4 @@ def main(_):
 
 if __name__ == "__main__":
     _define_flags()
-    app.run(main)
+    cli.run(main)

@@ -15,7 +15,7 @@ import os
 import time
 
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +25,8 @@ from eagle3_jax.spec import generate
 from eagle3_jax.train import data, loop
 from eagle3_jax.train import draft as tdraft
 from eagle3_jax.train import target as ttarget
-import train_flags
-from timing import device_info
+from lib import cli, train_flags
+from lib.timing import device_info
 
 train_flags.define("runs/draft", steps=6000, batch=32)
 
@@ -102,4 +102,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -16,7 +16,7 @@ import shutil
 import time
 
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +25,8 @@ from eagle3_jax.convert import save_gpt_oss
 from eagle3_jax.models import gpt_oss
 from eagle3_jax.train import data, loop
 from eagle3_jax.train import target as ttarget
-import train_flags
-from timing import device_info
+from lib import cli, train_flags
+from lib.timing import device_info
 
 train_flags.define("runs/target", steps=2500, batch=64)
 
@@ -88,4 +88,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))  # the scripts, and their shared modules in experiments/lib
 
 
 def run(script, *args):
@@ -32,7 +32,11 @@ def test_decode_main_job_on_embedded_default(tmp_path):
     # the embedded trained pair, text in and out (float32 on CPU: decode == generate exactly)
     out = run("decode.py", "--prompt", "def f(x):\n    return", "--prompt", "import", "--max_new_tokens", "5",
               "--json_out", str(path))
-    assert "prompt: def f(x):\n    return" in out and "outputs identical: True" in out
+    # each prompt from the start of a line, under a header; tau named; the batch in the speed line
+    assert "--- prompt 1 (" in out and " tokens) ---\ndef f(x):\n    return\n--- output (5 tokens) ---\n" in out
+    assert "--- prompt 2 (" in out and "decode: tau " in out and "accept rate" in out
+    assert "throughput" in out and "x at B=2; outputs identical: True" in out
+    assert "note: on a CPU" in out and "2.16x on an H200" in out  # the CPU's expected speedup, and why
     r = json.loads(path.read_text())
     assert r["decode"]["tokens"] == r["baseline"]["tokens"] and all(len(t) == 5 for t in r["decode"]["tokens"])
     assert r["decode"]["metrics"]["mean_accept_length"] >= 1.0
@@ -62,7 +66,7 @@ def test_bench_step_writes_json(tmp_path):
 
 def test_kernel_families_and_step_minus_parts():
     import bench_step
-    import timing
+    from lib import timing
     g = timing.kernel_group
     assert g("loop_fusion_12") == g("loop_fusion") == "loop_fusion" and g("input_reduce_fusion.3") == "input_reduce_fusion"
     assert g("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == g("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
@@ -98,7 +102,7 @@ def test_bench_and_gates(tmp_path):
 
 
 def test_parse_shape():
-    from step_timing import parse_shape
+    from lib.step_timing import parse_shape
     assert parse_shape("chain3") == dict(depth=3, topk=1, num_nodes=4)
     assert parse_shape("tree5x8n16") == dict(depth=5, topk=8, num_nodes=16)
     for bad in ("nonsense", "chain", "chain0", "chain3x", "tree3x4", "tree3x4n8x", "tree3n8", " chain3"):
@@ -122,8 +126,9 @@ def test_gates_names_file_and_missing_key(tmp_path):
     import gates
     path = tmp_path / "not_bench.json"
     path.write_text(json.dumps({"rows": [{"k": 64}]}))  # e.g. an fr_spec.py JSON
-    assert f"{path}: no key 'scenarios' (expected a bench.py results JSON)" in fails("gates.py", "--results", str(path),
-                                                                                      code=2)
+    # bad input: one line on stderr and exit status 2 (1 means a gate failed)
+    assert fails("gates.py", "--results", str(path), code=2) == \
+        f"error: {path}: no key 'scenarios' (expected a bench.py results JSON)\n"
     row = dict(name="single-32k", shape="chain3", baseline_seconds_per_token=1e-3, step_seconds=dict(step=2e-3),
                bytes=dict(baseline=1))
     with pytest.raises(ValueError, match=r"r\.json scenario 'single-32k': no key 'bytes\.step' \(expected a bench"):
@@ -173,8 +178,12 @@ def test_make_data_train_and_eval_pair(tmp_path):
     log = json.loads((t / "train_log.json").read_text())
     assert [r["step"] for r in log["history"]] == [1, 2, 3] and "eval_loss" in log["history"][-1]
     assert json.loads((t / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
-    run("train_draft.py", "--target", str(t), "--out_dir", str(dr), "--draft_vocab", "128", "--ttt_length", "2",
-        "--regenerate", "3", "--prompt_len", "8", "--regenerate_batch", "2", "--eval_batches", "1", *common)
+    # train_target ran with its progress bar (the default); here --noprogress prints the logged records
+    out = run("train_draft.py", "--target", str(t), "--out_dir", str(dr), "--draft_vocab", "128", "--ttt_length",
+              "2", "--regenerate", "3", "--prompt_len", "8", "--regenerate_batch", "2", "--eval_batches", "1",
+              "--noprogress", *common)
+    assert "{'step': 3, 'loss': " in out
+    assert [r["step"] for r in json.loads((dr / "train_log.json").read_text())["history"]] == [1, 2, 3]
     assert json.loads((dr / "config.json").read_text())["draft_vocab_size"] == 128
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps([[5, 6, 7, 8], [9, 10, 11]]))

@@ -142,15 +142,16 @@ def check_d2t(d2t: np.ndarray, vocab_size: int, where: str) -> None:
 
 def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = None, *, target=None,
                 dtype=None, aux_layer_ids=None, aux_convention: str | None = None,
-                sliding_window: int | None = None) -> Eagle3:
+                sliding_window: int | None = None, progress: bool | None = None) -> Eagle3:
     """HF EAGLE-3 draft folder -> Eagle3 on the default device.
 
     target_config: the target's GptOssConfig (or pass `target=`, the GptOss module, which is
     required when the checkpoint has no `embed_tokens` or no `lm_head`: those are shared with the
     target, not copied). dtype None: the target's dtype when `target=` is given (a pair must share
     one dtype to run together), else bfloat16. aux_layer_ids / aux_convention override the
-    checkpoint's; sliding_window bounds the draft's attention (None: full). Raises ValueError naming
-    the problem.
+    checkpoint's; sliding_window bounds the draft's attention (None: full). progress: a tqdm bar over
+    the checkpoint's bytes (None: only past 1 GiB or several files; True always, False never).
+    Raises ValueError naming the problem.
     """
     path = os.fspath(path)
     if target is not None:
@@ -162,7 +163,7 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
     tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in stio.open_checkpoint(path).items()}
     cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else None
     if cfg_file is None or not os.path.exists(cfg_file):
-        raise ValueError(f"{path}: config.json not found")
+        raise ValueError(f"{path}: config.json not found ({stio.EXPECTED})")
     with open(cfg_file) as f:
         raw = json.load(f)
     if "fc.weight" not in tensors:
@@ -199,9 +200,13 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
     entries = _entries(cfg, prefix)
     stio.check_all_used(tensors, {e.key for e in entries} | {"d2t", "t2d"}, path, "EAGLE-3 draft")
     fill = params.Filler()
-    for key, attr, shape, transpose, cols in entries:
-        a = stio.get(tensors, key, shape, path)
-        fill.put(_get_attr(abstract, attr), a.T if transpose else a, cols)
+    name = os.path.basename(os.path.normpath(path))
+    present = {e.key: tensors[e.key] for e in entries if e.key in tensors}
+    with stio.load_progress(present, progress, f"loading {name}") as bar:
+        for key, attr, shape, transpose, cols in entries:
+            a = stio.get(tensors, key, shape, path)
+            fill.put(_get_attr(abstract, attr), a.T if transpose else a, cols)
+            bar.update(tensors[key].nbytes)
     fill.finish()
     abstract.d2t.set_value(jnp.asarray(_draft_to_target(tensors, cfg, path), jnp.int32))
     return abstract

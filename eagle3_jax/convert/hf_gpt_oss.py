@@ -99,12 +99,16 @@ def _param(state, path):
     return node
 
 
-def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConfig | None = None) -> GptOss:
+def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConfig | None = None, *,
+                 progress: bool | None = None) -> GptOss:
     """HF GPT-OSS checkpoint folder -> GptOss on the default device.
 
     dtype: storage/compute dtype of the unquantized weights and activations (bf16, or f32 for
     tests); norms and sinks are kept in f32, packed experts as uint8. The expert layout follows the
     tensors present. Raises ValueError naming the file, key, expected and found shape.
+    progress: a tqdm bar over the checkpoint's bytes on stderr (a widget in notebooks); None shows
+    it only for checkpoints worth waiting for (over 1 GiB or several shards: gpt-oss-120b is 65 GB
+    in 15), True always, False never.
     """
     path = os.fspath(path)
     tensors = stio.open_checkpoint(path)
@@ -116,8 +120,11 @@ def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConf
     abstract = nnx.eval_shape(lambda: GptOss(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     fill = params.Filler()
-    for e in table:
-        fill.put(_param(state, e.path), e.to_param(stio.get(tensors, e.key, e.shape, path, e.kinds)), e.cols)
+    name = os.path.basename(os.path.normpath(path))
+    with stio.load_progress(tensors, progress, f"loading {name}") as bar:
+        for e in table:
+            fill.put(_param(state, e.path), e.to_param(stio.get(tensors, e.key, e.shape, path, e.kinds)), e.cols)
+            bar.update(tensors[e.key].nbytes)
     fill.finish()
     return nnx.merge(graphdef, state)
 

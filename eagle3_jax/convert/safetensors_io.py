@@ -2,7 +2,7 @@
 
 Tensors are memory-mapped one at a time, so host memory never holds a checkpoint twice. Every
 problem (missing file, truncated file, bad header, unknown dtype, missing key) raises ValueError
-naming the file and key.
+naming the file and key. `load_progress` is the bar the loaders show over a big checkpoint's bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ DTYPES = {
     "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "BOOL": np.bool_,
 }
 INDEX = "model.safetensors.index.json"
+EXPECTED = "expected a folder with config.json and *.safetensors files"
+# progress=None shows a bar for checkpoints past this size or in several shards (gpt-oss-120b: 65 GB in 15)
+PROGRESS_MIN_BYTES = 1 << 30
 
 
 class TensorInfo:
@@ -79,7 +82,7 @@ def open_checkpoint(path: str) -> dict[str, TensorInfo]:
     if os.path.isfile(path):
         return read_header(path)
     if not os.path.isdir(path):
-        raise ValueError(f"{path}: checkpoint folder not found")
+        raise ValueError(f"{path}: checkpoint folder not found ({EXPECTED})")
     index = os.path.join(path, INDEX)
     if os.path.exists(index):
         try:
@@ -92,7 +95,7 @@ def open_checkpoint(path: str) -> dict[str, TensorInfo]:
         weight_map = None
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if not files:
-            raise ValueError(f"{path}: no *.safetensors files and no {INDEX}")
+            raise ValueError(f"{path}: no *.safetensors files and no {INDEX} ({EXPECTED})")
     tensors: dict[str, TensorInfo] = {}
     for name in files:
         for key, info in read_header(os.path.join(path, name)).items():
@@ -104,6 +107,31 @@ def open_checkpoint(path: str) -> dict[str, TensorInfo]:
             if key not in tensors:
                 raise ValueError(f"{os.path.join(path, name)}: {key}: listed in {INDEX} but not in the file")
     return tensors
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def load_progress(tensors: dict[str, TensorInfo], progress: bool | None, desc: str):
+    """A context manager giving a bar to `.update(nbytes)` as tensors load: a tqdm.auto bar over the
+    bytes of `tensors` when `progress` is True, or None and the checkpoint is big enough to wait for
+    (more than PROGRESS_MIN_BYTES or more than one file); else a no-op (tqdm is not even imported)."""
+    total = sum(t.nbytes for t in tensors.values())
+    if progress is None:
+        progress = total > PROGRESS_MIN_BYTES or len({t.file for t in tensors.values()}) > 1
+    if not progress:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True)
 
 
 def get(tensors: dict[str, TensorInfo], key: str, shape: tuple, where: str, kinds: str = "f") -> np.ndarray:

@@ -295,13 +295,17 @@ def _read_json(src) -> tuple[dict, str]:
         return src, "config"
     path = os.fspath(src)
     if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"{path}: config.json not found (expected a folder with config.json and "
+                             "*.safetensors files)")
         path = os.path.join(path, "config.json")
-    if not os.path.exists(path):
-        raise ValueError(f"{path}: config.json not found")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: config.json not found (no such file; expected a config.json or a checkpoint "
+                         "folder holding one)")
     try:
         with open(path) as f:
             return json.load(f), path
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 

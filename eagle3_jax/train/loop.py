@@ -13,6 +13,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -39,8 +40,8 @@ def _checkpointer(ckpt_dir):
 
 def fit(model: nnx.Module, loss_fn: Callable, batch_fn: Callable[[int], dict], *, steps: int,
         tx: optax.GradientTransformation, extra: tuple = (), ckpt_dir: str | None = None, save_every: int = 500,
-        log_every: int = 50, log: Callable[[dict], None] = print,
-        eval_fn: Callable[[nnx.Module], dict] | None = None) -> list[dict]:
+        log_every: int = 50, log: Callable[[dict], None] | None = None,
+        eval_fn: Callable[[nnx.Module], dict] | None = None, progress: bool = True) -> list[dict]:
     """Trains the `nnx.Param`s of `model` in place for `steps` optimizer steps.
 
     loss_fn(model, batch, *extra) -> (scalar loss, dict of scalar metrics); `extra` holds frozen
@@ -49,6 +50,11 @@ def fit(model: nnx.Module, loss_fn: Callable, batch_fn: Callable[[int], dict], *
     the end, and a call finding a checkpoint there resumes from its step. Returns the logged records
     (step, loss, metrics, seconds since the start, and `eval_fn(model)`'s figures prefixed "eval_"),
     one every `log_every` steps and at the end.
+
+    progress: a tqdm bar over the steps on stderr (tqdm.auto: a widget in notebooks), its postfix
+    the loss and tokens per second (of the batches' "tokens"), refreshed about once a second (each
+    refresh waits for the step in flight), and the last logged eval figures. log: called with each
+    logged record; None prints them when progress is off (the bar shows them otherwise).
 
     A checkpoint saved at exactly `steps` (a finished run, called again) is restored and nothing is
     trained: the model holds the finished run's weights and the result is [] (no step ran, so
@@ -80,21 +86,67 @@ def fit(model: nnx.Module, loss_fn: Callable, batch_fn: Callable[[int], dict], *
             restored = mgr.restore(start, args=ocp.args.StandardRestore(abstract))
             nnx.replace_by_pure_dict(state, restored)
             nnx.update((model, opt), state)
-            log({"resumed_from_step": start})
+            (log or print)({"resumed_from_step": start})
+    if log is None and not progress:
+        log = print
+    bar = _Progress(start, steps) if progress and start < steps else None
     history, t0 = [], time.perf_counter()
-    for step in range(start, steps):
-        loss, metrics = train_step(model, opt, jax.tree.map(jnp.asarray, batch_fn(step)), *extra)
-        done = step + 1
-        if done % log_every == 0 or done == steps:
-            rec = {"step": done, "loss": float(loss), **{k: float(v) for k, v in metrics.items()},
-                   "seconds": time.perf_counter() - t0}
-            if eval_fn is not None:
-                rec.update({"eval_" + k: float(v) for k, v in eval_fn(model).items()})
-            log(rec)
-            history.append(rec)
-        if mgr is not None and (done % save_every == 0 or done == steps):
-            mgr.save(done, args=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state((model, opt)))))
+    try:
+        for step in range(start, steps):
+            batch = batch_fn(step)
+            loss, metrics = train_step(model, opt, jax.tree.map(jnp.asarray, batch), *extra)
+            done = step + 1
+            if done % log_every == 0 or done == steps:
+                rec = {"step": done, "loss": float(loss), **{k: float(v) for k, v in metrics.items()},
+                       "seconds": time.perf_counter() - t0}
+                if eval_fn is not None:
+                    rec.update({"eval_" + k: float(v) for k, v in eval_fn(model).items()})
+                if log is not None:
+                    log(rec)
+                history.append(rec)
+                if bar is not None:
+                    bar.evals = {k: v for k, v in rec.items() if k.startswith("eval_")}
+            if bar is not None:
+                bar.step(done, loss, batch)
+            if mgr is not None and (done % save_every == 0 or done == steps):
+                mgr.save(done, args=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state((model, opt)))))
+    finally:
+        if bar is not None:
+            bar.close()
     if mgr is not None:
         mgr.wait_until_finished()
         mgr.close()
     return history
+
+
+class _Progress:
+    """fit's bar: one tick a step; about once a second (and at the last step) the loss is read (a
+    wait for the step in flight) and the postfix shows it and the tokens per second since the last
+    refresh."""
+
+    REFRESH_SECONDS = 1.0
+
+    def __init__(self, start: int, steps: int):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=steps, initial=start, desc="training", unit="step", dynamic_ncols=True)
+        self.steps, self.evals = steps, {}
+        self.t, self.tokens = time.perf_counter(), 0
+
+    def step(self, done: int, loss, batch) -> None:
+        self.bar.update(1)
+        tokens = batch.get("tokens") if isinstance(batch, dict) else None
+        self.tokens += int(np.size(tokens)) if tokens is not None else 0
+        now = time.perf_counter()
+        if now - self.t < self.REFRESH_SECONDS and done != self.steps:
+            return
+        text = f"loss {float(loss):.4f}"  # waits for this step: the rate below is the device's
+        now = time.perf_counter()
+        if self.tokens:
+            text += f", {self.tokens / (now - self.t):,.0f} tokens/s"
+        text += "".join(f", {k} {v:.4f}" for k, v in self.evals.items())
+        self.bar.set_postfix_str(text)
+        self.t, self.tokens = now, 0
+
+    def close(self) -> None:
+        self.bar.close()

@@ -21,11 +21,13 @@ def define(out_dir: str, steps: int, batch: int) -> None:
     flags.DEFINE_integer("warmup", 200, "warmup steps")
     flags.DEFINE_integer("seed", 0, "init and data seed")
     flags.DEFINE_integer("save_every", 500, "checkpoint period (steps)")
-    flags.DEFINE_integer("log_every", 500, "log period (steps)")
+    flags.DEFINE_integer("log_every", 500, "period (steps) of the records in train_log.json (loss, eval loss)")
+    flags.DEFINE_bool("progress", True, "a progress bar over the steps (loss, tokens/s) on stderr; --noprogress: "
+                      "print each logged record instead")
 
 
 def fit_kwargs() -> dict:
     """`loop.fit` keyword arguments from the flags: steps, AdamW schedule, checkpoints, logging."""
     return dict(steps=FLAGS.steps, tx=loop.adamw(FLAGS.lr, FLAGS.steps, FLAGS.warmup),
                 ckpt_dir=FLAGS.ckpt_dir or os.path.abspath(FLAGS.out_dir) + ".ckpt", save_every=FLAGS.save_every,
-                log_every=FLAGS.log_every, log=lambda r: print(r, flush=True))
+                log_every=FLAGS.log_every, progress=FLAGS.progress)

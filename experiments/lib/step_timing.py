@@ -26,7 +26,7 @@ from eagle3_jax.pallas.tree_mask import tree_mask
 from eagle3_jax.spec import step as spec_step
 from eagle3_jax.spec.tree import draft_tree
 
-import timing
+from . import timing
 
 
 SHAPE_FORMAT = ("chainK or treeDxKnN (a chain of K drafts; a tree of depth D, topk K, N nodes incl. the root), "

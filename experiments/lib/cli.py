@@ -1,0 +1,101 @@
+"""The command-line shell of every script in experiments/: `run(main)` instead of `absl.app.run(main)`.
+
+- Bad input ends in one line, `error: <message>`, on stderr and exit status 1 (`run`'s
+  `error_exitcode`): the library raises ValueError (`eagle3_jax.checks.ArgumentError` included)
+  naming the problem, and a missing or unreadable file raises FileNotFoundError / PermissionError /
+  IsADirectoryError / NotADirectoryError. `--traceback` shows the whole traceback instead. Genuine
+  bugs (AssertionError, a TypeError that is not an ArgumentError, ...) and Ctrl-C keep theirs;
+  absl's own flag errors (validators, UsageError) print as absl prints them.
+- JAX's INFO line "Unable to initialize backend 'tpu'", logged while it probes for backends on a
+  machine without a TPU, is filtered out (that record only: any other backend's failure, and
+  every warning, still shows; JAX_PLATFORMS is left alone, so CUDA is picked where present).
+- `progress_flag()` defines `--progress/--noprogress`; `bar(iterable, desc)` is a tqdm bar on
+  stderr (tqdm.auto: a widget in notebooks) that the flag switches off; `write(msg)` prints a line
+  above a running bar without breaking it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+
+# Bad input, as opposed to a bug: what `run` turns into one line.
+USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+class _NoTpuProbe(logging.Filter):
+    """Drops the INFO record `jax._src.xla_bridge` logs when its TPU probe finds no libtpu."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno <= logging.INFO and
+                    record.getMessage().startswith("Unable to initialize backend 'tpu'"))
+
+
+_TPU_FILTER = _NoTpuProbe()
+logging.getLogger("jax._src.xla_bridge").addFilter(_TPU_FILTER)  # at import: before any backend starts
+
+if "traceback" not in FLAGS:
+    flags.DEFINE_bool("traceback", False, "on bad input (ValueError, a missing file), print the whole "
+                      "traceback instead of one 'error: ...' line")
+
+
+def error_message(e: BaseException) -> str:
+    """One line for a user error: OSErrors as 'file: reason', others as their message."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    msg = str(e).strip() or type(e).__name__
+    return " ".join(msg.splitlines())
+
+
+def guard(main, error_exitcode: int = 1):
+    """main, with bad input (USER_ERRORS) printed as one line `error: <message>` on stderr and
+    `sys.exit(error_exitcode)`; anything else raised goes on as it is."""
+
+    def guarded(argv):
+        try:
+            return main(argv)
+        except USER_ERRORS as e:
+            if FLAGS["traceback"].value:
+                raise
+            sys.stdout.flush()
+            print(f"error: {error_message(e)}", file=sys.stderr, flush=True)
+            sys.exit(error_exitcode)
+
+    return guarded
+
+
+def run(main, *, error_exitcode: int = 1, argv=None) -> None:
+    """`absl.app.run(main)`, bad input raised by main ending in one line (`guard`)."""
+    app.run(guard(main, error_exitcode), argv=argv)
+
+
+# -- progress --------------------------------------------------------------------------------------
+
+def progress_flag() -> None:
+    """Defines --progress (default on; --noprogress switches the bars off). Idempotent: scripts that
+    tests import side by side may each call it."""
+    if "progress" not in FLAGS:
+        flags.DEFINE_bool("progress", True, "progress bars on stderr while long work runs (--noprogress: off)")
+
+
+def progress_on() -> bool:
+    return bool(FLAGS["progress"].value) if "progress" in FLAGS else True
+
+
+def bar(iterable=None, desc: str | None = None, total: int | None = None, **kw):
+    """A tqdm.auto bar over `iterable` (on stderr), off under --noprogress."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, disable=not progress_on(), dynamic_ncols=True, **kw)
+
+
+def write(msg: str) -> None:
+    """print(msg) to stdout, above any running bar."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(msg, file=sys.stdout)
+    sys.stdout.flush()

@@ -1,0 +1,105 @@
+"""The command-line shell of experiments/ (experiments/lib/cli.py) and the loaders' progress bars.
+
+The script runs here fail before anything is compiled: a few seconds each on 2 CPU cores."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+from eagle3_jax import assets
+from eagle3_jax.checks import ArgumentError
+from eagle3_jax.convert import load_eagle3, load_gpt_oss
+from eagle3_jax.convert import safetensors_io as stio
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+
+from lib import cli  # noqa: E402
+
+
+def script(name, *args, jax_platforms="cpu", cwd=None):
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    if jax_platforms is not None:
+        env["JAX_PLATFORMS"] = jax_platforms
+    return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", name), *args], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=cwd)
+
+
+def test_nonexistent_target_is_one_line_without_the_tpu_probe(tmp_path):
+    # JAX_PLATFORMS unset, as a user runs it: JAX probes every backend (the TPU one logs its failure at
+    # INFO, which absl shows); run from another folder: the script still finds experiments/lib
+    r = script("decode.py", "--target", "/nonexistent", jax_platforms=None, cwd=tmp_path)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert r.stderr == ("error: /nonexistent: checkpoint folder not found (expected a folder with config.json "
+                        "and *.safetensors files)\n"), r.stderr
+
+
+def test_library_rejection_of_a_flag_value_is_one_line():
+    r = script("decode.py", "--num_spec_tokens", "0")  # decode() refuses it (loads the tiny pair first)
+    assert (r.returncode, r.stderr) == (1, "error: num_spec_tokens: must be an integer >= 1, got 0\n"), r.stderr
+    r = script("eval_pair.py", "--prompts_file", "/nonexistent/p.json", "--shapes", "chain1")
+    assert (r.returncode, r.stderr) == (1, "error: /nonexistent/p.json: No such file or directory\n"), r.stderr
+
+
+def test_guard_turns_bad_input_into_one_line_and_lets_bugs_through(capsys):
+    def raising(e):
+        def main(argv):
+            raise e
+        return main
+
+    for e, msg in ((ValueError("x: must be >= 1\n  got 0"), "x: must be >= 1   got 0"),
+                   (ArgumentError("n: expected an integer, got 1.5"), "n: expected an integer, got 1.5"),
+                   (FileNotFoundError(2, "No such file or directory", "/a/b.json"), "/a/b.json: No such file or "
+                                                                                    "directory")):
+        with pytest.raises(SystemExit) as ex:
+            cli.guard(raising(e), error_exitcode=2)(["prog"])
+        assert ex.value.code == 2 and capsys.readouterr().err == f"error: {msg}\n"
+    for e in (TypeError("a bug"), AssertionError("a bug"), KeyError("a bug"), KeyboardInterrupt()):
+        with pytest.raises(type(e)):
+            cli.guard(raising(e))(["prog"])
+    assert cli.guard(lambda argv: 7)(["prog"]) == 7
+
+
+def test_tpu_probe_record_is_dropped_and_nothing_else():
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    log = logging.getLogger("jax._src.xla_bridge")
+    h, level = Keep(), log.level
+    log.addHandler(h)
+    log.setLevel(logging.INFO)
+    try:
+        log.info("Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so")
+        log.info("Unable to initialize backend 'cuda': no GPU")
+        log.warning("Unable to initialize backend 'tpu': as a warning it stays")
+    finally:
+        log.removeHandler(h)
+        log.setLevel(level)
+    assert seen == ["Unable to initialize backend 'cuda': no GPU", "Unable to initialize backend 'tpu': as a "
+                    "warning it stays"]
+
+
+def test_load_progress_shows_for_big_or_sharded_checkpoints(capsys):
+    small = {"a": stio.TensorInfo("m.safetensors", "a", "F32", (4,), 0, 16)}
+    assert isinstance(stio.load_progress(small, None, "x"), stio._NoBar)  # the embedded pair, test fixtures
+    assert isinstance(stio.load_progress(small, False, "x"), stio._NoBar)
+    big = {"a": stio.TensorInfo("m.safetensors", "a", "U8", (2 << 30,), 0, 2 << 30)}
+    shards = {**small, "b": stio.TensorInfo("m2.safetensors", "b", "F32", (4,), 0, 16)}
+    for tensors in (big, shards):
+        with stio.load_progress(tensors, None, "x") as bar:
+            assert not isinstance(bar, stio._NoBar) and bar.total == sum(t.nbytes for t in tensors.values())
+    capsys.readouterr()
+    # the embedded pair: quiet by default, a bar over its bytes when asked
+    target = load_gpt_oss(assets.TARGET_DIR, jnp.float32)
+    load_eagle3(assets.DRAFT_DIR, target=target)
+    assert capsys.readouterr().err == ""
+    load_eagle3(assets.DRAFT_DIR, target=target, progress=True)
+    err = capsys.readouterr().err
+    assert "loading draft" in err and "100%" in err
