@@ -2,7 +2,7 @@
 
 Depends only on numpy, ml_dtypes and safetensors (no torch, no eagle3_jax), so the JAX side can
 be tested against checkpoints that have exactly the layout of the real ones
-(``openai/gpt-oss-120b``: see /work/shared/REFERENCE.md sections 1 and 3), just much smaller.
+(``openai/gpt-oss-120b``'s config.json and safetensors keys; docs/architecture.md), just much smaller.
 
 Public API
 ----------
