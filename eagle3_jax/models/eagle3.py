@@ -11,6 +11,7 @@ Entry points (traceable under jit):
   forward(draft, next_tokens, features)        one parallel causal pass -> draft logits [B, T, Vd]
   project / layer / logits                     the pieces decode composes (cached, tree masks)
   layer_inputs / layer_outputs                 the layer around its attention (training-time test)
+  prefill(draft, cache, next_tokens, features, lengths, chunk)   chunked prompt prefill into the cache
   init_cache, to_target_ids, top_k
 """
 
@@ -25,7 +26,8 @@ from eagle3_jax.checks import int_arg
 from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.models import rope
 from eagle3_jax.models.config import Eagle3Config
-from eagle3_jax.models.gpt_oss import F32, RMSNorm, _normal, _shape, check_step_inputs, check_tokens, qkv_rope
+from eagle3_jax.models.gpt_oss import RMSNorm, check_step_inputs, check_tokens, qkv_rope
+from eagle3_jax.models.layers import F32, keep_position, normal, over_chunks, shape_of
 from eagle3_jax.pallas.attention import attention
 
 NO_SINK = -1e30  # the draft has no attention sinks: a sink logit that never gets weight
@@ -45,28 +47,28 @@ class Eagle3(nnx.Module):
         H, Ht, D, Hq, Hkv = c.hidden_size, c.target_hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
         self.config, self.dtype = c, dtype
         if c.own_embed:
-            self.embed = nnx.Param(_normal(rngs, (c.vocab_size, H), 1.0, dtype))
+            self.embed = nnx.Param(normal(rngs, (c.vocab_size, H), 1.0, dtype))
         elif embed is None:
             raise ValueError("Eagle3: config.own_embed is False: pass the target's embedding (embed=target.embed)")
         else:
             self.embed = embed
         if c.own_lm_head:
-            self.lm_head = nnx.Param(_normal(rngs, (c.draft_vocab_size, H), H ** -0.5, dtype))
+            self.lm_head = nnx.Param(normal(rngs, (c.draft_vocab_size, H), H ** -0.5, dtype))
         elif lm_head is None:
             raise ValueError("Eagle3: config.own_lm_head is False: pass the target's head (lm_head=target.lm_head)")
         else:
             self.lm_head = lm_head
         self.input_norm = RMSNorm(3 * Ht, c.rms_norm_eps) if c.norm_before_fc else None
         self.fc_norm = nnx.List([RMSNorm(Ht, c.rms_norm_eps) for _ in range(3)]) if c.fc_norm else None
-        self.fc = nnx.Param(_normal(rngs, (3 * Ht, H), (3 * Ht) ** -0.5, dtype))
+        self.fc = nnx.Param(normal(rngs, (3 * Ht, H), (3 * Ht) ** -0.5, dtype))
         self.input_layernorm = RMSNorm(H, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(H, c.rms_norm_eps)
-        self.wqkv = nnx.Param(_normal(rngs, (2 * H, (Hq + 2 * Hkv) * D), (2 * H) ** -0.5, dtype))
-        self.wo = nnx.Param(_normal(rngs, (Hq * D, H), (Hq * D) ** -0.5, dtype))
-        self.gate = nnx.Param(_normal(rngs, (H, c.intermediate_size), H ** -0.5, dtype))
-        self.up = nnx.Param(_normal(rngs, (H, c.intermediate_size), H ** -0.5, dtype))
-        self.down = nnx.Param(_normal(rngs, (c.intermediate_size, H), c.intermediate_size ** -0.5, dtype))
+        self.wqkv = nnx.Param(normal(rngs, (2 * H, (Hq + 2 * Hkv) * D), (2 * H) ** -0.5, dtype))
+        self.wo = nnx.Param(normal(rngs, (Hq * D, H), (Hq * D) ** -0.5, dtype))
+        self.gate = nnx.Param(normal(rngs, (H, c.intermediate_size), H ** -0.5, dtype))
+        self.up = nnx.Param(normal(rngs, (H, c.intermediate_size), H ** -0.5, dtype))
+        self.down = nnx.Param(normal(rngs, (c.intermediate_size, H), c.intermediate_size ** -0.5, dtype))
         self.norm = RMSNorm(H, c.rms_norm_eps)
         self.d2t = Buffer(jnp.zeros((c.draft_vocab_size,), jnp.int32))
 
@@ -75,7 +77,7 @@ def project(draft: Eagle3, features):
     """Target features [..., 3 * Ht] -> g [..., H]."""
     want = 3 * draft.config.target_hidden_size
     if np.ndim(features) == 0 or np.shape(features)[-1] != want:
-        raise ValueError(f"features: shape {_shape(features)}, expected [..., 3 * target_hidden_size = {want}]")
+        raise ValueError(f"features: shape {shape_of(features)}, expected [..., 3 * target_hidden_size = {want}]")
     x = jnp.asarray(features).astype(draft.dtype)
     if draft.input_norm is not None:
         x = draft.input_norm(x)
@@ -116,8 +118,8 @@ def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache
     c = draft.config
     tokens = check_tokens(tokens, c.vocab_size)
     B, T = tokens.shape
-    if _shape(g) != [B, T, c.hidden_size]:
-        raise ValueError(f"layer: g shape {_shape(g)}, expected [B, T, hidden_size] = {[B, T, c.hidden_size]}")
+    if shape_of(g) != [B, T, c.hidden_size]:
+        raise ValueError(f"layer: g shape {shape_of(g)}, expected [B, T, hidden_size] = {[B, T, c.hidden_size]}")
     check_step_inputs(tokens, positions, lengths, mask, None if cache is None else cache.batch,
                       None if cache is None else cache.max_len, "layer")
     positions, lengths = jnp.asarray(positions, jnp.int32), jnp.asarray(lengths, jnp.int32)
@@ -162,11 +164,30 @@ def forward(draft: Eagle3, next_tokens, features):
     next_tokens = check_tokens(next_tokens, draft.config.vocab_size, "next_tokens")
     B, T = next_tokens.shape
     want = [B, T, 3 * draft.config.target_hidden_size]
-    if _shape(features) != want:
-        raise ValueError(f"features: shape {_shape(features)}, expected [B, T, 3 * target_hidden_size] = {want}")
+    if shape_of(features) != want:
+        raise ValueError(f"features: shape {shape_of(features)}, expected [B, T, 3 * target_hidden_size] = {want}")
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     h, _ = layer(draft, next_tokens, project(draft, features), positions, jnp.zeros((B,), jnp.int32), None, None)
     return logits(draft, h)
+
+
+def prefill(draft: Eagle3, cache: kvc.KVCache, next_tokens, features, prompt_lengths, *, chunk: int):
+    """Chunked draft prefill over (x_{t+1}, f_t) for t below each prompt's length: next_tokens int32
+    [B, P] (the prompt shifted left, the first generated token at position length - 1), features
+    [B, P, 3 * Ht] (the target's, from its prefill), P a multiple of `chunk`.
+    Returns (cache, un-normed h at each prompt's last position [B, H]: the first draft root's state)."""
+    B, P = next_tokens.shape
+    last = prompt_lengths - 1
+
+    def body(start, carry):
+        cache, h_last = carry
+        toks = jax.lax.dynamic_slice_in_dim(next_tokens, start, chunk, axis=1)
+        f = jax.lax.dynamic_slice_in_dim(features, start, chunk, axis=1)
+        pos = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+        h, cache = layer(draft, toks, project(draft, f), pos, jnp.full((B,), start, jnp.int32), None, cache)
+        return cache, keep_position(h, h_last, last, start)
+
+    return over_chunks(body, prompt_lengths, chunk, (cache, jnp.zeros((B, draft.config.hidden_size), draft.dtype)))
 
 
 def init_cache(draft: Eagle3, batch: int, max_len: int) -> kvc.KVCache:

@@ -28,10 +28,10 @@ from eagle3_jax.checks import int_arg
 from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.models import mxfp4, rope
 from eagle3_jax.models.config import GptOssConfig
+from eagle3_jax.models.layers import F32, keep_position, normal, over_chunks, shape_of
 from eagle3_jax.pallas import norm as norm_kernel
 from eagle3_jax.pallas.attention import attention, rope_attention
 
-F32 = jnp.float32
 # (token, expert) pairs up to which the MoE gathers each pair's expert weights (decode, verify);
 # above it tokens are grouped by expert so each expert's weights are read once per tile.
 GATHER_MAX_PAIRS = 64
@@ -49,10 +49,6 @@ def group_tile(pairs: int, num_experts: int, kernel: bool = False) -> int:
     128 / 256)."""
     lo, hi = (16, 128) if kernel else (GROUP_TILE, 256)
     return min(hi, max(lo, 1 << max(0, (2 * pairs // num_experts - 1).bit_length())))
-
-
-def _normal(rngs, shape, std, dtype):
-    return (jax.random.normal(rngs.params(), shape, F32) * std).astype(dtype)
 
 
 def glue_kernels(x) -> bool:
@@ -121,11 +117,11 @@ class Attention(nnx.Module):
         H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         self.window = cfg.window(layer)
         self.num_heads, self.num_kv_heads, self.head_dim = Hq, Hkv, D
-        bias = (lambda n: nnx.Param(_normal(rngs, (n,), 0.02, dtype))) if cfg.attention_bias else (lambda n: None)
-        self.wqkv = nnx.Param(_normal(rngs, (H, (Hq + 2 * Hkv) * D), H ** -0.5, dtype))
-        self.wo = nnx.Param(_normal(rngs, (Hq * D, H), (Hq * D) ** -0.5, dtype))
+        bias = (lambda n: nnx.Param(normal(rngs, (n,), 0.02, dtype))) if cfg.attention_bias else (lambda n: None)
+        self.wqkv = nnx.Param(normal(rngs, (H, (Hq + 2 * Hkv) * D), H ** -0.5, dtype))
+        self.wo = nnx.Param(normal(rngs, (Hq * D, H), (Hq * D) ** -0.5, dtype))
         self.bqkv, self.bo = bias((Hq + 2 * Hkv) * D), bias(H)
-        self.sinks = nnx.Param(_normal(rngs, (Hq,), 1.0, F32))
+        self.sinks = nnx.Param(normal(rngs, (Hq,), 1.0, F32))
 
     def _proj(self, x, w, b):
         y = x @ w[...]
@@ -167,9 +163,9 @@ class Mxfp4Experts(nnx.Module):
             return nnx.Param(blocks), nnx.Param(scales)
 
         self.gate_up_blocks, self.gate_up_scales = packed(2 * I, H)
-        self.gate_up_bias = nnx.Param(_normal(rngs, (E, 2 * I), 0.02, dtype))
+        self.gate_up_bias = nnx.Param(normal(rngs, (E, 2 * I), 0.02, dtype))
         self.down_blocks, self.down_scales = packed(H, I)
-        self.down_bias = nnx.Param(_normal(rngs, (E, H), 0.02, dtype))
+        self.down_bias = nnx.Param(normal(rngs, (E, H), 0.02, dtype))
 
     def weights(self, e):
         """Expert ids int [...] -> (w1 [..., 2I, H], b1 [..., 2I], w2 [..., H, I], b2 [..., H]), dequantized."""
@@ -183,10 +179,10 @@ class DenseExperts(nnx.Module):
 
     def __init__(self, cfg: GptOssConfig, dtype, rngs: nnx.Rngs):
         E, H, I = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
-        self.gate_up = nnx.Param(_normal(rngs, (E, 2 * I, H), H ** -0.5, dtype))
-        self.gate_up_bias = nnx.Param(_normal(rngs, (E, 2 * I), 0.02, dtype))
-        self.down = nnx.Param(_normal(rngs, (E, H, I), I ** -0.5, dtype))
-        self.down_bias = nnx.Param(_normal(rngs, (E, H), 0.02, dtype))
+        self.gate_up = nnx.Param(normal(rngs, (E, 2 * I, H), H ** -0.5, dtype))
+        self.gate_up_bias = nnx.Param(normal(rngs, (E, 2 * I), 0.02, dtype))
+        self.down = nnx.Param(normal(rngs, (E, H, I), I ** -0.5, dtype))
+        self.down_bias = nnx.Param(normal(rngs, (E, H), 0.02, dtype))
 
     def weights(self, e):
         return self.gate_up[...][e], self.gate_up_bias[...][e], self.down[...][e], self.down_bias[...][e]
@@ -198,8 +194,8 @@ class MoE(nnx.Module):
     def __init__(self, cfg: GptOssConfig, dtype, rngs: nnx.Rngs):
         H, E = cfg.hidden_size, cfg.num_local_experts
         self.top_k, self.limit, self.alpha = cfg.num_experts_per_tok, cfg.swiglu_limit, cfg.swiglu_alpha
-        self.router_w = nnx.Param(_normal(rngs, (H, E), H ** -0.5, dtype))
-        self.router_b = nnx.Param(_normal(rngs, (E,), 0.1, dtype))
+        self.router_w = nnx.Param(normal(rngs, (H, E), H ** -0.5, dtype))
+        self.router_b = nnx.Param(normal(rngs, (E,), 0.1, dtype))
         self.path: str | None = None  # see __call__; set it (e.g. "dense" for training) to fix the path
         cls = Mxfp4Experts if cfg.experts_format == "mxfp4" else DenseExperts
         self.experts = cls(cfg, dtype, rngs)
@@ -379,17 +375,13 @@ class GptOss(nnx.Module):
     def __init__(self, config: GptOssConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
         V, H = config.vocab_size, config.hidden_size
         self.config, self.dtype = config, dtype
-        self.embed = nnx.Param(_normal(rngs, (V, H), 1.0, dtype))
+        self.embed = nnx.Param(normal(rngs, (V, H), 1.0, dtype))
         self.layers = nnx.List([Block(config, i, dtype, rngs) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(H, config.rms_norm_eps)
-        self.lm_head = nnx.Param(_normal(rngs, (V, H), H ** -0.5, dtype))
+        self.lm_head = nnx.Param(normal(rngs, (V, H), H ** -0.5, dtype))
 
 
 # -- input checks (public entry points; shapes always, values only of concrete, untraced inputs) --------
-
-def _shape(x) -> list:
-    return list(np.shape(x))
-
 
 def check_tokens(tokens, vocab_size: int, name: str = "tokens"):
     """Token ids [B, T] (B, T >= 1, integer dtype; concrete ids inside [0, vocab_size)) -> int32 array.
@@ -398,7 +390,7 @@ def check_tokens(tokens, vocab_size: int, name: str = "tokens"):
     if not hasattr(tokens, "dtype"):
         tokens = np.asarray(tokens)
     if tokens.ndim != 2 or 0 in tokens.shape:
-        raise ValueError(f"{name}: expected token ids of shape [B, T] with B, T >= 1, got shape {_shape(tokens)}")
+        raise ValueError(f"{name}: expected token ids of shape [B, T] with B, T >= 1, got shape {shape_of(tokens)}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"{name}: expected integer token ids, got dtype {tokens.dtype}")
     if not isinstance(tokens, jax.core.Tracer):
@@ -414,12 +406,12 @@ def check_step_inputs(tokens, positions, lengths, mask, cache_batch: int | None,
     """Shape checks shared by the cached entry points (gpt_oss.step, eagle3.layer): tokens, positions
     [B, T], lengths [B], mask [B, T, ceil(T/32)] or None, a cache of batch B holding >= T slots."""
     B, T = tokens.shape
-    if _shape(positions) != [B, T]:
-        raise ValueError(f"{what}: positions shape {_shape(positions)}, expected [B, T] = {[B, T]} like tokens")
-    if _shape(lengths) != [B]:
-        raise ValueError(f"{what}: lengths shape {_shape(lengths)}, expected [B] = {[B]}")
-    if mask is not None and _shape(mask) != [B, T, -(-T // 32)]:
-        raise ValueError(f"{what}: mask shape {_shape(mask)}, expected packed [B, T, ceil(T/32)] = "
+    if shape_of(positions) != [B, T]:
+        raise ValueError(f"{what}: positions shape {shape_of(positions)}, expected [B, T] = {[B, T]} like tokens")
+    if shape_of(lengths) != [B]:
+        raise ValueError(f"{what}: lengths shape {shape_of(lengths)}, expected [B] = {[B]}")
+    if mask is not None and shape_of(mask) != [B, T, -(-T // 32)]:
+        raise ValueError(f"{what}: mask shape {shape_of(mask)}, expected packed [B, T, ceil(T/32)] = "
                          f"{[B, T, -(-T // 32)]}")
     if cache_batch is not None and cache_batch != B:
         raise ValueError(f"{what}: cache batch {cache_batch}, tokens batch {B}")
@@ -545,19 +537,17 @@ def prefill(model: GptOss, cache: kvc.KVCache, tokens, prompt_lengths, *, chunk:
         raise ValueError(f"prefill: padded prompt length {P} is longer than the cache ({cache.max_len} slots)")
     if cache.batch != B:
         raise ValueError(f"prefill: cache batch {cache.batch}, tokens batch {B}")
-    if _shape(prompt_lengths) != [B]:
-        raise ValueError(f"prefill: prompt_lengths shape {_shape(prompt_lengths)}, expected [B] = {[B]}")
+    if shape_of(prompt_lengths) != [B]:
+        raise ValueError(f"prefill: prompt_lengths shape {shape_of(prompt_lengths)}, expected [B] = {[B]}")
     if not isinstance(prompt_lengths, jax.core.Tracer):
         n = np.asarray(prompt_lengths)
         if n.min() < 1 or n.max() > P:
             raise ValueError(f"prefill: prompt_lengths {n.tolist()} outside [1, {P}] (the padded prompt length)")
     prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
-    n_chunks = (jnp.max(prompt_lengths) + chunk - 1) // chunk
     last = prompt_lengths - 1
 
-    def body(c, carry):
+    def body(start, carry):
         cache, h_last, feats = carry
-        start = c * chunk
         toks = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
         pos = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
         h, f, cache = run_layers(model, toks, pos, jnp.full((B,), start, jnp.int32), None, cache, feature_ids)
@@ -567,16 +557,7 @@ def prefill(model: GptOss, cache: kvc.KVCache, tokens, prompt_lengths, *, chunk:
 
     H = model.config.hidden_size
     feats = jnp.zeros((B, P, len(feature_ids) * H), model.dtype) if feature_ids else None
-    return jax.lax.fori_loop(0, n_chunks, body, (cache, jnp.zeros((B, H), model.dtype), feats))
-
-
-def keep_position(h, h_prev, pos, start):
-    """For a chunk h [B, C, H] starting at `start`: h at position pos[b] where it falls in the chunk,
-    else h_prev [B, H] (how chunked prefills keep each prompt's last hidden state)."""
-    C = h.shape[1]
-    here = (pos >= start) & (pos < start + C)
-    pick = jnp.take_along_axis(h, jnp.clip(pos - start, 0, C - 1)[:, None, None], axis=1)[:, 0]
-    return jnp.where(here[:, None], pick, h_prev)
+    return over_chunks(body, prompt_lengths, chunk, (cache, jnp.zeros((B, H), model.dtype), feats))
 
 
 def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16) -> GptOss:

@@ -1,4 +1,4 @@
-"""`generate()`: the baseline, one jitted call of chunked prefill + a `lax.while_loop` of decode steps.
+"""`generate()` and `decode()`: check the inputs, plan the shapes, run the compiled loop (spec/loop.py).
 
 Shapes are bucketed (prompt length to a multiple of the prefill chunk, cache and output length to
 multiples of `LENGTH_BUCKET`), so calls with similar sizes reuse one compiled executable.
@@ -17,7 +17,8 @@ from flax import nnx
 
 from eagle3_jax.checks import ArgumentError, int_arg, is_int
 from eagle3_jax.models import eagle3, gpt_oss
-from eagle3_jax.spec.step import step as step_fn
+from eagle3_jax.spec import loop, metrics
+from eagle3_jax.spec.state import Plan
 
 PREFILL_CHUNK = 256  # unit of the automatic prefill chunk (tokens)
 PREFILL_TOKENS = 2048  # tokens over the batch an automatic prefill chunk holds at most (at least PREFILL_CHUNK a row)
@@ -123,13 +124,6 @@ def pad_prompts(prompts, padded_len: int, pad_id: int = 0):
     return arr, np.array([len(p) for p in prompts], np.int32)
 
 
-def sample(logits, key, temperature, greedy: bool):
-    """logits f32 [B, V] -> int32 [B]: argmax when greedy, else a draw from softmax(logits / T)."""
-    if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
-
-
 def _eos_array(cfg, eos_ids):
     """int32 [multiple of EOS_BUCKET]: the eos ids (the config's for None), padded with -1 (matches no
     token), so calls with different numbers of eos ids share one executable."""
@@ -162,56 +156,18 @@ def _prepare(cfg, prompts, max_new_tokens, temperature, eos_ids, seed, max_cache
     return prompts, args, dict(cache_len=cache_len, out_len=out_len, chunk=chunk, greedy=temperature == 0)
 
 
-def _generate_loop(graphdef, state, tokens, prompt_lengths, budget, eos_ids, temperature, key, *,
-                   cache_len: int, out_len: int, chunk: int, greedy: bool):
-    model = nnx.merge(graphdef, state)
-    B = tokens.shape[0]
-    cache = gpt_oss.init_cache(model, B, cache_len)
-    with jax.named_scope("prefill"):
-        cache, h_last, _ = gpt_oss.prefill(model, cache, tokens, prompt_lengths, chunk=chunk)
-    first = sample(gpt_oss.logits(model, h_last), jax.random.fold_in(key, 0), temperature, greedy)
-
-    def finished(tok, n_out):
-        return jnp.isin(tok, eos_ids) | (n_out >= budget)
-
-    out = jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(first)
-    n_out = jnp.ones((B,), jnp.int32)
-    init = dict(cache=cache, tok=first, lengths=prompt_lengths, out=out, n_out=n_out,
-                done=finished(first, n_out), steps=jnp.zeros((), jnp.int32))
-
-    def body(s):
-        active = ~s["done"]
-        with jax.named_scope("decode_step"):
-            lg, _, cache = gpt_oss.step(model, s["cache"], s["tok"][:, None], s["lengths"][:, None], s["lengths"])
-        tok = sample(lg[:, 0], jax.random.fold_in(key, s["steps"] + 1), temperature, greedy)
-        tok = jnp.where(active, tok, s["tok"])
-        out = s["out"].at[jnp.arange(B), jnp.where(active, s["n_out"], out_len)].set(tok, mode="drop")
-        n_out = s["n_out"] + active
-        return dict(cache=cache, tok=tok, lengths=s["lengths"] + active, out=out, n_out=n_out,
-                    done=s["done"] | finished(tok, n_out), steps=s["steps"] + 1)
-
-    final = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), body, init)
-    return final["out"], final["n_out"], final["steps"]
-
-
-_COMPILED: dict = {}
-
-
-def compiled(fn, static: dict, graphdef, *args):
-    """Compile `fn(graphdef, *args, **static)` once per (graphdef, static values, argument shapes and
-    dtypes) and reuse the executable, which takes `*args`. (XLA's Programmatic Dependent Launch,
-    compiler option xla_gpu_enable_pdl, left B=1 gpt-oss-120b decode on an H200 where it was, 2.403
-    against 2.411 ms/token, so the default options stay.)
-
-    Returns (executable, seconds spent compiling now: 0.0 on reuse)."""
-    spec = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), args)
-    key = (fn, graphdef, tuple(sorted(static.items())), str(jax.tree.structure(args)), str(spec))
-    if key in _COMPILED:
-        return _COMPILED[key], 0.0
+def _run(models, prompts, args, plan: Plan):
+    """Compiles (once per plan and shapes) and runs the loop: (per-prompt token lists, steps, Counters,
+    throughput metrics)."""
+    graphdef, state = nnx.split(models)
+    args = (state, *args)
+    exe, compile_s = loop.compiled(plan, graphdef, *args)
     t0 = time.perf_counter()
-    exe = jax.jit(fn, static_argnums=0, static_argnames=tuple(static)).lower(graphdef, *args, **static).compile()
-    _COMPILED[key] = exe
-    return exe, time.perf_counter() - t0
+    out, n_out, steps, counters = jax.block_until_ready(exe(*args))
+    seconds = time.perf_counter() - t0
+    out, n_out = np.asarray(out), np.asarray(n_out)
+    toks = [out[b, :n_out[b]].tolist() for b in range(len(prompts))]
+    return toks, counters, metrics.throughput(int(steps), int(n_out.sum()), seconds, compile_s)
 
 
 def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: float = 0.0,
@@ -229,17 +185,8 @@ def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: 
         raise ArgumentError(f"target: expected a gpt_oss.GptOss, got {type(target).__name__}")
     prompts, args, static = _prepare(target.config, prompts, max_new_tokens, temperature, eos_ids, seed,
                                      max_cache_len, prefill_chunk)
-    graphdef, state = nnx.split(target)
-    args = (state, *args)
-    exe, compile_s = compiled(_generate_loop, static, graphdef, *args)
-    t0 = time.perf_counter()
-    out, n_out, steps = jax.block_until_ready(exe(*args))
-    seconds = time.perf_counter() - t0
-    out, n_out = np.asarray(out), np.asarray(n_out)
-    toks = [out[b, :n_out[b]].tolist() for b in range(len(prompts))]
-    total = int(n_out.sum())
-    return Output(toks, dict(steps=int(steps), generated_tokens=total, seconds=seconds, compile_seconds=compile_s,
-                             tokens_per_second=total / seconds if seconds > 0 else float("inf")))
+    toks, _, m = _run((target, None), prompts, args, Plan(**static))
+    return Output(toks, m)
 
 
 def _check_pair(target, draft):
@@ -263,81 +210,6 @@ def _check_pair(target, draft):
         problems.append("draft embedding width does not match its hidden_size")
     if problems:
         raise ValueError("draft incompatible with the target: " + "; ".join(problems))
-
-
-def _decode_loop(graphdef, state, tokens, prompt_lengths, budget, eos_ids, temperature, key, *,
-                 cache_len: int, out_len: int, chunk: int, greedy: bool, depth: int, topk: int, num_nodes: int):
-    target, draft = nnx.merge(graphdef, state)
-    B, P = tokens.shape
-    fids = draft.config.feature_layers
-    tcache = gpt_oss.init_cache(target, B, cache_len)
-    dcache = eagle3.init_cache(draft, B, cache_len)
-    with jax.named_scope("prefill"):
-        tcache, h_last, feats = gpt_oss.prefill(target, tcache, tokens, prompt_lengths, chunk=chunk, feature_ids=fids)
-        first = sample(gpt_oss.logits(target, h_last), jax.random.fold_in(key, 0), temperature, greedy)
-        # the draft reads (x_{t+1}, f_t): the prompt shifted left, the first token after the last position
-        nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], 1)
-        nxt = nxt.at[jnp.arange(B), prompt_lengths - 1].set(first)
-        dcache, h_root = _draft_prefill(draft, dcache, nxt, feats, prompt_lengths, chunk)
-
-    def finished(tok, n_out):
-        return jnp.isin(tok, eos_ids) | (n_out >= budget)
-
-    out = jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(first)
-    n_out = jnp.ones((B,), jnp.int32)
-    W = depth + 1
-    init = dict(tcache=tcache, dcache=dcache, lengths=prompt_lengths, root=first, h_root=h_root, out=out, n_out=n_out,
-                done=finished(first, n_out), steps=jnp.zeros((), jnp.int32),
-                m=dict(slot_steps=jnp.zeros((), jnp.int32), committed=jnp.zeros((), jnp.int32),
-                       accepted=jnp.zeros((), jnp.int32), hist=jnp.zeros((W,), jnp.int32)))
-
-    def body(s):
-        active = ~s["done"]
-        new, acc, committed, count = step_fn(target, draft, s, depth=depth, topk=topk, num_nodes=num_nodes,
-                                             feature_ids=fids, greedy=greedy, temperature=temperature,
-                                             key=jax.random.fold_in(key, s["steps"] + 1))
-        j = jnp.arange(W)[None]
-        # cut at the first eos and at the token budget
-        is_eos = jnp.isin(committed, eos_ids) & (j < count[:, None])
-        first_eos = jnp.min(jnp.where(is_eos, j, W), axis=1)
-        count = jnp.minimum(jnp.minimum(count, first_eos + 1), budget - s["n_out"])
-        count = jnp.where(active, count, 0)
-        cols = jnp.where(j < count[:, None], s["n_out"][:, None] + j, out_len)
-        out = s["out"].at[jnp.arange(B)[:, None], cols].set(committed, mode="drop")
-        n_out = s["n_out"] + count
-        full = new["lengths"] + num_nodes + depth + 1 > cache_len
-        done = s["done"] | (active & ((first_eos < W) | (n_out >= budget) | full))
-        keep = lambda a, b: jnp.where(active.reshape((B,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
-        upd = {k: keep(new[k], s[k]) for k in ("lengths", "root", "h_root")}
-        m = s["m"]
-        m = dict(slot_steps=m["slot_steps"] + active.sum(), committed=m["committed"] + count.sum(),
-                 accepted=m["accepted"] + jnp.where(active, acc, 0).sum(),
-                 hist=m["hist"] + jnp.zeros((W,), jnp.int32).at[acc].add(active.astype(jnp.int32)))
-        return dict(s, tcache=new["tcache"], dcache=new["dcache"], out=out, n_out=n_out, done=done,
-                    steps=s["steps"] + 1, m=m, **upd)
-
-    final = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), body, init)
-    return final["out"], final["n_out"], final["steps"], final["m"]
-
-
-def _draft_prefill(draft, dcache, next_tokens, feats, prompt_lengths, chunk: int):
-    """Chunked draft prefill over (x_{t+1}, f_t), t < prompt length. Returns (cache, h at the last
-    prompt position [B, H])."""
-    B, P = next_tokens.shape
-    n_chunks = (jnp.max(prompt_lengths) + chunk - 1) // chunk
-    last = prompt_lengths - 1
-
-    def body(c, carry):
-        cache, h_last = carry
-        start = c * chunk
-        toks = jax.lax.dynamic_slice_in_dim(next_tokens, start, chunk, axis=1)
-        f = jax.lax.dynamic_slice_in_dim(feats, start, chunk, axis=1)
-        pos = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
-        h, cache = eagle3.layer(draft, toks, eagle3.project(draft, f), pos, jnp.full((B,), start, jnp.int32), None,
-                                cache)
-        return cache, gpt_oss.keep_position(h, h_last, last, start)
-
-    return jax.lax.fori_loop(0, n_chunks, body, (dcache, jnp.zeros((B, draft.config.hidden_size), draft.dtype)))
 
 
 def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens: int, num_spec_tokens: int = 3,
@@ -370,25 +242,9 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
     slack = num_draft_tokens + num_spec_tokens + 1  # verify writes N slots, rewind depth + 1 past the length
     prompts, args, static = _prepare(target.config, prompts, max_new_tokens, temperature, eos_ids, seed,
                                      max_cache_len, prefill_chunk, slack)
-    graphdef, state = nnx.split((target, draft))
-    args = (state, *args)
-    static.update(depth=num_spec_tokens, topk=topk, num_nodes=num_draft_tokens)
-    exe, compile_s = compiled(_decode_loop, static, graphdef, *args)
-    t0 = time.perf_counter()
-    out, n_out, steps, m = jax.block_until_ready(exe(*args))
-    seconds = time.perf_counter() - t0
-    out, n_out, m = np.asarray(out), np.asarray(n_out), jax.tree.map(np.asarray, m)
-    toks = [out[b, :n_out[b]].tolist() for b in range(len(prompts))]
-    total = int(n_out.sum())
-    slot_steps = max(int(m["slot_steps"]), 1)
-    hist = m["hist"].astype(int)
-    at_least = np.cumsum(hist[::-1])[::-1]  # at_least[i] = slot-steps with accept_len >= i
-    metrics = dict(
-        steps=int(steps), slot_steps=int(m["slot_steps"]), generated_tokens=total, seconds=seconds,
-        compile_seconds=compile_s, tokens_per_second=total / seconds if seconds > 0 else float("inf"),
-        mean_accept_length=int(m["committed"]) / slot_steps,
-        accept_rate=int(m["accepted"]) / (slot_steps * min(num_spec_tokens, num_draft_tokens - 1)),
-        accept_rate_per_position=(at_least[1:] / slot_steps).tolist(),
-        accept_length_histogram=hist.tolist(), frac_steps_ge2=float(at_least[1] / slot_steps) if len(hist) > 1 else 0.0,
-        num_spec_tokens=num_spec_tokens, topk=topk, num_draft_tokens=num_draft_tokens)
-    return Output(toks, metrics)
+    plan = Plan(**static, depth=num_spec_tokens, topk=topk, num_nodes=num_draft_tokens,
+                feature_ids=tuple(draft.config.feature_layers))
+    toks, counters, m = _run((target, draft), prompts, args, plan)
+    m.update(metrics.acceptance(counters, num_spec_tokens, num_draft_tokens), num_spec_tokens=num_spec_tokens,
+             topk=topk, num_draft_tokens=num_draft_tokens)
+    return Output(toks, m)

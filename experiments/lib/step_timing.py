@@ -1,12 +1,13 @@
-"""Timing a speculative step and its parts, and a baseline decode step, the way decode runs them.
+"""Timing the library's own speculative step and its named parts (eagle3_jax/spec/step.py), and the
+baseline step (the same `step` drafting nothing).
 
-Every timing runs its work in one jitted `fori_loop` with the caches carried (donated, updated in
-place) as decode's `while_loop` does, parameters passed as arguments, and takes off the cost of the
-call itself (`loop_time`). Parts:
-draft (tree + mask), verify (target over the N nodes), accept, rewind (trees only), extend (draft
-over the accepted tokens). Caches hold noise; the context is `ctx` committed tokens. Verify
-(the target over the N nodes and the argmax at every node) runs over the step's own sequence of
-trees, recorded beforehand, so that its MoE routing is the step's; accept is the accept kernel.
+Every timing runs its work in one jitted `fori_loop` over a `DecodeState` carried (donated, updated
+in place) as decode's `while_loop` does, parameters passed as arguments, and takes off the cost of
+the call itself (`loop_time`). Parts: draft (`propose`: tree + mask), verify (`verify` + `choose`:
+the target over the N nodes and its pick at every node), accept (`accept` + `path_tokens`), rewind
+(trees only), extend (the draft over the accepted tokens). Caches hold noise; the context stays at
+`ctx` committed tokens. Verify runs over the step's own sequence of trees, recorded beforehand, so
+that its MoE routing is the step's.
 """
 
 import re
@@ -19,12 +20,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax.models import Eagle3Config, eagle3, gpt_oss
-from eagle3_jax.models import kv_cache as kvc
-from eagle3_jax.pallas.accept import accept_greedy
-from eagle3_jax.pallas.kv_rewind import kv_rewind
-from eagle3_jax.pallas.tree_mask import tree_mask
 from eagle3_jax.spec import step as spec_step
-from eagle3_jax.spec.tree import draft_tree
+from eagle3_jax.spec.metrics import Counters
+from eagle3_jax.spec.state import DecodeState, Plan
 
 from . import timing
 
@@ -113,90 +111,94 @@ def once(graphdef, params, fn, *args):
     return jax.jit(lambda p, *a: fn(nnx.merge(graphdef, p), *a))(params, *args)
 
 
-def time_step(target, draft, B, shape, ctx, iters=10, parts=True, profile=False):
-    """Seconds of one speculative step over B sequences at context `ctx` (caches filled with noise),
-    and with `parts` each part alone: draft, verify, accept, rewind (trees), extend. With `profile`,
-    the result's "kernels" holds each one's device kernel seconds per iteration by kernel family."""
-    depth, topk, N = shape["depth"], shape["topk"], shape["num_nodes"]
-    cap = ctx + 2 * N + depth + 8
-    fids = draft.config.feature_layers
-    graphdef, params = nnx.split((target, draft))
+def noisy_state(target, draft, B, ctx, plan):
+    """A `DecodeState` at context `ctx` (caches of plan.cache_len slots filled with noise), no slot done,
+    no budget or eos that could end it."""
     key = jax.random.key(0)
     noise = lambda c: jax.tree.map(lambda a: (jax.random.normal(key, a.shape, jnp.float32) * 0.5).astype(a.dtype), c)  # noqa: E731
-    s = dict(tcache=noise(gpt_oss.init_cache(target, B, cap)), dcache=noise(eagle3.init_cache(draft, B, cap)),
-             lengths=jnp.full((B,), ctx, jnp.int32), root=jnp.arange(B, dtype=jnp.int32) + 7,
-             h_root=jax.random.normal(key, (B, draft.config.hidden_size), draft.dtype))
-    L = s["lengths"]
-    kw = dict(depth=depth, topk=topk, num_nodes=N, feature_ids=fids, greedy=True, temperature=1.0, key=key)
+    return DecodeState(
+        target_cache=noise(gpt_oss.init_cache(target, B, plan.cache_len)),
+        draft_cache=noise(eagle3.init_cache(draft, B, plan.cache_len)) if plan.depth else None,
+        lengths=jnp.full((B,), ctx, jnp.int32), root=jnp.arange(B, dtype=jnp.int32) + 7,
+        h_root=jax.random.normal(key, (B, draft.config.hidden_size), draft.dtype) if plan.depth else None,
+        out=jnp.zeros((B, plan.out_len), jnp.int32), n_out=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
+        budget=jnp.int32(2 ** 30), eos_ids=jnp.full((8,), -1, jnp.int32), temperature=jnp.float32(1.0), key=key,
+        steps=jnp.zeros((), jnp.int32), counters=Counters.zeros(plan.depth))
+
+
+def same_context(new, old):
+    """The state after a step with the context, output count and done mask put back, so that every
+    iteration of a timing loop sees the same work."""
+    return new.replace(lengths=old.lengths, n_out=old.n_out, done=old.done)
+
+
+def time_step(target, draft, B, shape, ctx, iters=10, parts=True, profile=False):
+    """Seconds of one speculative step (`eagle3_jax.spec.step.step`) over B sequences at context `ctx`
+    (caches filled with noise), and with `parts` each of its parts alone: draft (`propose`), verify
+    (`verify` + `choose`), accept (`accept` + `path_tokens`), rewind (trees), extend. With `profile`,
+    the result's "kernels" holds each one's device kernel seconds per iteration by kernel family."""
+    depth, topk, N = shape["depth"], shape["topk"], shape["num_nodes"]
+    plan = Plan(cache_len=ctx + 2 * N + depth + 8, out_len=8, chunk=1, greedy=True, depth=depth, topk=topk,
+                num_nodes=N, feature_ids=tuple(draft.config.feature_layers))
+    graphdef, params = nnx.split((target, draft))
+    s = noisy_state(target, draft, B, ctx, plan)
     times, kernels = {}, {}
 
     def timed(name, fn, carry):
         times[name], kernels[name] = loop_time(graphdef, params, fn, carry, iters, profile)
 
-    def full(m, st):  # lengths stay put so every iteration sees the same context
-        new, *_ = spec_step.step(*m, st, **kw)
-        return dict(st, tcache=new["tcache"], dcache=new["dcache"], root=new["root"], h_root=new["h_root"])
+    def full(m, st):
+        return same_context(spec_step.step(m, st, plan), st)
 
     timed("step", full, s)
     if not parts:
         return dict(batch=B, context=ctx, **shape, seconds=times, **({"kernels": kernels} if profile else {}))
 
-    def make_tree(m, c):
-        return draft_tree(m[1], c["dcache"], L, c["root"], c["h_root"], depth=depth, topk=topk, num_nodes=N)
+    def part_draft(m, st):
+        tokens, parents, bits, positions = spec_step.propose(m[1], st, plan)
+        return st.replace(root=tokens[:, -1] + positions[:, -1] + parents[:, -1] + bits[:, -1, 0].astype(jnp.int32))
 
-    def part_draft(m, c):
-        tokens, parents = make_tree(m, c)
-        bits, _, positions, _, _ = tree_mask(parents, L)
-        return dict(c, root=tokens[:, -1] + positions[:, -1] + bits[:, -1, 0].astype(jnp.int32))
-
-    timed("draft", part_draft, dict(dcache=s["dcache"], root=s["root"], h_root=s["h_root"]))
+    timed("draft", part_draft, s)
     # verify sees the step's own sequence of trees (the MoE kernel's time depends on the routing)
     def step_trees(m, st):
         def body(c, _):
-            return full(m, c), make_tree(m, c)
+            return full(m, c), spec_step.propose(m[1], c, plan)
         return jax.lax.scan(body, st, None, length=iters)[1]
 
-    all_tokens, all_parents = once(graphdef, params, step_trees, s)  # [iters, B, N]
-    masks = [tree_mask(all_parents[i], L) for i in range(iters)]
-    all_mask = jnp.stack([t[0] for t in masks])
-    all_pos = jnp.stack([t[2] for t in masks])
+    all_tokens, all_parents, all_mask, all_pos = once(graphdef, params, step_trees, s)  # [iters, B, N, ...]
 
     def part_verify(m, c):  # the target over the N nodes and its greedy choice at every node
         i = c["i"] % iters
-        logits, feats, tc = gpt_oss.step(m[0], c["tcache"], all_tokens[i], all_pos[i], L, all_mask[i], fids)
-        choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logits, feats, tc = spec_step.verify(m[0], c["s"], all_tokens[i], all_pos[i], all_mask[i], plan)
+        choice = spec_step.choose(logits, c["s"].key, c["s"].temperature, plan)
         used = jnp.sum(choice, -1) + (feats[:, 0, 0] > 1e30)  # so that no output is dead code
-        return dict(tcache=tc, i=c["i"] + 1, used=c["used"] + used)
+        return dict(s=c["s"].replace(target_cache=tc), i=c["i"] + 1, used=c["used"] + used)
 
-    timed("verify", part_verify, dict(tcache=s["tcache"], i=jnp.int32(0), used=jnp.zeros((B,), jnp.int32)))
+    timed("verify", part_verify, dict(s=s, i=jnp.int32(0), used=jnp.zeros((B,), jnp.int32)))
     tokens, parents, mask, positions = all_tokens[0], all_parents[0], all_mask[0], all_pos[0]
-    logits, feats, _ = once(graphdef, params, lambda m, tc: gpt_oss.step(m[0], tc, tokens, positions, L, mask, fids),
-                            s["tcache"])
-    choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits, feats, _ = once(graphdef, params, lambda m, st: spec_step.verify(m[0], st, tokens, positions, mask, plan),
+                            s)
+    choice = spec_step.choose(logits, s.key, s.temperature, plan)
 
     def part_accept(m, c):
-        acc, path, bonus = accept_greedy(tokens, parents, c["choice"], max_depth=depth)
-        return dict(choice=c["choice"], acc=c["acc"] + acc + path[:, 0] + bonus)
+        acc, path, bonus = spec_step.accept(tokens, parents, c["choice"], plan)
+        nxt = spec_step.path_tokens(tokens, path, acc, bonus)
+        return dict(choice=c["choice"], acc=c["acc"] + acc + path[:, 0] + nxt[:, 0])
 
     timed("accept", part_accept, dict(choice=choice, acc=jnp.zeros((B,), jnp.int32)))
-    acc, path, bonus = accept_greedy(tokens, parents, choice, max_depth=depth)
-    path = jnp.maximum(path, 0)
+    acc, path, bonus = spec_step.accept(tokens, parents, choice, plan)
+    nxt = spec_step.path_tokens(tokens, path, acc, bonus)
     if topk > 1:
-        def part_rewind(m, c):
-            k, v = kv_rewind(c["tcache"].k, c["tcache"].v, L, path, acc)
-            return dict(tcache=kvc.KVCache(k=tuple(k), v=tuple(v)))
+        def part_rewind(m, st):
+            return st.replace(target_cache=spec_step.rewind(st.target_cache, st.lengths, path, acc, plan))
 
-        timed("rewind", part_rewind, dict(tcache=s["tcache"]))
-    W = depth + 1
-    f = jnp.take_along_axis(feats, path[:, :, None], axis=1)
-    nxt = jnp.take_along_axis(tokens, jnp.minimum(path, N - 1), axis=1)[:, :W]
+        timed("rewind", part_rewind, s)
 
-    def part_extend(m, c):
-        d = m[1]
-        h, dc = eagle3.layer(d, nxt, eagle3.project(d, f), L[:, None] + jnp.arange(W)[None], L, None, c["dcache"])
-        return dict(dcache=dc, h=c["h"] + h[:, 0])
+    def part_extend(m, st):
+        dc, h = spec_step.extend(m[1], st, nxt, feats, path, acc, plan)
+        return st.replace(draft_cache=dc, h_root=st.h_root + h)
 
-    timed("extend", part_extend, dict(dcache=s["dcache"], h=s["h_root"]))
+    timed("extend", part_extend, s)
     parts = sum(v for k, v in times.items() if k != "step")
     out = dict(batch=B, context=ctx, **shape, seconds=times, sum_of_parts=parts, step_over_parts=times["step"] / parts)
     if profile:
@@ -205,18 +207,12 @@ def time_step(target, draft, B, shape, ctx, iters=10, parts=True, profile=False)
 
 
 def time_baseline(target, B, ctx, iters=10):
-    """Seconds of one baseline decode step (one token per sequence) at context `ctx`."""
-    graphdef, params = nnx.split(target)
-    key = jax.random.key(0)
-    cache = jax.tree.map(lambda a: (jax.random.normal(key, a.shape, jnp.float32) * 0.5).astype(a.dtype),
-                         gpt_oss.init_cache(target, B, ctx + 8))
-    L = jnp.full((B,), ctx, jnp.int32)
-
-    def one(m, c):
-        logits, _, tc = gpt_oss.step(m, c["cache"], c["tok"][:, None], L[:, None], L)
-        return dict(cache=tc, tok=jnp.argmax(logits[:, 0], -1).astype(jnp.int32))
-
-    return loop_time(graphdef, params, one, dict(cache=cache, tok=jnp.zeros((B,), jnp.int32)), iters)[0]
+    """Seconds of one baseline decode step (`step` with no draft: one token per sequence, the target's
+    argmax, the commit) at context `ctx`."""
+    plan = Plan(cache_len=ctx + 8, out_len=8, chunk=1, greedy=True)
+    graphdef, params = nnx.split((target, None))
+    s = noisy_state(target, None, B, ctx, plan)
+    return loop_time(graphdef, params, lambda m, st: same_context(spec_step.step(m, st, plan), st), s, iters)[0]
 
 
 def random_pair(tcfg):

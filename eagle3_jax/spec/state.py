@@ -1,0 +1,57 @@
+"""The decode loop's state: `Plan` (static shapes and switches) and `DecodeState` (what it carries)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from flax import struct
+
+from eagle3_jax.models.kv_cache import KVCache
+from eagle3_jax.spec.metrics import Counters
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static choices of one compiled loop (hashable: one executable per plan and argument shapes).
+
+    depth 0 is the baseline (`generate`: no draft, one token a step); depth >= 1 drafts a chain
+    (topk 1) or a tree of num_nodes nodes including the root."""
+    cache_len: int         # KV slots a row
+    out_len: int           # output columns a row (>= max_new_tokens)
+    chunk: int             # prefill chunk (tokens a row)
+    greedy: bool           # argmax (temperature 0) or sampling
+    depth: int = 0         # draft tokens along a path (num_spec_tokens)
+    topk: int = 1          # children per expanded node
+    num_nodes: int = 1     # verified tokens a step, the root included
+    feature_ids: tuple = ()  # target hidden-state indices the draft reads (draft.config.feature_layers)
+
+    @property
+    def width(self) -> int:
+        """Most tokens one step commits: depth accepted drafts + the bonus."""
+        return self.depth + 1
+
+    @property
+    def slack(self) -> int:
+        """Cache slots a step needs past the committed length: verify writes num_nodes slots, the
+        draft's extend depth + 1."""
+        return self.num_nodes + self.depth + 1 if self.depth else 1
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything one iteration reads and writes, per slot b of the batch B."""
+    target_cache: KVCache     # target K/V per layer [B, Hkv, S, D]; slots >= lengths are scratch
+    draft_cache: KVCache | None  # the draft layer's K/V [B, Hkv, S, D]; None for the baseline
+    lengths: jax.Array        # int32 [B]: positions in the caches (the prompt + committed tokens but the root)
+    root: jax.Array           # int32 [B]: the last committed token, the next step's first input
+    h_root: jax.Array | None  # [B, Hd] draft hidden state at position lengths - 1 (proposes depth 1); None: baseline
+    out: jax.Array            # int32 [B, out_len]: generated ids, columns >= n_out zero
+    n_out: jax.Array          # int32 [B]: generated ids so far (eos included)
+    done: jax.Array           # bool [B]: eos, budget or cache reached; a done slot changes nothing
+    budget: jax.Array         # int32 []: max_new_tokens
+    eos_ids: jax.Array        # int32 [E]: stop ids, padded with -1
+    temperature: jax.Array    # float32 []: sampling temperature (unused when greedy)
+    key: jax.Array            # PRNG key; the first token draws with fold_in(key, 0), step i with fold_in(key, i + 1)
+    steps: jax.Array          # int32 []: iterations run
+    counters: Counters        # acceptance totals (spec/metrics.py)
