@@ -39,7 +39,7 @@ flags.DEFINE_bool("moe_jnp", True, "also time the MoE layer's jnp paths (slow to
 flags.DEFINE_string("moe_preset", "gpt-oss-120b", "GptOssConfig preset of the benchmarked layer (tiny: CPU smoke run)")
 flags.DEFINE_integer("moe_copy_bytes", 4 << 30, "bytes of the copy-bandwidth measurement")
 flags.DEFINE_string("moe_config", "", "MoeConfig the model and the main table use ('key=value/...'; default: "
-                    "moe.DEFAULT_CONFIG), e.g. mosaic_pairs=8")
+                    "moe.DEFAULT_CONFIG), e.g. fma_warps=1")
 
 
 def _parse_moe_config(text):
@@ -48,7 +48,7 @@ def _parse_moe_config(text):
     kw = {}
     for part in filter(None, text.split("/")):
         key, val = part.split("=")
-        kw[key] = val if key in ("decode", "layout") else int(val)
+        kw[key] = val if key == "decode" else int(val)
     return mk.MoeConfig(**kw)
 
 

@@ -207,20 +207,5 @@ def test_bench_kernels_moe_grouped_writes_json(tmp_path):
     assert row["tokens"] == 80 and row["live_tiles"] >= 1 and row["rel_err_kernel_vs_scan"] < 1e-3
 
 
-def test_moe_mosaic_timeline_summary_and_cpu_refusal():
-    import moe_mosaic_timeline as tl
-    # 2 blocks, 1 compute warpgroup, units 0, 1 gate_up and 2, 3 down: block c runs units c and c + 2
-    S, base = 2, (1 << 32) - 1500  # the stamps' low 32 bits wrap during the call
-    st = np.zeros((2, 2, S + 1, 2), np.int64)
-    for c in range(2):
-        st[c, :, S, 0] = base  # starts
-        st[c, 0, 0] = (base + 1000, base + 3000)  # gate_up unit: data at 1 us, done at 3
-        st[c, 0, 1] = (base + 4000 + 500 * c, base + 6000 + 500 * c)  # down unit: data at 4 / 4.5 us
-        st[c, 1, :S, 0] = (base + 100, base + 3100)  # copies issued
-    r = tl.summarize((st % (1 << 32)).astype(np.uint32), units_gate_up=2, units=4, compute_wgs=1)
-    assert np.isclose(r["span"], 6.5) and np.isclose(r["first_data_mean"], 1.0) and np.isclose(r["end_min"], 6.0)
-    assert np.isclose(r["wait_gate_up_per_warpgroup"], 1.0) and np.isclose(r["wait_down_per_warpgroup"], 1.25)
-    assert np.isclose(r["comp_gate_up_per_warpgroup"], 2.0) and np.isclose(r["comp_down_per_warpgroup"], 2.0)
-    assert np.isclose(r["issue_to_start_mean"], (0.9 * 2 + 0.9 + 1.4) / 4) and np.isclose(r["memory_issue_gap_mean"], 3.0)
-    assert "needs a GPU" in fails("moe_mosaic_timeline.py")
+def test_gpu_only_script_refuses_cpu():
     assert "needs a GPU" in fails("attention_floor.py")

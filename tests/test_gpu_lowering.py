@@ -68,11 +68,11 @@ def _experts():
             _sds((E, H, I // 32, 16), u8), _sds((E, H, I // 32), u8), _sds((E, H), bf16))
 
 
-@pytest.mark.parametrize("config", ["", "fma_tokens=0", "fma_tokens=2", "layout=perm/fma_tokens=0",
-                                    "decode=bits/fma_tokens=0", "fma_block_i=32/fma_block_h=32/fma_warps=1"])
+@pytest.mark.parametrize("config", ["", "fma_tokens=0", "fma_tokens=2", "decode=bits/fma_tokens=0",
+                                    "fma_block_i=32/fma_block_h=32/fma_warps=1"])
 @pytest.mark.parametrize("T", [1, 16, 64])
 def test_moe_lowers(config, T):
-    kw = {k: (v if k in ("decode", "layout") else int(v)) for k, v in (p.split("=") for p in config.split("/") if p)}
+    kw = {k: (v if k == "decode" else int(v)) for k, v in (p.split("=") for p in config.split("/") if p)}
     cfg = moe.MoeConfig(**kw)
     x, ids, w = _sds((T, H), bf16), _sds((T, 4), i32), _sds((T, 4), f32)
     fn = functools.partial(moe.mxfp4_moe, limit=7.0, alpha=1.702, config=cfg)

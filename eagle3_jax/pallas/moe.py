@@ -98,7 +98,6 @@ E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5,
                 np.float32)
 TOKEN_TILE = 16  # rows of one MMA tile of tokens
 MAX_TOKENS = 64
-MOSAIC_MAX_PAIRS = 8  # (token, expert) pairs of pallas/moe_mosaic.py's kernel: all pairs' act stays in SMEM
 _SHIFT = 32  # the kernels' weights are the true weights times 2^-_SHIFT (keeps scale bytes up to 160 finite)
 _UNSCALE = float(2.0 ** _SHIFT)
 _MASK = np.int32(np.uint32(0x81C00000).view(np.int32))  # f32 sign | exponent bits 0-1 | mantissa bit 22
@@ -146,21 +145,12 @@ class MoeConfig:
     3 and 3), 32.6 / 106 / 397 (groups 16, 6 and 6) (H200, bench_kernels --moe_sweep, session 19):
     more, shorter programs do not hide the T=1 kernels' fixed cost.
 
-    mosaic_pairs: calls of at most this many (token, expert) pairs (<= MOSAIC_MAX_PAIRS = 8, GPU) run
-    as the one warp-specialized Mosaic GPU kernel of pallas/moe_mosaic.py (gate_up, then down once each
-    pair's act is complete, by counters between blocks) instead of the two Triton kernels (0: never, the
-    default: 25.19 / 42.91 us against 25.24 / 44.77 at T = 1 / 2 on an H200, and no gain end to end;
-    that module's docstring says what its time is made of).
-
     MMA path: block_i: SwiGLU outputs per gate_up program (it reads 2*block_i rows); block_h: outputs
     per down program; groups: scale groups per K step (power of 2); num_warps, num_stages: Triton's;
     decode: "bits" (f32 integer ops; needs subnormal f32 multiplies), "ptx" (bf16x2 inline PTX) or
     "f16" (through f16 conversions); "ptx" also runs the FMA path in f16x2 inline PTX, the others run
     it in jnp (f16 decode, f32 products); the interpreter always uses "f16" (XLA:CPU flushes
-    subnormals). prefetch: K steps loaded ahead (>= 1). layout: "interleave" joins the 8 nibble
-    planes of each word into input order before one dot per K step; "perm" keeps them apart and
-    multiplies each with the matching stride-8 slice of the activations (no faster,
-    moe_layout_sweep_h200.json)."""
+    subnormals). prefetch: K steps loaded ahead (>= 1)."""
 
     block_i: int = 32
     block_h: int = 32
@@ -169,14 +159,12 @@ class MoeConfig:
     num_stages: int = 3
     decode: str = "ptx"
     prefetch: int = 2
-    layout: str = "interleave"
     fma_tokens: int = MAX_TOKENS
     fma_groups: int = 32
     fma_prefetch: int = 0
     fma_block_i: int = 8
     fma_block_h: int = 16
     fma_warps: int = 2
-    mosaic_pairs: int = 0
 
 
 DEFAULT_CONFIG = MoeConfig()
@@ -345,36 +333,28 @@ def _slot_tokens(ids_ref, s, c, *, T, k):
     return e, first, member, eq, idx, is_e
 
 
-def _expert_rows(x_ref, x_lead, wq_ref, sc_ref, e, row_sets, r_ok, c, *, K, BG, decode, x_rows, depth, perm,
+def _expert_rows(x_ref, x_lead, wq_ref, sc_ref, e, row_sets, r_ok, c, *, K, BG, decode, x_rows, depth,
                  tile=TOKEN_TILE):
     """[acc f32 [n, tile] = W_e[rows] @ x[chunk c]^T times 2^-32 for rows in row_sets] (chunk c: token
     rows [c * tile, (c + 1) * tile)), streaming the
     K inputs (K / 32 scale groups) in steps of BG groups; the activations are loaded once per step.
     Loads run `depth` steps ahead of the math (a queue in the loop carry), so each program keeps
     several tiles in flight. row_sets: index tuples of n output rows each (a pl.ds, then maybe an
-    int); r_ok bool [n]: rows that exist; x_ref[*x_lead] [>= x_rows, >= K], or with perm
-    [>= x_rows, >= K / 8, 8]: then the 8 decoded parts meet the 8 strided slices of x in 8 dots
-    and are never interleaved."""
+    int); r_ok bool [n]: rows that exist; x_ref[*x_lead] [>= x_rows, >= K]."""
     n = r_ok.shape[0]
     K_groups = K // BLOCK
     nk = -(-K_groups // BG)
     t_ok = (c * tile + lax.broadcasted_iota(jnp.int32, (tile,), 0)) < x_rows
     g_iota = lax.broadcasted_iota(jnp.int32, (BG,), 0)
     c_iota = lax.broadcasted_iota(jnp.int32, (BG * BLOCK,), 0)
-    m_iota = lax.broadcasted_iota(jnp.int32, (BG * 4,), 0)
 
     def load_step(kk):
         live = kk < nk
         g0 = jnp.minimum(kk, nk - 1) * BG  # in bounds; steps past the end load nothing (masked)
         wmask = r_ok[:, None] & (g0 + g_iota < K_groups)[None, :] & live  # [n, BG]
         rows_x = pl.ds(c * tile, tile)
-        if perm:  # x[t, 8m + i] for m in this step's words: 8 tiles [16, BG * 4]
-            xmask = t_ok[:, None] & (g0 * 4 + m_iota < K // 8)[None, :] & live
-            xt = tuple(_load(x_ref, (*x_lead, rows_x, pl.ds(g0 * 4, BG * 4), jnp.int32(i)), mask=xmask, other=0)
-                       for i in range(8))
-        else:
-            xmask = t_ok[:, None] & (g0 * BLOCK + c_iota < K)[None, :] & live
-            xt = _load(x_ref, (*x_lead, rows_x, pl.ds(g0 * BLOCK, BG * BLOCK)), mask=xmask, other=0)
+        xmask = t_ok[:, None] & (g0 * BLOCK + c_iota < K)[None, :] & live
+        xt = _load(x_ref, (*x_lead, rows_x, pl.ds(g0 * BLOCK, BG * BLOCK)), mask=xmask, other=0)
         ws = []
         for rows in row_sets:
             ws.append(_load(wq_ref, (e, *rows, pl.ds(g0, BG), slice(None)),
@@ -389,14 +369,8 @@ def _expert_rows(x_ref, x_lead, wq_ref, sc_ref, e, row_sets, r_ok, c, *, K, BG, 
         out = []
         dims = (((1,), (1,)), ((), ()))
         for r, acc in enumerate(accs):
-            parts = decode(ws[2 * r], ws[2 * r + 1])  # 8 x [n, BG * 4] bf16
-            if perm:
-                for i in range(8):
-                    acc = acc + lax.dot_general(parts[i], xt[i].astype(parts[i].dtype), dims,
-                                                preferred_element_type=F32)
-            else:
-                wd = _interleaved(parts)  # [n, BG * 32]
-                acc = acc + lax.dot_general(wd, xt.astype(wd.dtype), dims, preferred_element_type=F32)
+            wd = _interleaved(decode(ws[2 * r], ws[2 * r + 1]))  # 8 x [n, BG * 4] bf16 -> [n, BG * 32]
+            acc = acc + lax.dot_general(wd, xt.astype(wd.dtype), dims, preferred_element_type=F32)
             out.append(acc)
         return tuple(out), (*queue[1:], ahead)
 
@@ -619,7 +593,7 @@ _GATE, _LIN = 0, 1  # gate_up rows viewed as [I, 2]: row 2i (gate i) = [i, 0], r
 
 
 def _gate_up_kernel(ids_ref, x_ref, wq_ref, sc_ref, b_ref, act_ref, *out_ref, T, k, H, I, BI, BG, limit, alpha,
-                    decode, zero_cols, depth, perm, fma_tokens):
+                    decode, zero_cols, depth, fma_tokens):
     """MMA path of gate_up: experts chosen by more than fma_tokens tokens; grid (slot, chunk, I tile).
     With an out_ref (no FMA kernel ran before), its programs also zero out."""
     s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -633,7 +607,7 @@ def _gate_up_kernel(ids_ref, x_ref, wq_ref, sc_ref, b_ref, act_ref, *out_ref, T,
     @pl.when(first & (jnp.sum(is_e.astype(jnp.int32)) > fma_tokens) & (jnp.sum(member.astype(jnp.int32)) > 0))
     def _mma():
         hg, hl = _expert_rows(x_ref, (), wq_ref, sc_ref, e, row_sets, i_ok, c, K=H, BG=BG,
-                              decode=decode, x_rows=T, depth=depth, perm=perm)
+                              decode=decode, x_rows=T, depth=depth)
         bias = [_load(b_ref, (e, pl.ds(j * BI, BI), jnp.int32(col)), mask=i_ok, other=0).astype(F32)[:, None]
                 for col in (_GATE, _LIN)]
         act = _swiglu(hg * _UNSCALE, hl * _UNSCALE, *bias, limit, alpha)
@@ -683,7 +657,7 @@ def _fma_gate_up_kernel(ids_ref, xq_ref, wq_ref, sc_ref, b_ref, actq_ref, out_re
 
 
 def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H, I, BN, BG, decode,
-                 interpret, depth, perm, fma_tokens):
+                 interpret, depth, fma_tokens):
     """MMA path of down + combine; grid (slot, chunk, H tile)."""
     del out_in_ref  # aliased with out_ref
     s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -694,8 +668,7 @@ def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, out
     @pl.when(first & (jnp.sum(is_e.astype(jnp.int32)) > fma_tokens) & (jnp.sum(member.astype(jnp.int32)) > 0))
     def _mma():
         [y] = _expert_rows(act_ref, (s,), wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, c,
-                           K=I, BG=BG, decode=decode, x_rows=act_ref.shape[1], depth=depth,
-                           perm=perm)
+                           K=I, BG=BG, decode=decode, x_rows=act_ref.shape[1], depth=depth)
         b = _load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
         wt = _load(w_ref, idx, mask=eq, other=0.0)
         wtok = jnp.sum(jnp.where(eq, wt, 0.0), axis=1)  # [16] routing weight of this expert per token
@@ -797,12 +770,6 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     if cfg.prefetch < 1 or cfg.fma_prefetch < 0 or cfg.fma_tokens < 0 or cfg.fma_block_i not in (8, 16, 32):
         raise ValueError(f"mxfp4_moe: prefetch must be >= 1, fma_prefetch >= 0, fma_tokens >= 0, and fma_block_i 8, "
                          f"16 or 32, got {cfg}")
-    if not 0 <= cfg.mosaic_pairs <= MOSAIC_MAX_PAIRS:
-        raise ValueError(f"mxfp4_moe: mosaic_pairs must be in [0, {MOSAIC_MAX_PAIRS}] (all pairs' act in SMEM), "
-                         f"got {cfg}")
-    if cfg.layout not in ("interleave", "perm") or (cfg.layout == "perm" and cfg.groups < 4):
-        raise ValueError(f"mxfp4_moe: layout must be 'interleave' or 'perm' (perm: groups >= 4), got {cfg}")
-    perm = cfg.layout == "perm"
     if cfg.decode not in _DECODERS:
         raise ValueError(f"mxfp4_moe: decode {cfg.decode!r}, expected one of {sorted(_DECODERS)}")
     decode = _decode_f16 if interpret else _DECODERS[cfg.decode]
@@ -839,11 +806,6 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
         params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         fma_params = plgpu.CompilerParams(num_warps=cfg.fma_warps, num_stages=1)
     out = jax.ShapeDtypeStruct((To, Ho), F32)
-    if not interpret and not mma and P <= cfg.mosaic_pairs:  # both kernels as one, on Mosaic GPU
-        from eagle3_jax.pallas import moe_mosaic
-
-        return moe_mosaic.moe_fma(ids_flat, w_flat, xq, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks,
-                                  down_scales, down_bias, k=k, limit=float(limit), alpha=float(alpha), dtype=x.dtype)
     if fma.tokens:  # kernel 1, FMA path (zeroes out)
         actq, out = pl.pallas_call(
             functools.partial(_fma_gate_up_kernel, T=T, k=k, H=H, BF=BF, limit=float(limit), alpha=float(alpha),
@@ -855,11 +817,11 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     if mma:  # kernel 1, MMA path (zeroes out where no FMA kernel did)
         act, *zeroed = pl.pallas_call(
             functools.partial(_gate_up_kernel, T=T, k=k, H=H, I=I, BI=BI, BG=BG, limit=float(limit), alpha=float(alpha),
-                              decode=decode, zero_cols=zero_cols, depth=cfg.prefetch, perm=perm, fma_tokens=fma.tokens),
+                              decode=decode, zero_cols=zero_cols, depth=cfg.prefetch, fma_tokens=fma.tokens),
             grid=(P, nc, nj1),
             out_shape=(jax.ShapeDtypeStruct((P, Tp, Ia), x.dtype),) + (() if fma.tokens else (out,)),
             compiler_params=params, interpret=interpret, name="mxfp4_moe_gate_up",
-        )(ids_flat, x.reshape(x.shape[0], -1, 8) if perm else x, gu_w, gu_s, gu_b)
+        )(ids_flat, x, gu_w, gu_s, gu_b)
         out = zeroed[0] if zeroed else out
     if fma.tokens:  # kernel 2, FMA path
         out = pl.pallas_call(
@@ -872,12 +834,12 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     if mma:  # kernel 2, MMA path
         out = pl.pallas_call(
             functools.partial(_down_kernel, T=T, k=k, H=H, I=I, BN=BN, BG=BG, decode=decode, interpret=interpret,
-                              depth=cfg.prefetch, perm=perm, fma_tokens=fma.tokens),
+                              depth=cfg.prefetch, fma_tokens=fma.tokens),
             grid=(P, nc, nj2),
             out_shape=jax.ShapeDtypeStruct((To, Ho), F32),
             input_output_aliases={6: 0},
             compiler_params=params, interpret=interpret, name="mxfp4_moe_down",
-        )(ids_flat, w_flat, act.reshape(P, Tp, -1, 8) if perm else act, dn_w, dn_s, dn_b, out)
+        )(ids_flat, w_flat, act, dn_w, dn_s, dn_b, out)
     return out if (To, Ho) == (T, H) else out[:T, :H]
 
 
@@ -921,7 +883,7 @@ def _grouped_gate_up_kernel(te_ref, nl_ref, x_ref, wq_ref, sc_ref, b_ref, act_re
         e = te_ref[t]
         row_sets = [(pl.ds(j * BI, BI), jnp.int32(_GATE)), (pl.ds(j * BI, BI), jnp.int32(_LIN))]
         hg, hl = _expert_rows(x_ref, (t,), wq_ref, sc_ref, e, row_sets, i_ok, 0, K=H, BG=BG, decode=decode,
-                              x_rows=TM, depth=depth, perm=False, tile=TM)
+                              x_rows=TM, depth=depth, tile=TM)
         bias = [_load(b_ref, (e, pl.ds(j * BI, BI), jnp.int32(col)), mask=i_ok, other=0).astype(F32)[:, None]
                 for col in (_GATE, _LIN)]
         act = _swiglu(hg * _UNSCALE, hl * _UNSCALE, *bias, limit, alpha)  # [BI, TM]
@@ -939,7 +901,7 @@ def _grouped_down_kernel(te_ref, nl_ref, rw_ref, act_ref, wq_ref, sc_ref, b_ref,
     def _():
         e = te_ref[t]
         [y] = _expert_rows(act_ref, (t,), wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, 0, K=I, BG=BG,
-                           decode=decode, x_rows=TM, depth=depth, perm=False, tile=TM)
+                           decode=decode, x_rows=TM, depth=depth, tile=TM)
         b = _load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
         w = _load(rw_ref, (t, pl.ds(0, TM)))
         val = (y * _UNSCALE + b[:, None]) * w[None, :]  # [BN, TM]
