@@ -9,7 +9,7 @@ from reference_np import reference_forward, reference_greedy
 
 from eagle3_jax.convert import load_gpt_oss
 from eagle3_jax.models import gpt_oss
-from eagle3_jax.pallas.attention import MASK_WORD, mask_words
+from eagle3_jax.formats.packed_mask import MASK_WORD, mask_words
 from eagle3_jax.spec import generate
 
 LAYOUTS = [  # (experts, shards, norm dtype, model dtype)

@@ -13,6 +13,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.formats.packed_mask import mask_words
 from eagle3_jax.pallas import accept, attention, kv_rewind, moe, moe_route, norm, tree_mask
 
 TRITON = "__gpu$xla.gpu.triton"
@@ -32,7 +33,7 @@ def _triton_calls(fn, *args):
 
 def _attention_args(B, Nq, S, mask):
     return (_sds((B, Hkv, S, D), bf16), _sds((B, Hkv, S, D), bf16), _sds((B,), i32), _sds((B, Nq), i32),
-            _sds((B, Nq, attention.mask_words(Nq)), u32) if mask else None, _sds((Hq,), f32))
+            _sds((B, Nq, mask_words(Nq)), u32) if mask else None, _sds((Hq,), f32))
 
 
 @pytest.mark.parametrize("B,Nq,S,window", [(1, 1, 32768, None), (4, 16, 32768, None), (1, 4, 4096, 128),

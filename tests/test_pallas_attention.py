@@ -13,9 +13,10 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.formats.packed_mask import mask_words
 from eagle3_jax.pallas import attention_mosaic as mosaic
-from eagle3_jax.pallas.attention import (attention, attention_pallas, attention_reference, mask_words,
-                                          rope_attention, rope_attention_reference)
+from eagle3_jax.pallas.attention import (attention, attention_pallas, attention_reference, rope_attention,
+                                          rope_attention_reference)
 from eagle3_jax.pallas.tree_mask import tree_mask_reference
 
 TOL = 1.5e-2

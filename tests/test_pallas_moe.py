@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from hf_fixtures import dequantize_mxfp4_np
 
+from eagle3_jax.formats import mxfp4
 from eagle3_jax.pallas import moe
 
 LIMIT, ALPHA = 7.0, 1.702
@@ -155,7 +156,7 @@ def test_group_dot_asm_interpreted(nt):
                     lo, hi = x[t, 8 * q + 3 - k], x[t, 8 * q + 7 - k]
                     pairs.append(int.from_bytes(np.array([lo, hi], np.float16).tobytes(), "little"))
         nib = np.array([(int(words[i // 8]) >> 4 * (i % 8)) & 0xF for i in range(32)])
-        prod = x * (moe.E2M1[nib].astype(np.float64) * 2.0 ** -14)  # [nt, 32]
+        prod = x * (mxfp4.E2M1[nib].astype(np.float64) * 2.0 ** -14)  # [nt, 32]
         np.testing.assert_array_equal(_run_ptx(moe._group_dot_asm(nt), [*words, *pairs], nt), prod.sum(1))
         if nt == 1:  # per word: the sums over inputs 8q .. 8q + 7
             got = _run_ptx(moe._group_dot_asm(1, per_word=True), [*words, *pairs], 4)

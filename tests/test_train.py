@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from eagle3_jax.models import eagle3, gpt_oss, kv_cache, mxfp4
+from eagle3_jax.formats import mxfp4
+from eagle3_jax.models import eagle3, gpt_oss, kv_cache
 from eagle3_jax.train import draft as tdraft
 from eagle3_jax.train import loop
 from eagle3_jax.train import target as ttarget

@@ -25,8 +25,9 @@ import numpy as np
 from flax import nnx
 
 from eagle3_jax.checks import int_arg
+from eagle3_jax.formats import mxfp4
 from eagle3_jax.models import kv_cache as kvc
-from eagle3_jax.models import mxfp4, rope
+from eagle3_jax.models import rope
 from eagle3_jax.models.config import GptOssConfig
 from eagle3_jax.models.layers import F32, keep_position, normal, over_chunks, shape_of
 from eagle3_jax.pallas import norm as norm_kernel

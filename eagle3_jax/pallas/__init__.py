@@ -1,1 +1,1 @@
-"""GPU kernels, each beside a plain-jnp reference of the same signature. Imports nothing of the package."""
+"""GPU kernels, each beside a plain-jnp reference of the same signature. Imports only eagle3_jax.formats."""

@@ -90,12 +90,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from eagle3_jax.formats.mxfp4 import BLOCK, dequantize, pow2_f32, scale_exp2
+
 F32 = jnp.float32
-BLOCK = 32  # inputs per scale byte
-SCALE_BIAS = 127
-# E2M1 nibble -> value (low nibble = even input element, high nibble = the next one).
-E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                np.float32)
 TOKEN_TILE = 16  # rows of one MMA tile of tokens
 MAX_TOKENS = 64
 _SHIFT = 32  # the kernels' weights are the true weights times 2^-_SHIFT (keeps scale bytes up to 160 finite)
@@ -198,16 +195,6 @@ def _raw_f16(w, i):
     return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16).astype(F32)
 
 
-def _pow2_f32(e):
-    """2^e as f32 for int32 e in [-126, 127]."""
-    return lax.bitcast_convert_type(lax.shift_left(e + 127, jnp.int32(23)), F32)
-
-
-def _exp2(sc, k):
-    """2^(scale - 127 + k) as f32 for E8M0 scale bytes sc (normal for 1 <= scale + k <= 254)."""
-    return _pow2_f32(sc.astype(jnp.int32) + (k - SCALE_BIAS))
-
-
 def _scaled_parts(w, sc, raw, unit):
     """w uint32 [R, G, 4] (8 nibbles each, input 8q + i in nibble i), sc uint8 [R, G] -> 8 parts
     bf16 [R, G * 4] (part i: inputs 8m + i, m = 4g + q) equal to the dequantized weights times 2^-32;
@@ -215,7 +202,7 @@ def _scaled_parts(w, sc, raw, unit):
     input order."""
     R, G, _ = w.shape
     wi = lax.bitcast_convert_type(w, jnp.int32)
-    f = _exp2(sc, -unit - _SHIFT)[:, :, None]
+    f = scale_exp2(sc, -unit - _SHIFT)[:, :, None]
     return [(raw(wi, i) * f).astype(jnp.bfloat16).reshape(R, G * 4) for i in range(8)]
 
 
@@ -419,9 +406,9 @@ def f16_pairs(v):
     vg = v.reshape(T, K // BLOCK, BLOCK)
     m = functools.reduce(jnp.maximum, [jnp.abs(vg[..., i]) for i in range(BLOCK)])
     e = _group_exponent(m)
-    h = (vg * _pow2_f32(14 - e)[..., None]).reshape(T, K // BLOCK, 4, 2, 4)  # [t, g, q, half, i]
+    h = (vg * pow2_f32(14 - e)[..., None]).reshape(T, K // BLOCK, 4, 2, 4)  # [t, g, q, half, i]
     h = h[..., ::-1].transpose(0, 1, 4, 2, 3)  # [t, g, k, q, half]: input 32g + 8q + 4 half + 3 - k
-    factor = lax.bitcast_convert_type(_pow2_f32(e), jnp.uint32)[:, :, None, None]
+    factor = lax.bitcast_convert_type(pow2_f32(e), jnp.uint32)[:, :, None, None]
     trailer = jnp.concatenate([factor, jnp.zeros((T, K // BLOCK, 1, 3), jnp.uint32)], axis=-1)
     return jnp.concatenate([_pack_f16x2(h[..., 0], h[..., 1]), trailer], axis=2)
 
@@ -559,7 +546,7 @@ def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG,
         new = []
         for r, acc_r in enumerate(accs):
             words = _unstack_last(lax.bitcast_convert_type(ws[2 * r], jnp.int32))  # 4 x [n, BG]
-            f = _exp2(ws[2 * r + 1], 0)  # 2^(scale - 127)
+            f = scale_exp2(ws[2 * r + 1], 0)  # 2^(scale - 127)
             sums = _group_dots(words, xw, decoder, per_word)
             if per_word:
                 sums = [sum(sq * fq for sq, fq in zip(sums, xf[0]))]
@@ -649,10 +636,10 @@ def _fma_gate_up_kernel(ids_ref, xq_ref, wq_ref, sc_ref, b_ref, actq_ref, out_re
         for i in range(nb):
             e_i = _group_exponent(jnp.max(jnp.where(m // 4 == i, big, 0.0)))
             ex, ex_b = jnp.where(m // 4 == i, e_i, ex), jnp.where(c == i, e_i, ex_b)
-        sc = _pow2_f32(14 - ex)
+        sc = pow2_f32(14 - ex)
         _store(actq_ref, (s, at), _pack_f16x2(a_lo * sc, a_hi * sc))
         blk_b = j * nb + c
-        factor = lax.bitcast_convert_type(_pow2_f32(ex_b), jnp.uint32)
+        factor = lax.bitcast_convert_type(pow2_f32(ex_b), jnp.uint32)
         _store(actq_ref, (s, (blk_b // 4) * _GROUP_WORDS + _PAIR_WORDS + blk_b % 4), factor)
 
 
@@ -966,24 +953,6 @@ def mxfp4_moe_grouped(x_tiles, tile_expert, num_live, row_weight, gate_up_blocks
 
 
 # -- reference ---------------------------------------------------------------------------------
-
-# byte -> (E2M1 value of its low nibble, of its high nibble): one table gather per byte in `dequantize`
-_BYTE_PAIRS = np.stack([np.tile(E2M1, 16), np.repeat(E2M1, 16)], axis=-1)  # f32 [256, 2]
-
-
-def dequantize(blocks, scales, dtype=jnp.bfloat16):
-    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> [..., G * 32] in `dtype`: E2M1 * 2^(scale - 127),
-    exact for bf16/f32 wherever that is a normal float (scale bytes 3..252 always; a backend that flushes
-    f32 subnormals returns 0 below), NaN for scale byte 255 (E8M0's NaN). One gather of both nibbles'
-    values per byte and one multiply by the group's power of two, built from its exponent bits. The
-    earlier form (two nibble lookups, a stack, ldexp) ran on an H200 as two XLA passes of about 41 us
-    each for one gpt-oss-120b expert's gate_up; in the grouped prefill path (gpt_oss.MoE._grouped, 2048
-    tokens) one layer took 32.5 ms of device time with it and 14.4 ms with this one."""
-    vals = jnp.asarray(_BYTE_PAIRS)[blocks.astype(jnp.int32)]  # [..., G, 16, 2]
-    f = jnp.where(scales == 0, np.float32(2.0 ** -127), jnp.where(scales == 255, np.nan, _exp2(scales, 0)))  # [..., G]
-    vals = vals.reshape(*blocks.shape[:-1], BLOCK) * f[..., None]
-    return vals.reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK).astype(dtype)
-
 
 @functools.partial(jax.jit, static_argnames=("limit", "alpha", "config", "interpret"))
 def mxfp4_moe_reference(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales,

@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from eagle3_jax.formats.mxfp4 import BLOCK, pow2_f32
 from eagle3_jax.pallas import moe
 
 F32 = jnp.float32
@@ -91,7 +92,7 @@ def _router_kernel(h_ref, s_ref, w_ref, x_ref, xq_ref, lg_ref, *, T, TT, H, E, e
     def _():
         moe._store(x_ref, (pl.ds(c * TT, TT), pl.ds(kk * CHUNK, CHUNK)), x, mask=r_ok[:, None] & c_ok[None, :])
 
-    ne, BG = pl.num_programs(0), CHUNK // moe.BLOCK
+    ne, BG = pl.num_programs(0), CHUNK // BLOCK
     for j in range(BG):  # the chunk's scale groups of xq, spread over the expert tiles' programs
         @pl.when(i == j % ne)
         def _():
@@ -104,22 +105,22 @@ def _pair_layout(h_ref, s_ref, xq_ref, rows, r, g, *, H, dtype):
     scaled by the group's power of two and packed; the group's factor 2^e and three zero words follow."""
     lo, hi, at = moe._pair_inputs(moe._PAIR_WORDS)  # [16] each
     q_iota = lax.broadcasted_iota(jnp.int32, (4,), 0)
-    m = (rows < xq_ref.shape[0]) & (g < H // moe.BLOCK)  # [TT]
+    m = (rows < xq_ref.shape[0]) & (g < H // BLOCK)  # [TT]
     m16 = jnp.broadcast_to(m[:, None], (rows.shape[0], moe._PAIR_WORDS))
-    base = g * moe.BLOCK
+    base = g * BLOCK
 
     def half(cols):
         v = moe._load(h_ref, (rows[:, None], base + cols[None]), mask=m16, other=0).astype(F32)
-        s = None if r is None else moe._load(s_ref, base + cols, mask=jnp.broadcast_to(g < H // moe.BLOCK, cols.shape),
+        s = None if r is None else moe._load(s_ref, base + cols, mask=jnp.broadcast_to(g < H // BLOCK, cols.shape),
                                              other=0)
         return _normalized(v, r, s, dtype)
 
     a, b = half(lo), half(hi)  # [TT, 16]
     e = moe._group_exponent(jnp.max(jnp.maximum(jnp.abs(a), jnp.abs(b)), axis=1))  # [TT]
-    f = moe._pow2_f32(14 - e)[:, None]
+    f = pow2_f32(14 - e)[:, None]
     word0 = g * moe._GROUP_WORDS
     moe._store(xq_ref, (rows[:, None], word0 + at[None]), moe._pack_f16x2(a * f, b * f), mask=m16)
-    factor = lax.bitcast_convert_type(moe._pow2_f32(e), jnp.uint32)[:, None]  # [TT, 1]
+    factor = lax.bitcast_convert_type(pow2_f32(e), jnp.uint32)[:, None]  # [TT, 1]
     trailer = jnp.where(q_iota[None] == 0, factor, jnp.uint32(0))  # [TT, 4]
     moe._store(xq_ref, (rows[:, None], word0 + moe._PAIR_WORDS + q_iota[None]), trailer,
                mask=jnp.broadcast_to(m[:, None], trailer.shape))
@@ -161,14 +162,14 @@ def route(h, norm_scale, router_w, router_b, *, eps: float, k: int, interpret: b
     xq u32 [T, H/32, 5, 4], ids int32 [T, k], weights f32 [T, k]); see the module docstring."""
     T, H = h.shape
     E = router_w.shape[1]
-    if T > MAX_TOKENS or H % moe.BLOCK or router_w.shape[0] != H or router_b.shape != (E,) or not 1 <= k <= E:
-        raise ValueError(f"moe_route: h {h.shape} (at most {MAX_TOKENS} tokens, H a multiple of {moe.BLOCK}), "
+    if T > MAX_TOKENS or H % BLOCK or router_w.shape[0] != H or router_b.shape != (E,) or not 1 <= k <= E:
+        raise ValueError(f"moe_route: h {h.shape} (at most {MAX_TOKENS} tokens, H a multiple of {BLOCK}), "
                          f"router_w {router_w.shape} (expected [{H}, E]), router_b {router_b.shape}, k {k}")
     if h.dtype != jnp.bfloat16:
         raise ValueError(f"moe_route: h must be bfloat16 (the MXFP4 kernels' activations), got {h.dtype}")
     if norm_scale is not None and norm_scale.shape != (H,):
         raise ValueError(f"moe_route: norm_scale {norm_scale.shape}, expected ({H},)")
-    G = H // moe.BLOCK
+    G = H // BLOCK
     TT = 1 if T == 1 else TOKEN_TILE
     nc, ne, nk = -(-T // TT), -(-E // EXPERT_TILE), -(-H // CHUNK)
     normalize = norm_scale is not None
@@ -176,7 +177,7 @@ def route(h, norm_scale, router_w, router_b, *, eps: float, k: int, interpret: b
     Ep, kp = moe._pow2(E), moe._pow2(k)
     # the interpreter cannot read or write past an array's end (the Triton kernels mask such accesses):
     # there every array is padded to whole tiles
-    Tp, Hp, Wq = ((nc * TT, nk * CHUNK, nk * CHUNK // moe.BLOCK * moe._GROUP_WORDS)
+    Tp, Hp, Wq = ((nc * TT, nk * CHUNK, nk * CHUNK // BLOCK * moe._GROUP_WORDS)
                   if interpret else (T, H, G * moe._GROUP_WORDS))
     bias = router_b
     if interpret:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .attention import MASK_WORD, mask_words, pack_mask
+from eagle3_jax.formats.packed_mask import MASK_WORD, mask_words, pack_mask
 
 
 def _pow2(n: int) -> int:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.formats.packed_mask import pack_mask
 from eagle3_jax.models import eagle3
-from eagle3_jax.pallas.attention import pack_mask
 
 
 def max_nodes(depth: int, topk: int) -> int:

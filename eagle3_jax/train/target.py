@@ -14,7 +14,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from eagle3_jax.models import gpt_oss, mxfp4
+from eagle3_jax.formats import mxfp4
+from eagle3_jax.models import gpt_oss
 from eagle3_jax.models.config import GptOssConfig, RopeConfig
 
 
