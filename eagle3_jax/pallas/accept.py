@@ -56,8 +56,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .attention import num_sms
-from .tree_mask import _on_gpu, _pow2, closure, links, pick, tree_mask_reference
+from eagle3_jax.pallas import util
+from eagle3_jax.pallas.tree_mask import closure, links, pick, tree_mask_reference
 
 PROPOSALS = ("sample", "deterministic")
 
@@ -132,7 +132,7 @@ def _greedy_kernel(tok_ref, par_ref, tgt_ref, len_ref, path_ref, bonus_ref, *, N
 def accept_greedy_pallas(tokens, parents, target, *, max_depth=None, interpret: bool = False):
     Dm = _check(tokens, parents, max_depth)
     B, N = parents.shape
-    Np, Dp = _pow2(max(16, N)), _pow2(max(16, Dm + 1))
+    Np, Dp = util.pow2(max(16, N)), util.pow2(max(16, Dm + 1))
     i32 = jnp.int32
     out_shape = (jax.ShapeDtypeStruct((B,), i32), jax.ShapeDtypeStruct((B, Dm + 1), i32),
                  jax.ShapeDtypeStruct((B,), i32))
@@ -145,7 +145,7 @@ def accept_greedy_pallas(tokens, parents, target, *, max_depth=None, interpret: 
 
 def accept_greedy(tokens, parents, target, *, max_depth=None, interpret: bool | None = None):
     """Greedy acceptance: the kernel on GPU (or with interpret=True), the reference elsewhere."""
-    if interpret or (interpret is None and _on_gpu()):
+    if interpret or (interpret is None and util.on_gpu()):
         return accept_greedy_pallas(tokens, parents, target, max_depth=max_depth, interpret=bool(interpret))
     return accept_greedy_reference(tokens, parents, target, max_depth=max_depth)
 
@@ -380,8 +380,8 @@ def accept_sample_pallas(tokens, parents, p, q, key, *, max_depth=None, proposal
     if proposal not in PROPOSALS:
         raise ValueError(f"accept_sample: proposal must be one of {PROPOSALS}, got {proposal!r}")
     B, N, V = p.shape
-    Np, Dp = _pow2(max(16, N)), _pow2(max(16, Dm + 1))
-    BV = min(block_v, _pow2(max(128, V)))
+    Np, Dp = util.pow2(max(16, N)), util.pow2(max(16, Dm + 1))
+    BV = min(block_v, util.pow2(max(128, V)))
     nblk = -(-V // BV)
     want = chunks or max(1, _CHUNK_PROGRAMS // B)
     CB = -(-nblk // max(1, min(want, nblk)))  # blocks a chunk
@@ -394,9 +394,9 @@ def accept_sample_pallas(tokens, parents, p, q, key, *, max_depth=None, proposal
     sds = jax.ShapeDtypeStruct
     params = plgpu.CompilerParams(num_warps=8, num_stages=2)
     # the walk's programs a sequence: all resident (see _walk_kernel); one in the interpreter (it runs them in turn)
-    PW = 1 if interpret or not sample else max(1, min(nblk, num_sms() // B))
+    PW = 1 if interpret or not sample else max(1, min(nblk, util.num_sms() // B))
     CBW = -(-nblk // PW)
-    kern = functools.partial(_walk_kernel, N=N, Np=Np, Dm=Dm, Dp=Dp, V=V, BV=BV, CB=CBW, P=PW, Pp=_pow2(max(16, PW)),
+    kern = functools.partial(_walk_kernel, N=N, Np=Np, Dm=Dm, Dp=Dp, V=V, BV=BV, CB=CBW, P=PW, Pp=util.pow2(max(16, PW)),
                              sample=sample)
     acc, path, cur, w, rz, rej, _, _ = pl.pallas_call(
         kern, grid=(B, PW), interpret=interpret, compiler_params=params, name="accept_sample",
@@ -409,7 +409,7 @@ def accept_sample_pallas(tokens, parents, p, q, key, *, max_depth=None, proposal
         functools.partial(_chunk_kernel, **kw), grid=(B, NC), interpret=interpret, compiler_params=params,
         name="accept_sample_chunks", out_shape=(sds((B, NC), f32), sds((B, NC), i32)))(p, qq, cur, w, rej)
     bonus = pl.pallas_call(
-        functools.partial(_bonus_kernel, N=N, NC=NC, NCp=_pow2(max(16, NC)), **kw), grid=(B,), interpret=interpret,
+        functools.partial(_bonus_kernel, N=N, NC=NC, NCp=util.pow2(max(16, NC)), **kw), grid=(B,), interpret=interpret,
         compiler_params=params, name="accept_sample_bonus", out_shape=sds((B,), i32))(
         p, qq, u, cur, w, rz, rej, sums, last)
     return acc, path, bonus
@@ -419,7 +419,7 @@ def accept_sample(tokens, parents, p, q, key, *, max_depth=None, proposal="sampl
                   interpret: bool | None = None):
     """Lossless tree sampling: the kernels on GPU (or with interpret=True), the reference elsewhere (same
     outputs for the same key)."""
-    if interpret or (interpret is None and _on_gpu()):
+    if interpret or (interpret is None and util.on_gpu()):
         return accept_sample_pallas(tokens, parents, p, q, key, max_depth=max_depth, proposal=proposal,
                                     interpret=bool(interpret))
     return accept_sample_reference(tokens, parents, p, q, key, max_depth=max_depth, proposal=proposal)

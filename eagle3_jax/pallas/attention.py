@@ -36,6 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from eagle3_jax.formats.packed_mask import unpack_mask
+from eagle3_jax.pallas import attention_mosaic, util
+from eagle3_jax.pallas.util import LOG2E, M_INIT, pow2
 
 
 def attention_reference(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale):
@@ -97,14 +99,6 @@ def attention_reference(q, k, v, k_cache, v_cache, lengths, positions, mask, sin
 # the output; otherwise each split writes (acc, m, l) and a merge kernel (one kernel row per program)
 # combines them with a log-sum-exp merge.
 
-_LOG2E = 1.4426950408889634
-_M_INIT = -1e30  # finite "minus infinity" for the running max (masked logits use -inf)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 @dataclasses.dataclass(frozen=True)
 class AttnConfig:
     """Static launch parameters of the attention kernel (see `attention_config`)."""
@@ -142,10 +136,10 @@ def attention_config(batch, nq, hq, hkv, head_dim, cache_len, window, *, num_sms
     """
     G = hq // hkv
     R = nq * G
-    RB = min(128, _pow2(max(16, R)))
+    RB = min(128, pow2(max(16, R)))
     n_rb = -(-R // RB)
     block_k = 64
-    block_new = min(64, _pow2(max(16, nq)))
+    block_new = min(64, pow2(max(16, nq)))
     max_keys = cache_len if window is None else min(cache_len, window)
     programs = batch * hkv * n_rb
     want = 4 * num_sms // programs
@@ -159,11 +153,6 @@ def attention_config(batch, nq, hq, hkv, head_dim, cache_len, window, *, num_sms
                preload_new=programs * num_splits <= 2 * num_sms)
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     return AttnConfig(**cfg)
-
-
-def num_sms() -> int:
-    """Multiprocessors of the default device (132, an H100 / H200's, where it does not say)."""
-    return getattr(jax.devices()[0], "core_count", None) or 132
 
 
 def _f32_hex(x: float) -> str:
@@ -206,7 +195,7 @@ def _attn_kernel(len_ref, pos_ref, *refs, Nq, G, Hkv, D, Dp, RB, BK, BKn, NS, wi
     rb, s, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = bh // Hkv, bh % Hkv
     length = len_ref[b]
-    c = scale * _LOG2E
+    c = scale * LOG2E
 
     r = rb * RB + jnp.arange(RB, dtype=jnp.int32)
     row_ok = r < Nq * G
@@ -251,10 +240,10 @@ def _attn_kernel(len_ref, pos_ref, *refs, Nq, G, Hkv, D, Dp, RB, BK, BKn, NS, wi
     else:
         q = plgpu.load(q_ref.at[b, i_r[:, None], hq_r[:, None], d[None, :]], mask=dmask(row_ok), other=0)
     pos_r = plgpu.load(pos_ref.at[b, i_r])
-    sink = plgpu.load(sinks_ref.at[hq_r]).astype(f32) * _LOG2E
+    sink = plgpu.load(sinks_ref.at[hq_r]).astype(f32) * LOG2E
 
     first = s == 0
-    m0 = jnp.where(first, sink, jnp.full((RB,), _M_INIT, f32))
+    m0 = jnp.where(first, sink, jnp.full((RB,), M_INIT, f32))
     l0 = jnp.where(first, jnp.ones((RB,), f32), jnp.zeros((RB,), f32))
     acc0 = jnp.zeros((RB, Dp), f32)
 
@@ -404,7 +393,7 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, G, Hkv, D, Dp, RB, NS, NSp):
     s_ok = sp < NS
     s_c = jnp.minimum(sp, NS - 1)
     d = jnp.arange(Dp, dtype=jnp.int32)
-    m = jnp.where(s_ok, plgpu.load(m_ref.at[bh, rb, s_c, rr]), _M_INIT)
+    m = jnp.where(s_ok, plgpu.load(m_ref.at[bh, rb, s_c, rr]), M_INIT)
     lv = jnp.where(s_ok, plgpu.load(l_ref.at[bh, rb, s_c, rr]), 0.0)
     o = plgpu.load(o_ref.at[bh, rb, s_c[:, None], rr, d[None, :]])
     w = jnp.where(s_ok, jnp.exp2(m - jnp.max(m)), 0.0)
@@ -447,7 +436,7 @@ def rope_attention(qkv, bias, cos, sin, k_cache, v_cache, lengths, positions, ma
     has_bias = bias is not None
     b_in = bias if has_bias else jnp.zeros((1,), qkv.dtype)
     kc, vc = k_cache, v_cache
-    Dp = _pow2(max(16, D))
+    Dp = pow2(max(16, D))
     if interpret:  # the interpreter touches no index past an array's end, even masked: pad them
         qkv = jnp.pad(qkv, ((0, 0), (0, 0), (0, Dp - D)))
         b_in = jnp.pad(b_in, (0, N + Dp - D - b_in.shape[0]))
@@ -505,10 +494,10 @@ def _launch(srcs, rope, k_cache, v_cache, lengths, positions, mask, sinks, *, B,
     G = Hq // Hkv
     S_cfg = k_cache.shape[2] if rope is None else rope[2]
     if config is None:
-        config = attention_config(B, Nq, Hq, Hkv, D, S_cfg, window, num_sms=132 if interpret else num_sms(),
+        config = attention_config(B, Nq, Hq, Hkv, D, S_cfg, window, num_sms=132 if interpret else util.num_sms(),
                                   **overrides)
     RB, NS = config.block_rows, config.num_splits
-    Dp = _pow2(max(16, D))
+    Dp = pow2(max(16, D))
     R = Nq * G
     n_rb = -(-R // RB)
     causal = mask is None
@@ -543,7 +532,7 @@ def _launch(srcs, rope, k_cache, v_cache, lengths, positions, mask, sinks, *, B,
     if NS == 1:
         (out,) = res
     else:
-        merge = functools.partial(_merge_kernel, G=G, Hkv=Hkv, D=D, Dp=Dp, RB=RB, NS=NS, NSp=_pow2(NS))
+        merge = functools.partial(_merge_kernel, G=G, Hkv=Hkv, D=D, Dp=Dp, RB=RB, NS=NS, NSp=pow2(NS))
         out = pl.pallas_call(merge, out_shape=out_final, grid=(R, B * Hkv), interpret=interpret,
                              compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
                              name="tree_attention_merge")(*res)
@@ -556,9 +545,7 @@ def attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, win
     caches, several query tokens), else the Pallas (Triton) kernel; the jnp reference elsewhere and for
     cache-free full-sequence passes (`forward`, training: the reference is differentiable, the kernels
     are not)."""
-    if jax.default_backend() == "gpu" and q.shape[-1] <= 256 and k_cache.shape[2] > 0:
-        from eagle3_jax.pallas import attention_mosaic  # it builds on this module
-
+    if util.on_gpu() and q.shape[-1] <= 256 and k_cache.shape[2] > 0:
         if attention_mosaic.preferred(q, k_cache, window):
             return attention_mosaic.attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
                                                      window=window, scale=scale)

@@ -75,13 +75,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as tgpu
 
-from eagle3_jax.pallas import attention as attn
+from eagle3_jax.pallas import util
+from eagle3_jax.pallas.util import LOG2E, M_INIT, pow2
 
 F32 = jnp.float32
 ROWS = 64  # rows of one compute warpgroup's wgmma tile
 MIN_CACHE = 4096  # `attention.attention` takes this kernel for caches at least this long (and Nq >= 2)
 _SMEM_BYTES = 227 * 1024  # shared memory a block may use (Hopper)
-_LOG2E = attn._LOG2E
 LW = 8  # columns of the running row sums a thread keeps apart (one WGMMA column tile)
 
 
@@ -106,7 +106,7 @@ def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages
     BH, Rp, tpw = B * Hkv, rg * ROWS, ROWS // G  # tpw: tokens a row group
     cw = rg * kp
     dtype = q.dtype
-    c = float(scale) * _LOG2E
+    c = float(scale) * LOG2E
     NP = splits * kp
     max_blocks = pl.cdiv(pl.cdiv(S, splits), block_k)  # blocks of the longest split
     # the tokens whose G rows ([G, D] of q) warpgroup w copies: its row group's; padding rows stay unset
@@ -142,7 +142,7 @@ def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages
                         plgpu.copy_gmem_to_smem(q_ref.at[(b * Nq + t) * Hkv + h],
                                                 q_smem.at[w, pl.ds((t % tpw) * G, G)], bar)
                     plgpu.barrier_wait(bar)
-            m_i = plgpu.layout_cast(jnp.full((ROWS,), attn._M_INIT, F32), plgpu.Layout.WGMMA.reduce(1))
+            m_i = plgpu.layout_cast(jnp.full((ROWS,), M_INIT, F32), plgpu.Layout.WGMMA.reduce(1))
             l_i = plgpu.layout_cast(jnp.zeros((ROWS, LW), F32), plgpu.Layout.WGMMA)  # row sums, LW apart
             acc = plgpu.layout_cast(jnp.zeros((ROWS, D), F32), plgpu.Layout.WGMMA)
             n_mine = jnp.maximum(nblk - ph + kp - 1, 0) // kp
@@ -279,7 +279,7 @@ def _finish_kernel(q_ref, k_ref, v_ref, mask_ref, sinks_ref, o_ref, m_ref, l_ref
     m = tgpu.load(m_ref.at[bh, s_c, r])  # [NPp]
     lv = tgpu.load(l_ref.at[bh, s_c, r])
     o = tgpu.load(o_ref.at[bh, s_c[:, None], r, d[None, :]])  # [NPp, D]
-    sink = tgpu.load(sinks_ref.at[pl.ds(hq, 1)]).astype(F32) * _LOG2E  # [1]
+    sink = tgpu.load(sinks_ref.at[pl.ds(hq, 1)]).astype(F32) * LOG2E  # [1]
     q = tgpu.load(q_ref.at[b, t, hq, pl.ds(0, D)]).astype(F32)  # [D]
     kt = tgpu.load(k_ref.at[b, jc[:, None], h, d[None, :]]).astype(F32)  # [BKn, D]
     vt = tgpu.load(v_ref.at[b, jc[:, None], h, d[None, :]]).astype(F32)
@@ -290,7 +290,7 @@ def _finish_kernel(q_ref, k_ref, v_ref, mask_ref, sinks_ref, o_ref, m_ref, l_ref
         vis = (lax.shift_right_logical(words, (jc % 32).astype(jnp.uint32)) & 1) != 0
     lg = jnp.where(vis & (j < Nq), jnp.sum(q[None, :] * kt, axis=1) * c, -jnp.inf)  # [BKn]
 
-    m = jnp.where(s_ok, m, attn._M_INIT)
+    m = jnp.where(s_ok, m, M_INIT)
     top = jnp.maximum(jnp.maximum(jnp.max(m), jnp.max(sink)), jnp.max(lg))
     w = jnp.where(s_ok, jnp.exp2(m - top), 0.0)
     pn = jnp.exp2(lg - top)  # new tokens (0 where not visible)
@@ -308,7 +308,7 @@ def prefix_reference(q, k_cache, v_cache, lengths, *, scale, splits, block_k, rg
     B, Nq, Hq, D = q.shape
     _, Hkv, S, _ = k_cache.shape
     G, Rp, NP = Hq // Hkv, rg * ROWS, splits * kp
-    c = float(scale) * _LOG2E
+    c = float(scale) * LOG2E
     qr = q.astype(F32).reshape(B, Nq, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, Nq * G, D)
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, Rp - Nq * G), (0, 0)))
     lg = jnp.einsum("bhrd,bhsd->bhrs", qr, k_cache.astype(F32)) * c
@@ -319,7 +319,7 @@ def prefix_reference(q, k_cache, v_cache, lengths, *, scale, splits, block_k, rg
     mine = (part[:, None, :] == jnp.arange(NP)[None, :, None]) & (j[None, None, :] < lengths[:, None, None])
     mine = mine[:, None, :, None, :]  # [B, 1, NP, 1, S]
     lgp = jnp.where(mine, lg[:, :, None], -jnp.inf)  # [B, Hkv, NP, Rp, S]
-    m = jnp.maximum(jnp.max(lgp, axis=-1), attn._M_INIT)
+    m = jnp.maximum(jnp.max(lgp, axis=-1), M_INIT)
     p = jnp.exp2(lgp - m[..., None])
     acc = jnp.einsum("bhprs,bhsd->bhprd", p, v_cache.astype(F32))
     flat = lambda x: x.reshape((B * Hkv,) + x.shape[2:])  # noqa: E731
@@ -364,7 +364,7 @@ def launch_config(q, k_cache, *, splits=None, block_k=None, stages=None, interpr
         raise ValueError(f"attention_mosaic: {stages} stages of {block_k} keys need {smem(stages)} bytes of shared "
                          f"memory, {_SMEM_BYTES} available")
     if splits is None:
-        splits = max(1, (132 if interpret else attn.num_sms()) // (B * Hkv))
+        splits = max(1, (132 if interpret else util.num_sms()) // (B * Hkv))
     return dict(splits=splits, block_k=block_k, stages=stages, rg=rg, kp=kp)
 
 
@@ -396,8 +396,8 @@ def attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
     R, NP = Nq * G, launch["splits"] * launch["kp"]
     causal = mask is None
     mask_arg = jnp.zeros((1, 1, 1), jnp.uint32) if causal else mask.astype(jnp.uint32)
-    kern = functools.partial(_finish_kernel, Nq=Nq, G=G, Hkv=Hkv, D=D, NP=NP, NPp=attn._pow2(NP),
-                             BKn=attn._pow2(max(16, Nq)), c=float(scale) * _LOG2E, causal=causal)
+    kern = functools.partial(_finish_kernel, Nq=Nq, G=G, Hkv=Hkv, D=D, NP=NP, NPp=pow2(NP),
+                             BKn=pow2(max(16, Nq)), c=float(scale) * LOG2E, causal=causal)
     return pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((B, Nq, Hq, D), q.dtype), grid=(R, B * Hkv),
                           compiler_params=tgpu.CompilerParams(num_warps=1, num_stages=1),
                           interpret=interpret, name="attention_finish")(q, k, v, mask_arg, sinks, o_p, m_p, l_p)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .tree_mask import _on_gpu, _pow2
+from eagle3_jax.pallas import util
 
 
 def _moves(lengths, path, accept_len):
@@ -94,7 +94,7 @@ def _kv_rewind_pallas(k_caches, v_caches, lengths, path, accept_len, *, interpre
         if c.shape != caches[0].shape or c.dtype != caches[0].dtype:
             raise ValueError(f"kv_rewind: all caches must share shape and dtype, got {c.shape} {c.dtype}")
     Dm1 = path.shape[1]
-    Dp = _pow2(max(2, Dm1))
+    Dp = util.pow2(max(2, Dm1))
     if group_size is None:  # keep ~16K live elements per program
         group_size = max(1, min(n, (8192 // (Dp * D))))
     groups = [tuple(range(i, min(n, i + group_size))) for i in range(0, n, group_size)]
@@ -125,7 +125,7 @@ def kv_rewind_pallas(k_caches, v_caches, lengths, path, accept_len, *, interpret
 def kv_rewind(k_caches, v_caches, lengths, path, accept_len, *, interpret: bool | None = None):
     """In-place accepted-path compaction: the kernel on GPU (or with interpret=True), the reference
     elsewhere. Donates the cache buffers on the kernel path."""
-    if interpret or (interpret is None and _on_gpu()):
+    if interpret or (interpret is None and util.on_gpu()):
         return kv_rewind_pallas(tuple(k_caches), tuple(v_caches), lengths, path, accept_len,
                                 interpret=bool(interpret))
     return kv_rewind_reference(tuple(k_caches), tuple(v_caches), lengths, path, accept_len)

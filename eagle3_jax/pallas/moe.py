@@ -91,6 +91,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from eagle3_jax.formats.mxfp4 import BLOCK, dequantize, pow2_f32, scale_exp2
+from eagle3_jax.pallas import util
+from eagle3_jax.pallas.lowering import inline_asm_multi
 
 F32 = jnp.float32
 TOKEN_TILE = 16  # rows of one MMA tile of tokens
@@ -167,18 +169,6 @@ class MoeConfig:
 DEFAULT_CONFIG = MoeConfig()
 
 
-def _load(ref, idx, *, mask=None, other=None):
-    return plgpu.load(ref.at[idx], mask=mask, other=other)
-
-
-def _store(ref, idx, val, *, mask=None):
-    plgpu.store(ref.at[idx], val, mask=mask)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 # -- dequantization in registers ----------------------------------------------------------------
 
 def _raw_bits(w, i):
@@ -242,40 +232,8 @@ def _decode_ptx(w, sc):
     s = sc.astype(jnp.int32) + (126 - _SHIFT)  # bf16 exponent field of 2^(s - 1 - 32)
     fac = jnp.broadcast_to(((s << 7) | (s << 23))[:, :, None], (R, G, 4))
     wi = lax.bitcast_convert_type(w, jnp.int32)
-    outs = _inline_asm_multi(_ptx_asm(), [wi, fac], ",".join(["=h"] * 8 + ["r", "r"]), 8, jnp.bfloat16)
+    outs = inline_asm_multi(_ptx_asm(), [wi, fac], ",".join(["=h"] * 8 + ["r", "r"]), 8, jnp.bfloat16)
     return [o.reshape(R, G * 4) for o in outs]
-
-
-_asm_multi_p = None
-
-
-def _inline_asm_multi(asm, args, constraints, n_out, dtype):
-    """plgpu.elementwise_inline_asm with several results (JAX 0.10's rule returns them as one value):
-    a private primitive lowered through the Pallas Triton lowering's registry."""
-    global _asm_multi_p
-    if _asm_multi_p is None:
-        from jax._src import core as jax_core
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.triton import dialect as tt_dialect
-        from jax._src.pallas.triton import lowering as tl
-
-        prim = jax_core.Primitive("eagle3_elementwise_inline_asm")
-        prim.multiple_results = True
-        prim.def_abstract_eval(lambda *avals, asm, constraints, n_out, dtype: [
-            jax_core.ShapedArray(avals[0].shape, dtype) for _ in range(n_out)])
-        elt = {jnp.dtype(jnp.bfloat16): ir.BF16Type.get, jnp.dtype(jnp.float16): ir.F16Type.get,
-               jnp.dtype(F32): ir.F32Type.get}
-
-        def rule(ctx, *vals, asm, constraints, n_out, dtype):
-            shape = ir.RankedTensorType(vals[0].type).shape
-            types = [ir.RankedTensorType.get(shape, elt[jnp.dtype(dtype)]()) for _ in range(n_out)]
-            res = tt_dialect.elementwise_inline_asm(types, asm, constraints=constraints, pure=True,
-                                                    packed_element=1, args=list(vals))
-            return list(res) if n_out > 1 else [res]
-
-        tl.register_lowering(prim)(rule)
-        _asm_multi_p = prim
-    return _asm_multi_p.bind(*args, asm=asm, constraints=constraints, n_out=n_out, dtype=jnp.dtype(dtype))
 
 
 def _interleaved(parts):
@@ -299,22 +257,22 @@ _DECODERS = {"bits": _decode_bits, "ptx": _decode_ptx, "f16": _decode_f16}
 def _pair_expert(ids_ref, s, P):
     """Expert e of pair s (of P), is_e bool [Pp]: pair q chose e, and q int32 [Pp]."""
     e = ids_ref[s]
-    q = lax.broadcasted_iota(jnp.int32, (_pow2(P),), 0)
-    return e, _load(ids_ref, pl.ds(0, q.shape[0]), mask=q < P, other=-1) == e, q
+    q = lax.broadcasted_iota(jnp.int32, (util.pow2(P),), 0)
+    return e, util.load(ids_ref, pl.ds(0, q.shape[0]), mask=q < P, other=-1) == e, q
 
 
 def _slot_tokens(ids_ref, s, c, *, T, k):
     """Expert of pair s, whether s is its first pair, which tokens of chunk c chose it, and all pairs.
     Returns (e, first, member bool [16], eq bool [16, kp], flat index int32 [16, kp] into [T * k],
     is_e bool [Pp]: pair q chose e)."""
-    kp = _pow2(k)
+    kp = util.pow2(k)
     e, is_e, q = _pair_expert(ids_ref, s, T * k)
     first = jnp.sum((is_e & (q < s)).astype(jnp.int32)) == 0
     t = c * TOKEN_TILE + lax.broadcasted_iota(jnp.int32, (TOKEN_TILE, kp), 0)
     j = lax.broadcasted_iota(jnp.int32, (TOKEN_TILE, kp), 1)
     ok = (t < T) & (j < k)
     idx = jnp.where(ok, t * k + j, 0)
-    mine = _load(ids_ref, idx, mask=ok, other=-1)
+    mine = util.load(ids_ref, idx, mask=ok, other=-1)
     eq = (mine == e) & ok
     member = jnp.sum(eq.astype(jnp.int32), axis=1) > 0
     return e, first, member, eq, idx, is_e
@@ -341,12 +299,12 @@ def _expert_rows(x_ref, x_lead, wq_ref, sc_ref, e, row_sets, r_ok, c, *, K, BG, 
         wmask = r_ok[:, None] & (g0 + g_iota < K_groups)[None, :] & live  # [n, BG]
         rows_x = pl.ds(c * tile, tile)
         xmask = t_ok[:, None] & (g0 * BLOCK + c_iota < K)[None, :] & live
-        xt = _load(x_ref, (*x_lead, rows_x, pl.ds(g0 * BLOCK, BG * BLOCK)), mask=xmask, other=0)
+        xt = util.load(x_ref, (*x_lead, rows_x, pl.ds(g0 * BLOCK, BG * BLOCK)), mask=xmask, other=0)
         ws = []
         for rows in row_sets:
-            ws.append(_load(wq_ref, (e, *rows, pl.ds(g0, BG), slice(None)),
+            ws.append(util.load(wq_ref, (e, *rows, pl.ds(g0, BG), slice(None)),
                             mask=jnp.broadcast_to(wmask[:, :, None], (n, BG, 4)), other=0))
-            ws.append(_load(sc_ref, (e, *rows, pl.ds(g0, BG)), mask=wmask, other=0))
+            ws.append(util.load(sc_ref, (e, *rows, pl.ds(g0, BG)), mask=wmask, other=0))
         return (xt, *ws)
 
     def body(kk, carry):
@@ -372,31 +330,31 @@ def _expert_rows(x_ref, x_lead, wq_ref, sc_ref, e, row_sets, r_ok, c, *, K, BG, 
 # for a per-group exponent e_g (|x| < 2^e_g in the group, so |x'| < 2^14); word [g, 4, 0] holds the
 # f32 bits of the group's factor 2^e_g (the rest of row 4 is 0). Pair k meets nibbles 3 - k and 7 - k
 # of each weight word: the nibbles at the top of the word's two halves after a left shift by 4k.
-_PAIR_ROWS = 5  # rows of 4 words per scale group: 4 of pairs, 1 for the factor
-_PAIR_WORDS, _GROUP_WORDS = 16, 4 * _PAIR_ROWS  # a group's pair words; all its words (the factor at 16)
+PAIR_ROWS = 5  # rows of 4 words per scale group: 4 of pairs, 1 for the factor
+PAIR_WORDS, GROUP_WORDS = 16, 4 * PAIR_ROWS  # a group's pair words; all its words (the factor at 16)
 
 _E_MIN, _E_MAX = -100, 127  # clamp of the groups' exponents (f32-normal factors 2^e and 2^(14 - e))
 
 
-def _group_exponent(m):
+def group_exponent(m):
     """m f32 >= 0 -> int32 e with m < 2^e (m = 0: the floor), clamped to [_E_MIN, _E_MAX]."""
     biased = lax.shift_right_logical(lax.bitcast_convert_type(m, jnp.int32), jnp.int32(23)) & 0xFF
     return jnp.clip(biased - 126, _E_MIN, _E_MAX)
 
 
-def _pack_f16x2(lo, hi):
+def pack_f16x2(lo, hi):
     """f32 arrays -> u32 f16 pairs (lo in the low half), rounded to nearest."""
     def bits(v):
         return lax.bitcast_convert_type(v.astype(jnp.float16), jnp.int16).astype(jnp.int32) & 0xFFFF
     return lax.bitcast_convert_type(bits(lo) | lax.shift_left(bits(hi), jnp.int32(16)), jnp.uint32)
 
 
-def _pair_inputs(n):
+def pair_inputs(n):
     """For the first n / 16 groups of the pair layout: the inputs (low, high) of its n pair words
     ([g, k, q] order) and the words' flat indices (int32 [n] each)."""
     m = lax.broadcasted_iota(jnp.int32, (n,), 0)
-    lo = (m // _PAIR_WORDS) * BLOCK + (m % 4) * 8 + 3 - (m // 4) % 4
-    return lo, lo + 4, (m // _PAIR_WORDS) * _GROUP_WORDS + m % _PAIR_WORDS
+    lo = (m // PAIR_WORDS) * BLOCK + (m % 4) * 8 + 3 - (m // 4) % 4
+    return lo, lo + 4, (m // PAIR_WORDS) * GROUP_WORDS + m % PAIR_WORDS
 
 
 def f16_pairs(v):
@@ -405,12 +363,12 @@ def f16_pairs(v):
     T, K = v.shape
     vg = v.reshape(T, K // BLOCK, BLOCK)
     m = functools.reduce(jnp.maximum, [jnp.abs(vg[..., i]) for i in range(BLOCK)])
-    e = _group_exponent(m)
+    e = group_exponent(m)
     h = (vg * pow2_f32(14 - e)[..., None]).reshape(T, K // BLOCK, 4, 2, 4)  # [t, g, q, half, i]
     h = h[..., ::-1].transpose(0, 1, 4, 2, 3)  # [t, g, k, q, half]: input 32g + 8q + 4 half + 3 - k
     factor = lax.bitcast_convert_type(pow2_f32(e), jnp.uint32)[:, :, None, None]
     trailer = jnp.concatenate([factor, jnp.zeros((T, K // BLOCK, 1, 3), jnp.uint32)], axis=-1)
-    return jnp.concatenate([_pack_f16x2(h[..., 0], h[..., 1]), trailer], axis=2)
+    return jnp.concatenate([pack_f16x2(h[..., 0], h[..., 1]), trailer], axis=2)
 
 
 def _group_dot_asm(nt: int, per_word: bool = False) -> str:
@@ -479,7 +437,7 @@ def _group_dots(words, xs, decoder, per_word=False):
     if decoder == "ptx":
         n_out = 4 if per_word else len(xs)
         cons = ",".join(["=f"] * n_out + ["r"] * (4 + 16 * len(xs)))
-        return _inline_asm_multi(_group_dot_asm(len(xs), per_word), [*words, *(x for xt in xs for x in xt)], cons,
+        return inline_asm_multi(_group_dot_asm(len(xs), per_word), [*words, *(x for xt in xs for x in xt)], cons,
                                  n_out, F32)
     out = []
     for xt in xs:
@@ -524,13 +482,13 @@ def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG,
         wmask = r_ok[:, None] & gmask[None, :]
         ws = []
         for rows in row_sets:
-            ws.append(_load(wq_ref, _tile_index(e, rows, g0, BG, True),
+            ws.append(util.load(wq_ref, _tile_index(e, rows, g0, BG, True),
                             mask=jnp.broadcast_to(wmask[:, :, None], (n, BG, 4)), other=0))
-            ws.append(_load(sc_ref, _tile_index(e, rows, g0, BG, False), mask=wmask, other=0))
-        xmask = jnp.broadcast_to(gmask[:, None], (BG, _PAIR_WORDS))
-        xs = tuple(_load(xq_ref, (*x_lead, t, pl.ds(g0, BG), pl.ds(0, _PAIR_WORDS)), mask=xmask, other=0)
+            ws.append(util.load(sc_ref, _tile_index(e, rows, g0, BG, False), mask=wmask, other=0))
+        xmask = jnp.broadcast_to(gmask[:, None], (BG, PAIR_WORDS))
+        xs = tuple(util.load(xq_ref, (*x_lead, t, pl.ds(g0, BG), pl.ds(0, PAIR_WORDS)), mask=xmask, other=0)
                    for t in toks)
-        xf = tuple(_load(xq_ref, (*x_lead, t, pl.ds(g0, BG), pl.ds(_PAIR_WORDS, nf)),
+        xf = tuple(util.load(xq_ref, (*x_lead, t, pl.ds(g0, BG), pl.ds(PAIR_WORDS, nf)),
                          mask=jnp.broadcast_to(gmask[:, None], (BG, nf)), other=0) for t in toks)
         return tuple(ws), xs, xf
 
@@ -569,10 +527,10 @@ def _swiglu(hg, hl, bg, bl, limit, alpha):
 def _zero_out(out_ref, j, zero_cols):
     """out[:, j * zero_cols : (j + 1) * zero_cols] = 0 (the down kernels accumulate into out)."""
     To, Ho = out_ref.shape
-    Tz = _pow2(To)
+    Tz = util.pow2(To)
     r = lax.broadcasted_iota(jnp.int32, (Tz, zero_cols), 0)
     col = j * zero_cols + lax.broadcasted_iota(jnp.int32, (Tz, zero_cols), 1)
-    _store(out_ref, (pl.ds(0, Tz), pl.ds(j * zero_cols, zero_cols)), jnp.zeros((Tz, zero_cols), F32),
+    util.store(out_ref, (pl.ds(0, Tz), pl.ds(j * zero_cols, zero_cols)), jnp.zeros((Tz, zero_cols), F32),
            mask=(r < To) & (col < Ho))
 
 
@@ -595,11 +553,11 @@ def _gate_up_kernel(ids_ref, x_ref, wq_ref, sc_ref, b_ref, act_ref, *out_ref, T,
     def _mma():
         hg, hl = _expert_rows(x_ref, (), wq_ref, sc_ref, e, row_sets, i_ok, c, K=H, BG=BG,
                               decode=decode, x_rows=T, depth=depth)
-        bias = [_load(b_ref, (e, pl.ds(j * BI, BI), jnp.int32(col)), mask=i_ok, other=0).astype(F32)[:, None]
+        bias = [util.load(b_ref, (e, pl.ds(j * BI, BI), jnp.int32(col)), mask=i_ok, other=0).astype(F32)[:, None]
                 for col in (_GATE, _LIN)]
         act = _swiglu(hg * _UNSCALE, hl * _UNSCALE, *bias, limit, alpha)
         mask = jnp.broadcast_to(i_ok[None, :], (TOKEN_TILE, BI))
-        _store(act_ref, (s, pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(j * BI, BI)), act.T.astype(act_ref.dtype),
+        util.store(act_ref, (s, pl.ds(c * TOKEN_TILE, TOKEN_TILE), pl.ds(j * BI, BI)), act.T.astype(act_ref.dtype),
                mask=mask)
 
 
@@ -620,12 +578,12 @@ def _fma_gate_up_kernel(ids_ref, xq_ref, wq_ref, sc_ref, b_ref, actq_ref, out_re
         m = lax.broadcasted_iota(jnp.int32, (BF // 2,), 0)
         blk, kk = j * (BF // 8) + m // 4, m % 4  # 8-column block and pair of each word
         lo = 8 * blk + 3 - kk
-        at = (blk // 4) * _GROUP_WORDS + 4 * kk + blk % 4
+        at = (blk // 4) * GROUP_WORDS + 4 * kk + blk % 4
         ok = jnp.ones(lo.shape, jnp.bool_)
         sets = [(lo, jnp.int32(_GATE)), (lo + 4, jnp.int32(_GATE)), (lo, jnp.int32(_LIN)), (lo + 4, jnp.int32(_LIN))]
         hs = [h for [h] in _fma_rows(xq_ref, (), [s // k], wq_ref, sc_ref, e, sets, ok, K=H, BG=fma.groups,
                                      decoder=fma.decoder, depth=fma.prefetch)]
-        b = [_load(b_ref, (e, *rows)).astype(F32) for rows in sets]
+        b = [util.load(b_ref, (e, *rows)).astype(F32) for rows in sets]
         a_lo, a_hi = (_swiglu(hs[h], hs[2 + h], b[h], b[2 + h], limit, alpha).astype(dtype).astype(F32)
                       for h in (0, 1))
         big = jnp.maximum(jnp.abs(a_lo), jnp.abs(a_hi))
@@ -634,13 +592,13 @@ def _fma_gate_up_kernel(ids_ref, xq_ref, wq_ref, sc_ref, b_ref, actq_ref, out_re
         ex = jnp.zeros(m.shape, jnp.int32)  # each 8-column block's exponent, per word ...
         ex_b = jnp.zeros((nb,), jnp.int32)  # ... and per block
         for i in range(nb):
-            e_i = _group_exponent(jnp.max(jnp.where(m // 4 == i, big, 0.0)))
+            e_i = group_exponent(jnp.max(jnp.where(m // 4 == i, big, 0.0)))
             ex, ex_b = jnp.where(m // 4 == i, e_i, ex), jnp.where(c == i, e_i, ex_b)
         sc = pow2_f32(14 - ex)
-        _store(actq_ref, (s, at), _pack_f16x2(a_lo * sc, a_hi * sc))
+        util.store(actq_ref, (s, at), pack_f16x2(a_lo * sc, a_hi * sc))
         blk_b = j * nb + c
         factor = lax.bitcast_convert_type(pow2_f32(ex_b), jnp.uint32)
-        _store(actq_ref, (s, (blk_b // 4) * _GROUP_WORDS + _PAIR_WORDS + blk_b % 4), factor)
+        util.store(actq_ref, (s, (blk_b // 4) * GROUP_WORDS + PAIR_WORDS + blk_b % 4), factor)
 
 
 def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H, I, BN, BG, decode,
@@ -656,8 +614,8 @@ def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, out
     def _mma():
         [y] = _expert_rows(act_ref, (s,), wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, c,
                            K=I, BG=BG, decode=decode, x_rows=act_ref.shape[1], depth=depth)
-        b = _load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
-        wt = _load(w_ref, idx, mask=eq, other=0.0)
+        b = util.load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
+        wt = util.load(w_ref, idx, mask=eq, other=0.0)
         wtok = jnp.sum(jnp.where(eq, wt, 0.0), axis=1)  # [16] routing weight of this expert per token
         val = (y * _UNSCALE + b[:, None]) * wtok[None, :]  # [BN, 16]
         rows = c * TOKEN_TILE + lax.broadcasted_iota(jnp.int32, (BN, TOKEN_TILE), 1)
@@ -678,7 +636,7 @@ def _fma_down_kernel(ids_ref, w_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref
     def _fma():
         [[y]] = _fma_rows(actq_ref, (), [s], wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, K=I, BG=fma.groups,
                           decoder=fma.decoder, depth=fma.prefetch, per_word=True)
-        b = _load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
+        b = util.load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
         _combine(out_ref, jnp.broadcast_to(s // k, (BN,)), cols, (y + b) * w_ref[s], n_ok, interpret)
 
 
@@ -704,14 +662,6 @@ def _as_words(blocks):
     return lax.bitcast_convert_type(blocks.reshape(E, R, G, B // 4, 4), jnp.uint32)
 
 
-def _pad(a, shape, value=0):
-    """Pads `a` at the end of each axis up to `shape` (the interpreter cannot read past an array's end;
-    the Triton kernels mask such reads and get unpadded arrays)."""
-    if tuple(a.shape) == tuple(shape):
-        return a
-    return jnp.pad(a, [(0, n - m) for m, n in zip(a.shape, shape)], constant_values=value)
-
-
 def _kernel_experts(gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias, pad=None):
     """The packed experts as the kernels read them, ((gate_up words, scales, bias), (down words, scales,
     bias)): blocks as u32 words, gate_up rows as [I, 2] (gate, linear); free reshapes of the HF layout.
@@ -724,8 +674,8 @@ def _kernel_experts(gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, d
     if pad is None:
         return gu, dn
     r1, g1, r2, g2 = pad
-    return ((_pad(gu[0], (E, r1, 2, g1, 4)), _pad(gu[1], (E, r1, 2, g1)), _pad(gu[2], (E, r1, 2))),
-            (_pad(dn[0], (E, r2, g2, 4)), _pad(dn[1], (E, r2, g2)), _pad(dn[2], (E, r2))))
+    return ((util.pad(gu[0], (E, r1, 2, g1, 4)), util.pad(gu[1], (E, r1, 2, g1)), util.pad(gu[2], (E, r1, 2))),
+            (util.pad(dn[0], (E, r2, g2, 4)), util.pad(dn[1], (E, r2, g2)), util.pad(dn[2], (E, r2))))
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "alpha", "config", "interpret"))
@@ -752,7 +702,7 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
         raise ValueError(f"mxfp4_moe: shapes x {x.shape}, ids {ids.shape}, weights {weights.shape}, gate_up "
                          f"{gate_up_blocks.shape}, down {down_blocks.shape} do not fit together")
     for bsz in (cfg.block_i, cfg.block_h, cfg.groups, cfg.fma_groups, cfg.fma_block_h):
-        if bsz != _pow2(bsz):
+        if bsz != util.pow2(bsz):
             raise ValueError(f"mxfp4_moe: tile sizes must be powers of two, got {cfg}")
     if cfg.prefetch < 1 or cfg.fma_prefetch < 0 or cfg.fma_tokens < 0 or cfg.fma_block_i not in (8, 16, 32):
         raise ValueError(f"mxfp4_moe: prefetch must be >= 1, fma_prefetch >= 0, fma_tokens >= 0, and fma_block_i 8, "
@@ -762,7 +712,7 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     decode = _decode_f16 if interpret else _DECODERS[cfg.decode]
     fma = _Fma(tokens=min(cfg.fma_tokens, T), groups=cfg.fma_groups,
                prefetch=cfg.fma_prefetch, decoder="ptx" if cfg.decode == "ptx" and not interpret else "f16")
-    P, Pp = T * k, _pow2(T * k)
+    P, Pp = T * k, util.pow2(T * k)
     nc = -(-T // TOKEN_TILE)
     Tp = nc * TOKEN_TILE
     BI, BN, BG, BF, BNf = cfg.block_i, cfg.block_h, cfg.groups, cfg.fma_block_i, cfg.fma_block_h
@@ -770,24 +720,24 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     Gp1, Gp2 = -(-G1 // BG) * BG, -(-G2 // BG) * BG
     Gf1, Gf2 = -(-G1 // fma.groups) * fma.groups, -(-G2 // fma.groups) * fma.groups
     mma = T > fma.tokens  # some expert may have more tokens than the FMA path takes
-    zero_cols = _pow2(-(-H // (nf1 if fma.tokens else nj1)))  # kernel 1's programs zero out, zero_cols each
+    zero_cols = util.pow2(-(-H // (nf1 if fma.tokens else nj1)))  # kernel 1's programs zero out, zero_cols each
     # out: exactly [T, H] on GPU (masked stores and atomics); the interpreter gets every index in bounds
-    To, Ho = ((max(Tp, _pow2(T)), max(nj2 * BN, nf2 * BNf, (nf1 if fma.tokens else nj1) * zero_cols))
+    To, Ho = ((max(Tp, util.pow2(T)), max(nj2 * BN, nf2 * BNf, (nf1 if fma.tokens else nj1) * zero_cols))
               if interpret else (T, H))
     Ia = max(Gp2 * BLOCK, nj1 * BI)  # act columns: every K step of kernel 2 and every store of kernel 1 in bounds
     ids_flat = ids.reshape(-1).astype(jnp.int32)
     w_flat = weights.reshape(-1).astype(F32)
     if xq is None:
         xq = f16_pairs(x.astype(F32))  # the FMA path's activations
-    elif tuple(xq.shape) != (T, G1, _PAIR_ROWS, 4) or xq.dtype != jnp.uint32:
-        raise ValueError(f"mxfp4_moe: xq {xq.shape} {xq.dtype}, expected uint32 {(T, G1, _PAIR_ROWS, 4)}")
+    elif tuple(xq.shape) != (T, G1, PAIR_ROWS, 4) or xq.dtype != jnp.uint32:
+        raise ValueError(f"mxfp4_moe: xq {xq.shape} {xq.dtype}, expected uint32 {(T, G1, PAIR_ROWS, 4)}")
     pad = (nj1 * BI, max(Gp1, Gf1), max(nj2 * BN, nf2 * BNf), max(Gp2, Gf2)) if interpret else None
     (gu_w, gu_s, gu_b), (dn_w, dn_s, dn_b) = _kernel_experts(gate_up_blocks, gate_up_scales, gate_up_bias,
                                                              down_blocks, down_scales, down_bias, pad)
     if interpret:
-        ids_flat = _pad(ids_flat, (Pp,), -1)
-        x = _pad(x, (Tp, Gp1 * BLOCK))
-        xq = _pad(xq, (T, Gf1, _PAIR_ROWS, 4))
+        ids_flat = util.pad(ids_flat, (Pp,), -1)
+        x = util.pad(x, (Tp, Gp1 * BLOCK))
+        xq = util.pad(xq, (T, Gf1, PAIR_ROWS, 4))
         params = fma_params = None
     else:
         params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -798,9 +748,9 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
             functools.partial(_fma_gate_up_kernel, T=T, k=k, H=H, BF=BF, limit=float(limit), alpha=float(alpha),
                               dtype=x.dtype, zero_cols=zero_cols, fma=fma),
             grid=(P, nf1),
-            out_shape=(jax.ShapeDtypeStruct((P, Gf2 * _GROUP_WORDS), jnp.uint32), out),
+            out_shape=(jax.ShapeDtypeStruct((P, Gf2 * GROUP_WORDS), jnp.uint32), out),
             compiler_params=fma_params, interpret=interpret, name="mxfp4_moe_gate_up_fma",
-        )(ids_flat, xq.reshape(*xq.shape[:2], _GROUP_WORDS), gu_w, gu_s, gu_b)
+        )(ids_flat, xq.reshape(*xq.shape[:2], GROUP_WORDS), gu_w, gu_s, gu_b)
     if mma:  # kernel 1, MMA path (zeroes out where no FMA kernel did)
         act, *zeroed = pl.pallas_call(
             functools.partial(_gate_up_kernel, T=T, k=k, H=H, I=I, BI=BI, BG=BG, limit=float(limit), alpha=float(alpha),
@@ -817,7 +767,7 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
             out_shape=jax.ShapeDtypeStruct((To, Ho), F32),
             input_output_aliases={6: 0},
             compiler_params=fma_params, interpret=interpret, name="mxfp4_moe_down_fma",
-        )(ids_flat, w_flat, actq.reshape(P, Gf2, _GROUP_WORDS), dn_w, dn_s, dn_b, out)
+        )(ids_flat, w_flat, actq.reshape(P, Gf2, GROUP_WORDS), dn_w, dn_s, dn_b, out)
     if mma:  # kernel 2, MMA path
         out = pl.pallas_call(
             functools.partial(_down_kernel, T=T, k=k, H=H, I=I, BN=BN, BG=BG, decode=decode, interpret=interpret,
@@ -871,10 +821,10 @@ def _grouped_gate_up_kernel(te_ref, nl_ref, x_ref, wq_ref, sc_ref, b_ref, act_re
         row_sets = [(pl.ds(j * BI, BI), jnp.int32(_GATE)), (pl.ds(j * BI, BI), jnp.int32(_LIN))]
         hg, hl = _expert_rows(x_ref, (t,), wq_ref, sc_ref, e, row_sets, i_ok, 0, K=H, BG=BG, decode=decode,
                               x_rows=TM, depth=depth, tile=TM)
-        bias = [_load(b_ref, (e, pl.ds(j * BI, BI), jnp.int32(col)), mask=i_ok, other=0).astype(F32)[:, None]
+        bias = [util.load(b_ref, (e, pl.ds(j * BI, BI), jnp.int32(col)), mask=i_ok, other=0).astype(F32)[:, None]
                 for col in (_GATE, _LIN)]
         act = _swiglu(hg * _UNSCALE, hl * _UNSCALE, *bias, limit, alpha)  # [BI, TM]
-        _store(act_ref, (t, pl.ds(0, TM), pl.ds(j * BI, BI)), act.T.astype(act_ref.dtype),
+        util.store(act_ref, (t, pl.ds(0, TM), pl.ds(j * BI, BI)), act.T.astype(act_ref.dtype),
                mask=jnp.broadcast_to(i_ok[None, :], (TM, BI)))
 
 
@@ -889,10 +839,10 @@ def _grouped_down_kernel(te_ref, nl_ref, rw_ref, act_ref, wq_ref, sc_ref, b_ref,
         e = te_ref[t]
         [y] = _expert_rows(act_ref, (t,), wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, 0, K=I, BG=BG,
                            decode=decode, x_rows=TM, depth=depth, tile=TM)
-        b = _load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
-        w = _load(rw_ref, (t, pl.ds(0, TM)))
+        b = util.load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
+        w = util.load(rw_ref, (t, pl.ds(0, TM)))
         val = (y * _UNSCALE + b[:, None]) * w[None, :]  # [BN, TM]
-        _store(y_ref, (t, pl.ds(0, TM), pl.ds(j * BN, BN)), val.T, mask=jnp.broadcast_to(n_ok[None, :], (TM, BN)))
+        util.store(y_ref, (t, pl.ds(0, TM), pl.ds(j * BN, BN)), val.T, mask=jnp.broadcast_to(n_ok[None, :], (TM, BN)))
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "alpha", "config", "interpret"))
@@ -915,11 +865,11 @@ def mxfp4_moe_grouped(x_tiles, tile_expert, num_live, row_weight, gate_up_blocks
     I = R1 // 2
     G2 = I // BLOCK
     if (G1 * BLOCK != H or I % BLOCK or gate_up_blocks.shape[-1] != 16 or tuple(down_blocks.shape) != (E, H, G2, 16)
-            or tuple(tile_expert.shape) != (n,) or tuple(row_weight.shape) != (n, TM) or TM < 16 or TM != _pow2(TM)):
+            or tuple(tile_expert.shape) != (n,) or tuple(row_weight.shape) != (n, TM) or TM < 16 or TM != util.pow2(TM)):
         raise ValueError(f"mxfp4_moe_grouped: shapes x_tiles {x_tiles.shape} (tm a power of two >= 16), tile_expert "
                          f"{tile_expert.shape}, row_weight {row_weight.shape}, gate_up {gate_up_blocks.shape}, down "
                          f"{down_blocks.shape} do not fit together")
-    if cfg.decode not in _DECODERS or cfg.prefetch < 1 or cfg.groups != _pow2(cfg.groups):
+    if cfg.decode not in _DECODERS or cfg.prefetch < 1 or cfg.groups != util.pow2(cfg.groups):
         raise ValueError(f"mxfp4_moe_grouped: bad config {cfg}")
     decode = _decode_f16 if interpret else _DECODERS[cfg.decode]
     BI, BN = cfg.blocks(TM)
@@ -934,7 +884,7 @@ def mxfp4_moe_grouped(x_tiles, tile_expert, num_live, row_weight, gate_up_blocks
     te = tile_expert.astype(jnp.int32)
     nl = jnp.reshape(num_live, (1,)).astype(jnp.int32)
     if interpret:
-        x_tiles = _pad(x_tiles, (n, TM, Gp1 * BLOCK))
+        x_tiles = util.pad(x_tiles, (n, TM, Gp1 * BLOCK))
         params = None
     else:
         params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)

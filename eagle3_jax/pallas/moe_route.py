@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from eagle3_jax.formats.mxfp4 import BLOCK, pow2_f32
-from eagle3_jax.pallas import moe
+from eagle3_jax.pallas import moe, util
 
 F32 = jnp.float32
 TOKEN_TILE = 16  # token rows per program (one at one token)
@@ -67,7 +67,7 @@ def _router_kernel(h_ref, s_ref, w_ref, x_ref, xq_ref, lg_ref, *, T, TT, H, E, e
 
     def h_chunk(k):
         k = jnp.asarray(k, jnp.int32)  # a traced start: the static bounds check would reject the last
-        return moe._load(h_ref, (pl.ds(c * TT, TT), pl.ds(k * CHUNK, CHUNK)),
+        return util.load(h_ref, (pl.ds(c * TT, TT), pl.ds(k * CHUNK, CHUNK)),
                          mask=r_ok[:, None] & (k * CHUNK + k_iota < H)[None, :], other=0).astype(F32)
 
     # every load before any use (one round trip to memory): the whole rows for the norm, this
@@ -75,9 +75,9 @@ def _router_kernel(h_ref, s_ref, w_ref, x_ref, xq_ref, lg_ref, *, T, TT, H, E, e
     c_ok = kk * CHUNK + k_iota < H  # the last chunk runs past H (masked)
     whole = [h_chunk(k) for k in range(-(-H // CHUNK))] if normalize else []
     h = h_chunk(kk)
-    w = moe._load(w_ref, (pl.ds(kk * CHUNK, CHUNK), pl.ds(i * EXPERT_TILE, EXPERT_TILE)),
+    w = util.load(w_ref, (pl.ds(kk * CHUNK, CHUNK), pl.ds(i * EXPERT_TILE, EXPERT_TILE)),
                   mask=c_ok[:, None] & e_ok[None, :], other=0)
-    scale = moe._load(s_ref, pl.ds(kk * CHUNK, CHUNK), mask=c_ok, other=0) if normalize else None
+    scale = util.load(s_ref, pl.ds(kk * CHUNK, CHUNK), mask=c_ok, other=0) if normalize else None
     r = lax.rsqrt(sum(jnp.sum(t * t, axis=1) for t in whole) / H + eps) if normalize else None
 
     x = _normalized(h, r, scale, dtype).astype(dtype)
@@ -85,12 +85,12 @@ def _router_kernel(h_ref, s_ref, w_ref, x_ref, xq_ref, lg_ref, *, T, TT, H, E, e
         acc = jnp.sum(x.astype(F32).reshape(CHUNK, 1) * w.astype(F32), axis=0, keepdims=True)
     else:
         acc = jnp.dot(x, w.astype(dtype), preferred_element_type=F32)
-    moe._store(lg_ref, (kk, pl.ds(c * TT, TT), pl.ds(i * EXPERT_TILE, EXPERT_TILE)), acc,
+    util.store(lg_ref, (kk, pl.ds(c * TT, TT), pl.ds(i * EXPERT_TILE, EXPERT_TILE)), acc,
                mask=r_ok[:, None] & e_ok[None, :])
 
     @pl.when(i == 0)
     def _():
-        moe._store(x_ref, (pl.ds(c * TT, TT), pl.ds(kk * CHUNK, CHUNK)), x, mask=r_ok[:, None] & c_ok[None, :])
+        util.store(x_ref, (pl.ds(c * TT, TT), pl.ds(kk * CHUNK, CHUNK)), x, mask=r_ok[:, None] & c_ok[None, :])
 
     ne, BG = pl.num_programs(0), CHUNK // BLOCK
     for j in range(BG):  # the chunk's scale groups of xq, spread over the expert tiles' programs
@@ -103,40 +103,40 @@ def _pair_layout(h_ref, s_ref, xq_ref, rows, r, g, *, H, dtype):
     """Writes scale group g, rows `rows`, of xq [T, G * 20] (moe's pair layout of the normalized h):
     the low and high inputs of the group's 16 pair words are loaded from h in pair order, normalized,
     scaled by the group's power of two and packed; the group's factor 2^e and three zero words follow."""
-    lo, hi, at = moe._pair_inputs(moe._PAIR_WORDS)  # [16] each
+    lo, hi, at = moe.pair_inputs(moe.PAIR_WORDS)  # [16] each
     q_iota = lax.broadcasted_iota(jnp.int32, (4,), 0)
     m = (rows < xq_ref.shape[0]) & (g < H // BLOCK)  # [TT]
-    m16 = jnp.broadcast_to(m[:, None], (rows.shape[0], moe._PAIR_WORDS))
+    m16 = jnp.broadcast_to(m[:, None], (rows.shape[0], moe.PAIR_WORDS))
     base = g * BLOCK
 
     def half(cols):
-        v = moe._load(h_ref, (rows[:, None], base + cols[None]), mask=m16, other=0).astype(F32)
-        s = None if r is None else moe._load(s_ref, base + cols, mask=jnp.broadcast_to(g < H // BLOCK, cols.shape),
+        v = util.load(h_ref, (rows[:, None], base + cols[None]), mask=m16, other=0).astype(F32)
+        s = None if r is None else util.load(s_ref, base + cols, mask=jnp.broadcast_to(g < H // BLOCK, cols.shape),
                                              other=0)
         return _normalized(v, r, s, dtype)
 
     a, b = half(lo), half(hi)  # [TT, 16]
-    e = moe._group_exponent(jnp.max(jnp.maximum(jnp.abs(a), jnp.abs(b)), axis=1))  # [TT]
+    e = moe.group_exponent(jnp.max(jnp.maximum(jnp.abs(a), jnp.abs(b)), axis=1))  # [TT]
     f = pow2_f32(14 - e)[:, None]
-    word0 = g * moe._GROUP_WORDS
-    moe._store(xq_ref, (rows[:, None], word0 + at[None]), moe._pack_f16x2(a * f, b * f), mask=m16)
+    word0 = g * moe.GROUP_WORDS
+    util.store(xq_ref, (rows[:, None], word0 + at[None]), moe.pack_f16x2(a * f, b * f), mask=m16)
     factor = lax.bitcast_convert_type(pow2_f32(e), jnp.uint32)[:, None]  # [TT, 1]
     trailer = jnp.where(q_iota[None] == 0, factor, jnp.uint32(0))  # [TT, 4]
-    moe._store(xq_ref, (rows[:, None], word0 + moe._PAIR_WORDS + q_iota[None]), trailer,
+    util.store(xq_ref, (rows[:, None], word0 + moe.PAIR_WORDS + q_iota[None]), trailer,
                mask=jnp.broadcast_to(m[:, None], trailer.shape))
 
 
 def _top_k_kernel(lg_ref, b_ref, ids_ref, w_ref, *, T, TT, E, k):
     c = pl.program_id(0)
-    Ep, kp = moe._pow2(E), moe._pow2(k)
+    Ep, kp = util.pow2(E), util.pow2(k)
     rows = c * TT + lax.broadcasted_iota(jnp.int32, (TT,), 0)
     r_ok = rows < T
     e_iota = lax.broadcasted_iota(jnp.int32, (TT, Ep), 1)
     j_iota = lax.broadcasted_iota(jnp.int32, (TT, kp), 1)
     m = r_ok[:, None] & (e_iota < E)
-    lg = sum(moe._load(lg_ref, (jnp.int32(s), pl.ds(c * TT, TT), pl.ds(0, Ep)), mask=m, other=0)
+    lg = sum(util.load(lg_ref, (jnp.int32(s), pl.ds(c * TT, TT), pl.ds(0, Ep)), mask=m, other=0)
              for s in range(lg_ref.shape[0]))  # the K splits' partial sums
-    lg = lg + moe._load(b_ref, pl.ds(0, Ep), mask=lax.broadcasted_iota(jnp.int32, (Ep,), 0) < E, other=0).astype(F32)[None, :]
+    lg = lg + util.load(b_ref, pl.ds(0, Ep), mask=lax.broadcasted_iota(jnp.int32, (Ep,), 0) < E, other=0).astype(F32)[None, :]
     free = e_iota < E
     ids = jnp.zeros((TT, kp), jnp.int32)
     top = jnp.zeros((TT, kp), F32)
@@ -152,8 +152,8 @@ def _top_k_kernel(lg_ref, b_ref, ids_ref, w_ref, *, T, TT, E, k):
         free = free & (e_iota != at[:, None])
     p = jnp.where(j_iota < k, jnp.exp(top - first[:, None]), 0.0)
     m = r_ok[:, None] & (j_iota < k)
-    moe._store(ids_ref, (pl.ds(c * TT, TT), pl.ds(0, kp)), ids, mask=m)
-    moe._store(w_ref, (pl.ds(c * TT, TT), pl.ds(0, kp)), p / jnp.sum(p, axis=1, keepdims=True), mask=m)
+    util.store(ids_ref, (pl.ds(c * TT, TT), pl.ds(0, kp)), ids, mask=m)
+    util.store(w_ref, (pl.ds(c * TT, TT), pl.ds(0, kp)), p / jnp.sum(p, axis=1, keepdims=True), mask=m)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "k", "interpret"))
@@ -174,15 +174,15 @@ def route(h, norm_scale, router_w, router_b, *, eps: float, k: int, interpret: b
     nc, ne, nk = -(-T // TT), -(-E // EXPERT_TILE), -(-H // CHUNK)
     normalize = norm_scale is not None
     scale = norm_scale.astype(F32) if normalize else jnp.zeros((1,), F32)
-    Ep, kp = moe._pow2(E), moe._pow2(k)
+    Ep, kp = util.pow2(E), util.pow2(k)
     # the interpreter cannot read or write past an array's end (the Triton kernels mask such accesses):
     # there every array is padded to whole tiles
-    Tp, Hp, Wq = ((nc * TT, nk * CHUNK, nk * CHUNK // BLOCK * moe._GROUP_WORDS)
-                  if interpret else (T, H, G * moe._GROUP_WORDS))
+    Tp, Hp, Wq = ((nc * TT, nk * CHUNK, nk * CHUNK // BLOCK * moe.GROUP_WORDS)
+                  if interpret else (T, H, G * moe.GROUP_WORDS))
     bias = router_b
     if interpret:
-        h, router_w, bias = moe._pad(h, (Tp, Hp)), moe._pad(router_w, (Hp, ne * EXPERT_TILE)), moe._pad(bias, (Ep,))
-        scale = moe._pad(scale, (Hp,)) if normalize else scale
+        h, router_w, bias = util.pad(h, (Tp, Hp)), util.pad(router_w, (Hp, ne * EXPERT_TILE)), util.pad(bias, (Ep,))
+        scale = util.pad(scale, (Hp,)) if normalize else scale
     x, xq, lg = pl.pallas_call(
         functools.partial(_router_kernel, T=T, TT=TT, H=H, E=E, eps=float(eps), normalize=normalize, dtype=h.dtype),
         grid=(ne, nk, nc),
@@ -199,7 +199,7 @@ def route(h, norm_scale, router_w, router_b, *, eps: float, k: int, interpret: b
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=1 if TT == 1 else 4, num_stages=1),
         interpret=interpret, name="moe_top_k",
     )(lg, bias)
-    xq = xq[:T, :G * moe._GROUP_WORDS].reshape(T, G, moe._PAIR_ROWS, 4)
+    xq = xq[:T, :G * moe.GROUP_WORDS].reshape(T, G, moe.PAIR_ROWS, 4)
     return x[:T, :H], xq, ids[:T, :k], weights[:T, :k]
 
 

@@ -32,14 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from eagle3_jax.formats.packed_mask import MASK_WORD, mask_words, pack_mask
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
+from eagle3_jax.pallas import util
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,7 +130,7 @@ def _tree_mask_kernel(par_ref, len_ref, bits_ref, depth_ref, pos_ref, fc_ref, ns
 def tree_mask_pallas(parents, lengths, *, interpret: bool = False):
     parents = parents.astype(jnp.int32)
     B, N = parents.shape
-    Np, W = _pow2(max(16, N)), mask_words(N)
+    Np, W = util.pow2(max(16, N)), mask_words(N)
     i32 = jnp.int32
     out_shape = (jax.ShapeDtypeStruct((B, N, W), jnp.uint32),) + tuple(
         jax.ShapeDtypeStruct((B, N), i32) for _ in range(4))
@@ -150,6 +143,6 @@ def tree_mask_pallas(parents, lengths, *, interpret: bool = False):
 def tree_mask(parents, lengths, *, interpret: bool | None = None):
     """Tree structure of `parents` (see the module docstring): the Pallas kernel on GPU (or with
     interpret=True), the reference elsewhere. Returns (bits, depth, positions, first_child, next_sibling)."""
-    if interpret or (interpret is None and _on_gpu()):
+    if interpret or (interpret is None and util.on_gpu()):
         return tree_mask_pallas(parents, lengths, interpret=bool(interpret))
     return tree_mask_reference(parents, lengths)
