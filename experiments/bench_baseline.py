@@ -18,6 +18,7 @@ from absl import flags
 import jax
 
 from eagle3_jax.models import GptOssConfig, gpt_oss
+from eagle3_jax.pallas import select
 from eagle3_jax.spec import generate
 from lib import cli, timing
 
@@ -76,7 +77,7 @@ def main(argv):
         prefill_seconds=t_prefill, prefill_tokens_per_second=FLAGS.batch * FLAGS.prompt_len / t_prefill,
         seconds_per_generated_token=per_token, generated_tokens_per_second=FLAGS.batch / per_token,
         paths=(f"GPU: Pallas attention kernel (rope_attention); Pallas norm, routing and MXFP4 expert kernels for "
-               f"<= {gpt_oss.MoE.KERNEL_MAX_TOKENS} tokens per call (decode); in prefill, tokens grouped into expert "
+               f"<= {select.MOE_KERNEL_MAX_TOKENS} tokens per call (decode); in prefill, tokens grouped into expert "
                "tiles through the Pallas grouped MXFP4 kernels" if jax.default_backend() == "gpu" else "CPU: jnp reference attention and jnp MoE"),
     )
     print(json.dumps(result, indent=1))

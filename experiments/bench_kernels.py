@@ -63,7 +63,7 @@ def bench_moe():
 
     from eagle3_jax.models import GptOssConfig, gpt_oss
     from eagle3_jax.pallas import moe as mk
-    from eagle3_jax.pallas import moe_route
+    from eagle3_jax.pallas import moe_route, select
 
     res = dict(timing.device_info())
     if FLAGS.moe_config:  # the model's MoE layers call mxfp4_moe with the module's default
@@ -190,7 +190,7 @@ def bench_moe():
             return jnp.stack(outs)
 
         row["layer_kernel_us"] = _loop_time(kernel_with_router, layer, xs) / R * 1e6
-        if FLAGS.moe_jnp and T * k <= gpt_oss.GATHER_MAX_PAIRS:
+        if FLAGS.moe_jnp and T * k <= select.GATHER_MAX_PAIRS:
             row["layer_jnp_gathered_us"] = _loop_time(layer_loop("gathered"), layer, xs, calls=1, repeats=3) / R * 1e6
         if FLAGS.moe_jnp:
             row["layer_jnp_grouped_us"] = _loop_time(layer_loop("grouped"), layer, xs, calls=1, repeats=3) / R * 1e6

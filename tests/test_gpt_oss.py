@@ -8,8 +8,9 @@ from hf_fixtures import dense_from_mxfp4, random_hf_weights, tiny_hf_config, wri
 from reference_np import reference_forward, reference_greedy
 
 from eagle3_jax.convert import load_gpt_oss
-from eagle3_jax.models import gpt_oss
 from eagle3_jax.formats.packed_mask import MASK_WORD, mask_words
+from eagle3_jax.models import gpt_oss
+from eagle3_jax.pallas import select
 from eagle3_jax.spec import generate
 
 LAYOUTS = [  # (experts, shards, norm dtype, model dtype)
@@ -151,7 +152,7 @@ def test_route_one_token_and_many_agree(ckpt):
     # one token takes the padded two-row router dot and the rank top-k; many tokens lax.top_k
     _, _, model = ckpt
     moe = model.layers[0].mlp
-    n = gpt_oss.RANK_TOP_K_ROWS + 3
+    n = select.RANK_TOP_K_ROWS + 3
     x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)), (n, moe.router_w[...].shape[0]))
     ids, w = moe.route(x)
     for i in (0, n - 1):

@@ -12,6 +12,7 @@ from reference_np import reference_forward
 
 from eagle3_jax.convert import load_gpt_oss
 from eagle3_jax.models import Eagle3Config, eagle3, gpt_oss
+from eagle3_jax.pallas import select
 from eagle3_jax.spec import decode, generate
 
 pytestmark = pytest.mark.gpu
@@ -45,7 +46,7 @@ def test_cached_step_matches_reference(model, monkeypatch):
     # failed the 1.5x bound about one run in three on an H200, the medians of 16 draws stayed within
     # 1.45x); a wrong kernel is off by the logits' own size on every prompt
     cfg, w, m = model
-    assert gpt_oss.glue_kernels(jnp.zeros((1,), jnp.bfloat16))
+    assert select.glue_kernels(jnp.zeros((1,), jnp.bfloat16))
     rng = np.random.default_rng()
     B, T, draws = 2, 20, 16  # 40 tokens: the MoE kernels' path; 20 > the sliding window 8
     cases = []
@@ -63,7 +64,7 @@ def test_cached_step_matches_reference(model, monkeypatch):
         return np.median(errs, axis=0)
 
     err = median_errors()
-    monkeypatch.setattr(gpt_oss, "glue_kernels", lambda x: False)
+    monkeypatch.setattr(select, "glue_kernels", lambda x, platform=None: False)
     for blk in m.layers:
         blk.mlp.path = "gathered"
     try:

@@ -5,6 +5,7 @@ mode, so an unwritten element fails), with the cache's scratch slots (>= lengths
 values that would dominate the result if they were read. GPU (@pytest.mark.gpu): the compiled kernel.
 """
 
+import functools
 import zlib
 
 import numpy as np
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 
 from eagle3_jax.formats.packed_mask import mask_words
 from eagle3_jax.pallas import attention_mosaic as mosaic
+from eagle3_jax.pallas import select
 from eagle3_jax.pallas.attention import (attention, attention_pallas, attention_reference, rope_attention,
                                           rope_attention_reference)
 from eagle3_jax.pallas.tree_mask import tree_mask_reference
@@ -166,10 +168,13 @@ def test_mosaic_kernel_lowers_for_cuda(B, Nq, D, ov):
 def test_mosaic_dispatch_and_bad_input():
     q = jnp.zeros((1, 4, 64, 64), jnp.bfloat16)
     kc = jnp.zeros((1, 8, 4096, 64), jnp.bfloat16)
-    assert mosaic.preferred(q, kc, None)
-    assert not mosaic.preferred(q, kc, 128)  # sliding layers: the Triton kernel reads only the window
-    assert not mosaic.preferred(q[:, :1], kc, None)  # one query token
-    assert not mosaic.preferred(q, kc[:, :, :2048], None)  # short caches
+    pick = functools.partial(select.attention, platform="gpu")
+    assert pick(q, kc, None) == "mosaic"
+    assert pick(q, kc, 128) == "triton"  # sliding layers: the Triton kernel reads only the window
+    assert pick(q[:, :1], kc, None) == "triton"  # one query token
+    assert pick(q, kc[:, :, :2048], None) == "triton"  # short caches
+    assert pick(q, kc[:, :, :0], None) == "reference"  # no cache
+    assert select.attention(q, kc, None, platform="cpu") == "reference"
     assert not mosaic.mosaic_fits(q[:, :, :16], kc[:, :4], None)  # G = 4: a token is half an 8-row tile
     assert not mosaic.mosaic_fits(q, kc[:, :, :4095], None)  # the flat cache's TMA tiling
     assert not mosaic.mosaic_fits(jnp.zeros((1, 17, 64, 64), jnp.bfloat16), kc, None)  # > 128 rows

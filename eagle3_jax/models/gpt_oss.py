@@ -2,13 +2,13 @@
 
 Pre-norm residual blocks: `x += Attn(RMSNorm(x)); x += MoE(RMSNorm(x))`, a final RMSNorm and an
 untied `lm_head`. On GPUs with bf16 activations the glue between the GEMMs runs as Pallas kernels
-(`glue_kernels`): each MoE output is added to the stream by the next norm's kernel (pallas/norm.py),
-q/k/v bias, RoPE and the cache write run inside the attention kernel (`attention.rope_attention`),
-and the MoE's norm, router and top k are two kernels (pallas/moe_route.py). Attention has biases,
-GQA, one learned sink logit per query head, YaRN RoPE and a sliding window on the layers
-`config.layer_types` marks. The MoE routes each token to its top-k
-experts (softmax over the selected logits) through an interleaved, clamped SwiGLU; experts are
-kept packed as MXFP4 (`Mxfp4Experts`) or dense (`DenseExperts`), both in [out, in] layout.
+(`pallas/select.py` makes every such choice): each MoE output is added to the stream by the next
+norm's kernel (pallas/norm.py), q/k/v bias, RoPE and the cache write run inside the attention kernel
+(`attention.rope_attention`), and the MoE's norm, router and top k are two kernels
+(pallas/moe_route.py). Attention has biases, GQA, one learned sink logit per query head, YaRN RoPE
+and a sliding window on the layers `config.layer_types` marks. The MoE routes each token to its
+top-k experts (softmax over the selected logits) through an interleaved, clamped SwiGLU; experts
+are kept packed as MXFP4 (`Mxfp4Experts`) or dense (`DenseExperts`), both in [out, in] layout.
 
 Entry points (all take the module itself and are traceable under `jax.jit`):
   forward(model, tokens, aux_layer_ids)      full sequence from position 0, no cache
@@ -30,16 +30,12 @@ from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.models import rope
 from eagle3_jax.models.config import GptOssConfig
 from eagle3_jax.models.layers import F32, keep_position, normal, over_chunks, shape_of
+from eagle3_jax.pallas import moe as moe_kernel
+from eagle3_jax.pallas import moe_route, select
 from eagle3_jax.pallas import norm as norm_kernel
 from eagle3_jax.pallas.attention import attention, rope_attention
 
-# (token, expert) pairs up to which the MoE gathers each pair's expert weights (decode, verify);
-# above it tokens are grouped by expert so each expert's weights are read once per tile.
-GATHER_MAX_PAIRS = 64
 GROUP_TILE = 64  # smallest rows of a scan tile of the grouped path (`group_tile`)
-# Tokens up to which the router picks its top k by rank counting (gpt_oss.top_k_by_rank): one fusion
-# in place of lax.top_k's GPU sort (3.2 us per layer at one token on an H200).
-RANK_TOP_K_ROWS = 64
 
 
 def group_tile(pairs: int, num_experts: int, kernel: bool = False) -> int:
@@ -50,12 +46,6 @@ def group_tile(pairs: int, num_experts: int, kernel: bool = False) -> int:
     128 / 256)."""
     lo, hi = (16, 128) if kernel else (GROUP_TILE, 256)
     return min(hi, max(lo, 1 << max(0, (2 * pairs // num_experts - 1).bit_length())))
-
-
-def glue_kernels(x) -> bool:
-    """Whether the model's glue runs as Pallas kernels (pallas/norm.py, attention.rope_attention,
-    moe_route.py): bf16 activations on a GPU. They have no gradients; training runs float32 models."""
-    return x.dtype == jnp.bfloat16 and jax.default_backend() == "gpu"
 
 
 def top_k_by_rank(x, k: int):
@@ -85,8 +75,8 @@ class RMSNorm(nnx.Module):
 
     def add(self, x, residual):
         """(s, norm(s)) with s = x + residual rounded to x.dtype (residual None: s = x). One Pallas
-        kernel where `glue_kernels(x)` (pallas/norm.py), where XLA runs up to three."""
-        if glue_kernels(x):
+        kernel where `select.norm` says so (pallas/norm.py), where XLA runs up to three."""
+        if select.norm(x) == "kernel":
             return norm_kernel.add_rms_norm(x, self.scale[...], residual, eps=self.eps)
         s = x if residual is None else x + residual.astype(x.dtype)
         return s, self(s)
@@ -135,7 +125,7 @@ class Attention(nnx.Module):
         bqkv = None if self.bqkv is None else self.bqkv[...]
         qkv = x @ self.wqkv[...]
         kw = dict(window=self.window, scale=self.head_dim ** -0.5)
-        if k_cache.shape[2] and glue_kernels(x) and k_cache.dtype == jnp.bfloat16 and self.head_dim <= 256:
+        if select.target_attention(x, k_cache) == "rope_kernel":
             # bias, RoPE, the cache write and attention in one kernel
             o, k_cache, v_cache = rope_attention(qkv, bqkv, cos, sin, k_cache, v_cache, lengths, positions, mask,
                                                  self.sinks[...], num_heads=self.num_heads,
@@ -206,11 +196,12 @@ class MoE(nnx.Module):
 
         One token goes through the router as two rows (the second zero): XLA on GPUs turns a one-row
         dot with a small matrix ([2880, 128]) into a multiply writing every product plus a reduce.
-        Up to RANK_TOP_K_ROWS tokens take the top k by rank counting instead of lax.top_k's sort."""
+        Up to select.RANK_TOP_K_ROWS tokens take the top k by rank counting instead of lax.top_k's sort."""
         N = x.shape[0]
         xr = jnp.pad(x, ((0, 1), (0, 0))) if N == 1 else x
         logits = jnp.dot(xr, self.router_w[...], preferred_element_type=F32)[:N] + self.router_b[...].astype(F32)
-        top, ids = top_k_by_rank(logits, self.top_k) if N <= RANK_TOP_K_ROWS else jax.lax.top_k(logits, self.top_k)
+        rank = select.router_top_k(N) == "rank"
+        top, ids = top_k_by_rank(logits, self.top_k) if rank else jax.lax.top_k(logits, self.top_k)
         return ids, jax.nn.softmax(top, axis=-1)
 
     def _swiglu(self, h):
@@ -224,13 +215,7 @@ class MoE(nnx.Module):
         act = self._swiglu(h).astype(x.dtype)
         return jnp.einsum(in_spec, act, w2, preferred_element_type=F32) + b2.astype(F32)
 
-    # Tokens up to which packed (MXFP4) bf16 experts run the Pallas kernel on a GPU when the path is
-    # chosen by size: every decode and verify size (pallas.moe.MAX_TOKENS). One gpt-oss-120b layer on
-    # an H200 (device time) at 16 / 32 / 64 tokens: 0.30 / 0.54 / 0.98 ms (0.26 / - / 0.90 with session
-    # 16's launch), the grouped path's kernels 0.81 / 1.21 / 1.61 ms (its XLA scan, before them: 6.7x the
-    # kernel's time at 32 tokens).
-    KERNEL_MAX_TOKENS = 64
-    PATHS = ("kernel", "gathered", "grouped", "dense")
+    PATHS = select.MOE_PATHS
 
     def __call__(self, x, path: str | None = None, norm: RMSNorm | None = None, dtype=None):
         """x [..., H] -> [..., H] in `dtype` (default x.dtype); with `norm`, the experts see norm(x).
@@ -239,8 +224,8 @@ class MoE(nnx.Module):
         in pallas/moe.py), "gathered" each
         (token, expert) pair's weights, "grouped" tokens grouped into expert tiles, "dense" every
         expert on every token (training: batched, differentiable; compute grows with E / k). By size:
-        the kernel where it applies, else gathered up to GATHER_MAX_PAIRS pairs, else dense for few
-        experts (E <= 4k), else grouped."""
+        `select.moe` (the kernel where it applies, else gathered up to select.GATHER_MAX_PAIRS pairs,
+        else dense for few experts, else grouped)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         path = path or self.path or self._path_for(x)
@@ -254,14 +239,9 @@ class MoE(nnx.Module):
         return out.astype(dtype or x.dtype).reshape(shape)
 
     def _path_for(self, x):
-        E, k = self.router_w.shape[1], self.top_k
-        if isinstance(self.experts, Mxfp4Experts) and glue_kernels(x) and x.shape[0] <= self.KERNEL_MAX_TOKENS:
-            return "kernel"
-        if x.shape[0] * k <= GATHER_MAX_PAIRS:
-            return "gathered"
-        # few experts (E <= 4k, small models): all of them are in use anyway and computing every one
-        # costs at most 4x the selected FLOPs in one batched matmul, far less than a scan over tiles
-        return "dense" if E <= 4 * k else "grouped"
+        """The path `select.moe` picks for x [N, H]."""
+        return select.moe(x, num_experts=self.router_w.shape[1], top_k=self.top_k,
+                          packed=isinstance(self.experts, Mxfp4Experts))
 
     def _dense(self, x, ids, w):
         """Every expert on every token, combined with the top-k weights (zero elsewhere). f32 [N, H]."""
@@ -274,9 +254,6 @@ class MoE(nnx.Module):
         """Few tokens on a GPU: norm, router and top k in two kernels (pallas/moe_route.py), then each
         (token, expert) pair's packed expert weights streamed from HBM or, for experts shared by tokens,
         mostly from L2 (pallas/moe.py). f32 [N, H]."""
-        from eagle3_jax.pallas import moe as moe_kernel
-        from eagle3_jax.pallas import moe_route
-
         scale, eps = (None, 0.0) if norm is None else (norm.scale[...], norm.eps)
         x, xq, ids, w = moe_route.route(x, scale, self.router_w[...], self.router_b[...], eps=eps, k=self.top_k)
         ex = self.experts
@@ -304,7 +281,8 @@ class MoE(nnx.Module):
         if kernel and not fits:
             raise ValueError(f"MoE grouped kernels: need packed MXFP4 experts and bf16 activations, got "
                              f"{type(ex).__name__} and {x.dtype}")
-        kernel = fits and (interpret or glue_kernels(x)) if kernel is None else kernel
+        if kernel is None:
+            kernel = select.moe_grouped(x, isinstance(ex, Mxfp4Experts), interpret) == "kernel"
         tm = group_tile(P, E, kernel)
         num_tiles = -(-P // tm) + E  # >= sum_e ceil(count_e / tm)
         flat_e = ids.reshape(-1)
@@ -322,8 +300,6 @@ class MoE(nnx.Module):
         tile_expert = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right"), E - 1)
         x_pad = jnp.concatenate([x, jnp.zeros((1, H), x.dtype)])
         if kernel:
-            from eagle3_jax.pallas import moe as moe_kernel
-
             y = moe_kernel.mxfp4_moe_grouped(
                 x_pad[rows].reshape(num_tiles, tm, H), tile_expert.astype(jnp.int32), tile_end[-1],
                 row_w.reshape(num_tiles, tm), ex.gate_up_blocks[...], ex.gate_up_scales[...], ex.gate_up_bias[...],

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from eagle3_jax.pallas import util
+from eagle3_jax.pallas import select, util
 from eagle3_jax.pallas.tree_mask import closure, links, pick, tree_mask_reference
 
 PROPOSALS = ("sample", "deterministic")
@@ -145,7 +145,7 @@ def accept_greedy_pallas(tokens, parents, target, *, max_depth=None, interpret: 
 
 def accept_greedy(tokens, parents, target, *, max_depth=None, interpret: bool | None = None):
     """Greedy acceptance: the kernel on GPU (or with interpret=True), the reference elsewhere."""
-    if interpret or (interpret is None and util.on_gpu()):
+    if select.spec_op(interpret) == "kernel":
         return accept_greedy_pallas(tokens, parents, target, max_depth=max_depth, interpret=bool(interpret))
     return accept_greedy_reference(tokens, parents, target, max_depth=max_depth)
 
@@ -396,8 +396,8 @@ def accept_sample_pallas(tokens, parents, p, q, key, *, max_depth=None, proposal
     # the walk's programs a sequence: all resident (see _walk_kernel); one in the interpreter (it runs them in turn)
     PW = 1 if interpret or not sample else max(1, min(nblk, util.num_sms() // B))
     CBW = -(-nblk // PW)
-    kern = functools.partial(_walk_kernel, N=N, Np=Np, Dm=Dm, Dp=Dp, V=V, BV=BV, CB=CBW, P=PW, Pp=util.pow2(max(16, PW)),
-                             sample=sample)
+    kern = functools.partial(_walk_kernel, N=N, Np=Np, Dm=Dm, Dp=Dp, V=V, BV=BV, CB=CBW, P=PW,
+                             Pp=util.pow2(max(16, PW)), sample=sample)
     acc, path, cur, w, rz, rej, _, _ = pl.pallas_call(
         kern, grid=(B, PW), interpret=interpret, compiler_params=params, name="accept_sample",
         input_output_aliases={5: 7},
@@ -419,7 +419,7 @@ def accept_sample(tokens, parents, p, q, key, *, max_depth=None, proposal="sampl
                   interpret: bool | None = None):
     """Lossless tree sampling: the kernels on GPU (or with interpret=True), the reference elsewhere (same
     outputs for the same key)."""
-    if interpret or (interpret is None and util.on_gpu()):
+    if select.spec_op(interpret) == "kernel":
         return accept_sample_pallas(tokens, parents, p, q, key, max_depth=max_depth, proposal=proposal,
                                     interpret=bool(interpret))
     return accept_sample_reference(tokens, parents, p, q, key, max_depth=max_depth, proposal=proposal)

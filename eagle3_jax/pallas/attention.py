@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from eagle3_jax.formats.packed_mask import unpack_mask
-from eagle3_jax.pallas import attention_mosaic, util
+from eagle3_jax.pallas import attention_mosaic, select, util
 from eagle3_jax.pallas.util import LOG2E, M_INIT, pow2
 
 
@@ -545,10 +545,11 @@ def attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, win
     caches, several query tokens), else the Pallas (Triton) kernel; the jnp reference elsewhere and for
     cache-free full-sequence passes (`forward`, training: the reference is differentiable, the kernels
     are not)."""
-    if util.on_gpu() and q.shape[-1] <= 256 and k_cache.shape[2] > 0:
-        if attention_mosaic.preferred(q, k_cache, window):
-            return attention_mosaic.attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
-                                                     window=window, scale=scale)
+    impl = select.attention(q, k_cache, window)
+    if impl == "mosaic":
+        return attention_mosaic.attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
+                                                 window=window, scale=scale)
+    if impl == "triton":
         return attention_pallas(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
                                 window=window, scale=scale)
     return attention_reference(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,

@@ -80,7 +80,6 @@ from eagle3_jax.pallas.util import LOG2E, M_INIT, pow2
 
 F32 = jnp.float32
 ROWS = 64  # rows of one compute warpgroup's wgmma tile
-MIN_CACHE = 4096  # `attention.attention` takes this kernel for caches at least this long (and Nq >= 2)
 _SMEM_BYTES = 227 * 1024  # shared memory a block may use (Hopper)
 LW = 8  # columns of the running row sums a thread keeps apart (one WGMMA column tile)
 
@@ -335,13 +334,6 @@ def mosaic_fits(q, k_cache, window) -> bool:
     return (window is None and q.dtype == jnp.bfloat16 and k_cache.dtype == jnp.bfloat16 and D in (64, 128)
             and Hkv > 0 and Hq % Hkv == 0 and (Hq // Hkv) % 8 == 0 and ROWS % (Hq // Hkv) == 0
             and Nq * (Hq // Hkv) <= 2 * ROWS and S % 8 == 0)
-
-
-def preferred(q, k_cache, window) -> bool:
-    """Whether `attention.attention` runs this kernel: it fits, the cache holds at least MIN_CACHE slots
-    and there are several query tokens (B=1, Nq=1 at 32K: 23.1 us here against 22.4 for the Triton
-    kernel, whose split-K merge is lighter)."""
-    return mosaic_fits(q, k_cache, window) and k_cache.shape[2] >= MIN_CACHE and q.shape[1] >= 2
 
 
 def launch_config(q, k_cache, *, splits=None, block_k=None, stages=None, interpret=False) -> dict:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from eagle3_jax.pallas import util
+from eagle3_jax.pallas import select, util
 
 
 def _moves(lengths, path, accept_len):
@@ -125,7 +125,7 @@ def kv_rewind_pallas(k_caches, v_caches, lengths, path, accept_len, *, interpret
 def kv_rewind(k_caches, v_caches, lengths, path, accept_len, *, interpret: bool | None = None):
     """In-place accepted-path compaction: the kernel on GPU (or with interpret=True), the reference
     elsewhere. Donates the cache buffers on the kernel path."""
-    if interpret or (interpret is None and util.on_gpu()):
+    if select.spec_op(interpret) == "kernel":
         return kv_rewind_pallas(tuple(k_caches), tuple(v_caches), lengths, path, accept_len,
                                 interpret=bool(interpret))
     return kv_rewind_reference(tuple(k_caches), tuple(v_caches), lengths, path, accept_len)

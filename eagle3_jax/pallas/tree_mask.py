@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from eagle3_jax.formats.packed_mask import MASK_WORD, mask_words, pack_mask
-from eagle3_jax.pallas import util
+from eagle3_jax.pallas import select, util
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,6 +143,6 @@ def tree_mask_pallas(parents, lengths, *, interpret: bool = False):
 def tree_mask(parents, lengths, *, interpret: bool | None = None):
     """Tree structure of `parents` (see the module docstring): the Pallas kernel on GPU (or with
     interpret=True), the reference elsewhere. Returns (bits, depth, positions, first_child, next_sibling)."""
-    if interpret or (interpret is None and util.on_gpu()):
+    if select.spec_op(interpret) == "kernel":
         return tree_mask_pallas(parents, lengths, interpret=bool(interpret))
     return tree_mask_reference(parents, lengths)

@@ -1,0 +1,99 @@
+"""Which implementation runs, for a platform and shapes: the one place that decides.
+
+The model code (`models/gpt_oss.py`) and the ops' dispatchers ask these functions; each returns a
+name. `platform` defaults to the default backend (`util.on_gpu`). Kernels have no gradients:
+`forward` and training run float32 models, which take the references.
+
+| question | answer | when |
+|---|---|---|
+| `glue_kernels(x)` | True | bf16 activations on a GPU: the target's norm, routing, q/k/v glue |
+| `attention(q, k_cache, window)` | "mosaic" | GPU, `mosaic_fits` (full layer, bf16), S >= MOSAIC_MIN_CACHE, Nq >= 2 |
+| (draft; target without glue) | "triton" | GPU, a non-empty cache, head_dim <= MAX_HEAD_DIM |
+| | "reference" | otherwise (no GPU; no cache: `forward`, training) |
+| `target_attention(x, k_cache)` | "rope_kernel" | glue kernels, a non-empty bf16 cache, head_dim <= MAX_HEAD_DIM |
+| | "plain" | otherwise: `qkv_rope`, the cache write, then `attention` |
+| `norm(x)` | "kernel" | glue kernels (`norm.add_rms_norm`); else "reference" |
+| `moe(x, ...)` | "kernel" | MXFP4 experts, glue kernels, tokens <= MOE_KERNEL_MAX_TOKENS |
+| | "gathered" | tokens * top_k <= GATHER_MAX_PAIRS |
+| | "dense" | experts <= DENSE_MAX_EXPERTS_PER_TOPK * top_k (small models) |
+| | "grouped" | otherwise |
+| `moe_grouped(x, packed, interpret)` | "kernel" | MXFP4 experts, bf16, glue kernels or interpret; else "scan" |
+| `router_top_k(rows)` | "rank" | rows <= RANK_TOP_K_ROWS; else "sort" |
+| `spec_op(interpret)` | "kernel" | GPU or interpret=True; else "reference" (tree_mask, accept, kv_rewind) |
+
+Why these thresholds: docs/perf/ (attention.md, moe.md, glue.md).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from eagle3_jax.pallas import attention_mosaic, moe, util
+
+MAX_HEAD_DIM = 256  # head_dim the attention kernels take
+MOSAIC_MIN_CACHE = 4096  # cache slots from which full layers take the Mosaic GPU kernel (with Nq >= 2)
+MOE_KERNEL_MAX_TOKENS = moe.MAX_TOKENS  # every decode and verify size: 64
+GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which the jnp MoE gathers each pair's weights
+DENSE_MAX_EXPERTS_PER_TOPK = 4  # E <= 4 k: every expert on every token costs at most 4x the selected FLOPs
+RANK_TOP_K_ROWS = 64  # router rows up to which the jnp top k counts ranks (one fusion) instead of sorting
+MOE_PATHS = ("kernel", "gathered", "grouped", "dense")
+
+
+def _gpu(platform: str | None) -> bool:
+    return util.on_gpu() if platform is None else platform == "gpu"
+
+
+def glue_kernels(x, platform: str | None = None) -> bool:
+    """Whether the target's glue runs as Pallas kernels: bf16 activations x on a GPU."""
+    return x.dtype == jnp.bfloat16 and _gpu(platform)
+
+
+def attention(q, k_cache, window, platform: str | None = None) -> str:
+    """q [B, Nq, Hq, D], k_cache [B, Hkv, S, D] -> "mosaic", "triton" or "reference"."""
+    if not (_gpu(platform) and q.shape[-1] <= MAX_HEAD_DIM and k_cache.shape[2] > 0):
+        return "reference"
+    if (attention_mosaic.mosaic_fits(q, k_cache, window) and k_cache.shape[2] >= MOSAIC_MIN_CACHE
+            and q.shape[1] >= 2):
+        return "mosaic"
+    return "triton"
+
+
+def target_attention(x, k_cache, platform: str | None = None) -> str:
+    """x [B, T, H] (the layer's input), k_cache [B, Hkv, S, D] -> "rope_kernel" or "plain"."""
+    if (k_cache.shape[2] and glue_kernels(x, platform) and k_cache.dtype == jnp.bfloat16
+            and k_cache.shape[-1] <= MAX_HEAD_DIM):
+        return "rope_kernel"
+    return "plain"
+
+
+def norm(x, platform: str | None = None) -> str:
+    """The residual add + RMSNorm: "kernel" or "reference"."""
+    return "kernel" if glue_kernels(x, platform) else "reference"
+
+
+def moe(x, *, num_experts: int, top_k: int, packed: bool, platform: str | None = None) -> str:
+    """x [N, H] through a MoE of num_experts experts (packed: MXFP4) -> one of MOE_PATHS."""
+    tokens = x.shape[0]
+    if packed and glue_kernels(x, platform) and tokens <= MOE_KERNEL_MAX_TOKENS:
+        return "kernel"
+    if tokens * top_k <= GATHER_MAX_PAIRS:
+        return "gathered"
+    return "dense" if num_experts <= DENSE_MAX_EXPERTS_PER_TOPK * top_k else "grouped"
+
+
+def moe_grouped(x, packed: bool, interpret: bool = False, platform: str | None = None) -> str:
+    """The grouped MoE path's tiles: "kernel" (`moe.mxfp4_moe_grouped`) or "scan" (XLA, a tile at a time)."""
+    if packed and x.dtype == jnp.bfloat16 and (interpret or glue_kernels(x, platform)):
+        return "kernel"
+    return "scan"
+
+
+def router_top_k(rows: int) -> str:
+    """The jnp router's top k: "rank" (`gpt_oss.top_k_by_rank`) or "sort" (`lax.top_k`)."""
+    return "rank" if rows <= RANK_TOP_K_ROWS else "sort"
+
+
+def spec_op(interpret: bool | None = None, platform: str | None = None) -> str:
+    """tree_mask, accept and kv_rewind: "kernel" on a GPU or with interpret=True (the Pallas
+    interpreter), "reference" otherwise (interpret=False forces it)."""
+    return "kernel" if interpret or (interpret is None and _gpu(platform)) else "reference"

@@ -1,0 +1,56 @@
+"""pallas/select.py: the table of which implementation runs, checked for each platform on CPU."""
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax.pallas import select
+
+bf16, f32 = jnp.bfloat16, jnp.float32
+
+
+def _z(shape, dtype=bf16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def test_glue_norm_and_target_attention():
+    x, x32 = _z((1, 1, 2880)), _z((1, 1, 2880), f32)
+    kc, empty = _z((1, 8, 4096, 64)), _z((1, 8, 0, 64))
+    assert select.glue_kernels(x, "gpu") and not select.glue_kernels(x32, "gpu") and not select.glue_kernels(x, "cpu")
+    assert select.norm(x, "gpu") == "kernel" and select.norm(x, "cpu") == select.norm(x32, "gpu") == "reference"
+    assert select.target_attention(x, kc, "gpu") == "rope_kernel"
+    for args in ((x, empty, "gpu"), (x32, kc, "gpu"), (x, _z((1, 8, 64, 64), f32), "gpu"),
+                 (x, _z((1, 8, 64, 512)), "gpu"), (x, kc, "cpu")):
+        assert select.target_attention(*args) == "plain", args
+
+
+def test_attention():
+    q, kc = _z((1, 4, 64, 64)), _z((1, 8, 4096, 64))
+    assert select.attention(q, kc, None, "gpu") == "mosaic"
+    assert select.attention(q, kc, 128, "gpu") == "triton"  # sliding layer
+    assert select.attention(_z((1, 1, 64, 64)), kc, None, "gpu") == "triton"  # Nq = 1
+    assert select.attention(q, _z((1, 8, select.MOSAIC_MIN_CACHE - 8, 64)), None, "gpu") == "triton"
+    assert select.attention(_z((1, 4, 64, 64), f32), _z((1, 8, 4096, 64), f32), None, "gpu") == "triton"
+    assert select.attention(q, _z((1, 8, 0, 64)), None, "gpu") == "reference"  # no cache: forward, training
+    assert select.attention(_z((1, 4, 8, 512)), _z((1, 1, 4096, 512)), None, "gpu") == "reference"  # D > 256
+    assert select.attention(q, kc, None, "cpu") == "reference"
+
+
+def test_moe_paths():
+    def path(T, E=128, k=4, packed=True, dtype=bf16, platform="gpu"):
+        return select.moe(_z((T, 2880), dtype), num_experts=E, top_k=k, packed=packed, platform=platform)
+
+    assert [path(T) for T in (1, 16, 64, 65)] == ["kernel"] * 3 + ["grouped"]
+    assert path(1, packed=False) == path(16, platform="cpu") == path(16, dtype=f32) == "gathered"
+    assert path(17, platform="cpu") == "grouped" and path(17, E=16, platform="cpu") == "dense"
+    assert path(16, E=16, platform="cpu") == "gathered"
+    assert select.moe_grouped(_z((300, 2880)), True, platform="gpu") == "kernel"
+    assert select.moe_grouped(_z((300, 2880)), True, interpret=True, platform="cpu") == "kernel"
+    assert select.moe_grouped(_z((300, 2880)), False, interpret=True, platform="gpu") == "scan"
+    assert select.moe_grouped(_z((300, 2880), f32), True, interpret=True) == "scan"
+    assert select.moe_grouped(_z((300, 2880)), True, platform="cpu") == "scan"
+    assert select.router_top_k(select.RANK_TOP_K_ROWS) == "rank" and select.router_top_k(65) == "sort"
+
+
+def test_spec_ops():
+    assert select.spec_op(None, "gpu") == select.spec_op(True, "cpu") == select.spec_op(True, "gpu") == "kernel"
+    assert select.spec_op(None, "cpu") == select.spec_op(False, "gpu") == "reference"
