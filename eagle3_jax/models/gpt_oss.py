@@ -41,9 +41,7 @@ GROUP_TILE = 64  # smallest rows of a scan tile of the grouped path (`group_tile
 def group_tile(pairs: int, num_experts: int, kernel: bool = False) -> int:
     """Rows of a grouped-path tile: twice the mean pairs an expert, as a power of two, so that most
     experts fit one tile; within [GROUP_TILE, 256] for the scan (each tile dequantizes its expert),
-    within [16, 128] for the Pallas kernels (one gpt-oss-120b layer on an H200: 256 tokens 1.9 / 2.1 /
-    2.7 ms at 16 / 32 / 64 rows; 2048 tokens 3.6 / 4.5 ms at 128 / 64; 4096 tokens 5.0 / 6.8-8.6 ms at
-    128 / 256)."""
+    within [16, 128] for the Pallas kernels (the tile sizes measured: docs/perf/moe.md)."""
     lo, hi = (16, 128) if kernel else (GROUP_TILE, 256)
     return min(hi, max(lo, 1 << max(0, (2 * pairs // num_experts - 1).bit_length())))
 
@@ -86,8 +84,7 @@ def qkv_rope(qkv, bias, cos, sin, num_heads, num_kv_heads, head_dim):
     """Fused projection [B, T, (Hq + 2 Hkv) * D] before its bias (bias [(Hq + 2 Hkv) * D] or None) ->
     q [B, T, Hq, D] and k [B, T, Hkv, D] biased and rotated, v [B, T, Hkv, D] biased. q and k rotate as
     one array, and the bias is added here rather than on the GEMM's output, where XLA on GPUs gives
-    cuBLAS a bias epilogue that costs a copy kernel. B=1 gpt-oss-120b decode on an H200: one kernel and
-    about 1 us fewer per layer, 3.15 -> 3.12 ms/token (experiments/results/moe_e2e_h200.json)."""
+    cuBLAS a bias epilogue that costs a copy kernel (one kernel and about 1 us a layer; docs/perf/glue.md)."""
     B, T, _ = qkv.shape
     n = (num_heads + num_kv_heads) * head_dim
     qk, v = qkv[..., :n], qkv[..., n:]
@@ -101,8 +98,7 @@ class Attention(nnx.Module):
     """Weights in [in, out] layout: wqkv [H, (Hq + 2 Hkv) * D] (q, k, v columns side by side),
     wo [Hq*D, H]; biases bqkv, bo; sinks f32 [Hq]. q, k and v share one matrix so that a single token
     is one GEMM: XLA on GPUs turns a one-row dot with a small matrix (k, v: [2880, 512]) into a
-    multiply that writes every product plus a reduce. On an H200, gpt-oss-120b shapes: q + k + v
-    apart 24.7 us, fused 9.8 us; B=1 decode 4.12 -> 3.57 ms/token (experiments/results/moe_e2e_h200.json)."""
+    multiply that writes every product plus a reduce (docs/perf/glue.md: 9.8 against 24.7 us)."""
 
     def __init__(self, cfg: GptOssConfig, layer: int, dtype, rngs: nnx.Rngs):
         H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -334,13 +330,7 @@ class Block(nnx.Module):
         """x: the residual stream [B, T, H], h = input_layernorm(x) (run_layers fuses it with the
         previous block's residual add). Returns (x + attention, the MoE's f32 output, not yet added
         to the stream, k_cache, v_cache). The attention residual add stays an XLA fusion: at one
-        token it is also the reduce of o_proj's split-K GEMM; moved (with o_proj's bias) into the MoE
-        routing kernel, XLA ran that reduce as a kernel of its own and the router took 0.7 us longer,
-        a net loss (B=1 gpt-oss-120b on an H200: add 56 -> 1 us, new reduce 47 us, router 128 -> 155 us
-        a token). Nor did Pallas (Triton) one-token GEMVs with bias and residual inside beat XLA (one
-        program per 16-64 output columns over all of K, 3-5 stages; session 25, H200, scratch probe):
-        o_proj 10.8 us at best against XLA's 7.9 us GEMM + 1.5 us add, qkv 12.4 against its 9.7 us GEMM;
-        what is left there takes split-K with the partial sums reduced by the consumer."""
+        token it is also the reduce of o_proj's split-K GEMM (what was tried instead: docs/perf/glue.md)."""
         a, k_cache, v_cache = self.self_attn(h, cos, sin, k_cache, v_cache, lengths, positions, mask)
         x = x + a
         return x, self.mlp(x, norm=self.post_attention_layernorm, dtype=F32), k_cache, v_cache

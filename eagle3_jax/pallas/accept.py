@@ -1,50 +1,32 @@
 """Acceptance of a verified speculative tree, on device: greedy and lossless sampling.
 
-Tree (see tree_mask.py): N nodes per sequence, `parents [B, N]` (parents[:, 0] = -1, parents before
-children), `tokens [B, N]` int32 the node tokens (tokens[:, 0] = the root, the last committed token;
-tokens[:, i] for i >= 1 the draft tokens). The target ran the N nodes; its prediction after node i
-is `target [B, N]` (greedy: argmax ids) or `p [B, N, V]` (sampling: probabilities, rows summing to 1).
+Tree (tree_mask.py): N nodes a sequence, `parents [B, N]` (parents[:, 0] = -1, parents before children),
+`tokens [B, N]` int32 (tokens[:, 0] the root, the last committed token; the rest the drafts). The
+target's prediction after node i: `target [B, N]` (greedy: argmax ids) or `p [B, N, V]` (sampling:
+probabilities, rows summing to 1). Outputs of both modes: accept_len int32 [B] (accepted drafts, root
+excluded; accept_len + 1 tokens are committed), path int32 [B, max_depth + 1] (path[:, d] the
+accepted node at depth d, path[:, 0] = 0, -1 past accept_len), bonus int32 [B] (the token the target
+adds after the path). `max_depth` (static, default N - 1): deeper nodes are never accepted.
 
-Outputs, both modes:
-  accept_len int32 [B]: accepted draft tokens (root excluded); tokens committed = accept_len + 1
-  path       int32 [B, max_depth + 1]: node indices of the accepted path, path[:, 0] = 0 (the root),
-             path[:, d] = the accepted node at depth d for d <= accept_len, -1 beyond (the fill)
-  bonus      int32 [B]: the token the target adds after the accepted path (the next root)
-`max_depth` (static, default N - 1) bounds the path: nodes deeper than it are never accepted.
+Greedy (REFERENCE.md 6): node i is accepted iff every node on its root path equals the target argmax
+at its parent; the deepest accepted node wins (the smallest index among equals); bonus = the argmax
+there. Lossless sampling, recursive rejection over siblings (SpecInfer; EAGLE's tree sampling): from
+the root with residual r = p[root], child x with proposal q_x is accepted with probability
+min(1, r(x) / q_x(x)) (then r = p[x], its children next); on rejection r <- norm(max(r - q_x, 0)) and
+the next sibling is tried; with no child left the bonus is drawn from r. The tokens are distributed
+exactly as the target's whenever each draft was drawn from its q_x. proposal="sample": children are
+i.i.d. draws from q[c] (q [B, N, V]; a chain accepts with min(1, p/q), resamples from
+norm(max(p - q, 0))); proposal="deterministic": top-k children, q_x the point mass (a rejection removes
+x from r, EAGLE's evaluate_posterior; q unused). u = uniform(key, [B, N + 1]): child i's test uses
+u[:, i], the bonus (inverse CDF over r, rows taken as normalized) u[:, N]; kernel and reference draw
+the same u and agree token for token (up to float rounding of the cumulative sums at a boundary).
 
-Greedy (REFERENCE.md 6): node i is accepted iff every node on its root path (root excluded) equals
-the target argmax at its parent; the deepest accepted node wins (the smallest index among equals);
-bonus = target argmax there.
-
-Lossless sampling, recursive rejection over siblings (SpecInfer's multi-step speculative sampling;
-EAGLE's tree sampling). Start at the root with residual r = p[root]. Visit the children of the
-current node c in index order; child x with proposal distribution q_x is accepted with probability
-min(1, r(x) / q_x(x)); on acceptance move to x (r = p[x], start over with x's children); on rejection
-r <- norm(max(r - q_x, 0)) and try the next sibling. When no child is left, the bonus token is drawn
-from r. This returns a token sequence distributed exactly as the target's whenever each draft token
-was drawn from its q_x given everything drafted before it:
-  proposal="sample":        child tokens of node c are i.i.d. draws from q[c] (q [B, N, V] the draft
-                            distribution at each node; a chain is the one-child case: accept with
-                            min(1, p/q), resample from norm(max(p - q, 0)))
-  proposal="deterministic": children are chosen without sampling (top-k trees, EAGLE / EAGLE-2): q_x
-                            is the point mass at x, so x is accepted with probability r(x) and a
-                            rejection removes x from r (EAGLE's evaluate_posterior rule); q is unused.
-Randomness: u = uniform(key, [B, N + 1]); child i's test uses u[:, i], the bonus draw u[:, N]
-(inverse CDF: the first token whose cumulative residual mass exceeds u * mass; p rows are taken as
-normalized). Kernel and reference draw the same u, so they agree token for token (up to float
-rounding of the cumulative sums at a boundary).
-
-Kernels: Pallas Triton lowering. Greedy: one program per sequence on [N, N] tiles in registers
-(ancestor closure by matrix squaring, tree_mask.closure). Sampling, three launches: the walk down the
-tree (a while loop; with proposal="sample" each rejection is one pass over the vocabulary summing
-the residual in closed form, max(p - w q, 0), shared by SMs / B programs a sequence, see _walk_kernel;
-with "deterministic" a rejection only drops the token and its mass r(x), one program a sequence), the
-residual's sum over vocabulary chunks (many programs), and the bonus draw (one program per sequence
-scans the one chunk that holds it).
-Device time on an H200, B=4, N=64 (experiments/results/accept_h200.json): deterministic 8.6 us at
-V=32000 and 11.6 us at V=201088 (the reference: 207 / 178 us; one program per sequence for every pass
-before: 56 / 446 us), sample 9.9 / 13.5 us (reference 259 / 248 us; with each pass one program a
-sequence: 15.4 / 59.0 us; with the residual also written to a buffer at each rejection: 16.1 / 72.9 us).
+Kernels (Pallas Triton): greedy, one program a sequence on [N, N] tiles (`tree_mask.closure`);
+sampling, three launches: the walk (a sampled rejection is one pass over the vocabulary, shared by
+SMs / B programs a sequence, see `_walk_kernel`), the residual's sums over vocabulary chunks, the bonus
+draw. H200, B=4, N=64 (experiments/results/accept_h200.json): deterministic 8.6 / 11.6 us, sample
+9.9 / 13.5 us at V = 32000 / 201088 (the references 207 / 178 and 259 / 248 us). What was tried:
+docs/perf/accept.md.
 """
 
 from __future__ import annotations
@@ -266,7 +248,7 @@ def _walk_kernel(tok_ref, par_ref, p_ref, q_ref, u_ref, cnt_in_ref, len_ref, pat
         def on_accept(_):
             d1 = d + 1
             nxt = jnp.where(d1 < Dm, pick(fc, child), -1)
-            # (branch results must be traced values for the Triton lowering, not literals)
+            # (lax.cond's results must be traced values for the Triton lowering, not literals)
             return (child, nxt, d1, w * 0, rz * 0 + 1, jnp.where(kk == d1, child, path), none,
                     nrej if sample else nrej * 0)  # (a sample walk counts all its passes in nrej)
 

@@ -7,21 +7,15 @@ positions, GQA (query head h reads kv head h // (Hq // Hkv)), float32 softmax.
 `attention_reference` is the spec (plain jnp). `attention_pallas` is the GPU kernel (Pallas Triton
 lowering; `interpret=True` runs it on CPU): GQA folded into the kernel rows, K/V read in place from
 the [B, Hkv, S, D] cache, per-sequence lengths, split-K over the prefix with a log-sum-exp merge,
-sliding layers reading only the keys inside the window. `attention` (the model's entry point)
-dispatches to a kernel when the default backend is a GPU (the Mosaic GPU kernel of attention_mosaic.py
-for full layers with long caches and several query tokens, else this one), to the reference otherwise.
-`rope_attention` is the same kernel fed by the fused q/k/v projection: the bias, RoPE and the new
-tokens' cache write happen inside it (`rope_attention_reference`: `rope_write_reference` then
-`attention_reference`); gpt-oss-120b B=1 decode on an H200: 2.70 -> 2.66 ms/token without the
-separate prologue kernel (experiments/results/moe_e2e_h200.json).
+sliding layers reading only the keys inside the window. `rope_attention` is the same kernel fed by
+the fused q/k/v projection: the bias, RoPE and the new tokens' cache write happen inside it
+(`rope_attention_reference`: `rope_write_reference` then `attention_reference`). `attention` (the
+model's entry point) runs the implementation `select.attention` names: the Mosaic GPU kernel of
+attention_mosaic.py, this one, or the reference.
 
-Measured on an H200 (experiments/results/kernels_h200.json; device kernel time incl. the split-K
-merge, K/V bytes over the copy bandwidth of the same run, 4.12 TB/s): 32K prefix, 64/8 heads, D 64:
-B=1 Nq=1/4/8/16: 22.4/24.7/25.6/32.1 us (73/66/64/51% of the roofline); B=4: 67.9/71.7/72.1/95.0 us
-(96/91/90/69%); 128K B=1 Nq=1 68.0 us (96%); sliding layers 3.6-5.8 us at 32K and 128K alike. torch in
-the same run: SDPA 45 / 525 / 97 / 1033 us and flex_attention 93 / 282 / 151 / 1147 us for (B, Nq) =
-(1, 1), (1, 16), (4, 1), (4, 16). B=1 has about 5 us of fixed cost per call (a 2K prefix takes 4.8 us
-+ 1.3 us merge); Nq=16 is bound by the softmax's issue rate and exp units (MUFU.EX2 is the top stall).
+H200, 32K prefix, 64/8 heads, D 64, device time with the merge (experiments/results/kernels_h200.json):
+B=1 Nq=1/4/8/16 22.4/24.7/25.6/32.1 us (73/66/64/51% of the K/V roofline); B=4 67.9/71.7/72.1/95.0
+us (96/91/90/69%); sliding layers 3.6-5.8 us at any prefix. What was tried: docs/perf/attention.md.
 """
 
 from __future__ import annotations
@@ -115,24 +109,13 @@ def attention_config(batch, nq, hq, hkv, head_dim, cache_len, window, *, num_sms
                      **overrides) -> AttnConfig:
     """Launch parameters; any field can be overridden by keyword.
 
-    From sweeps on an H200 (experiments/results/kernels_h200.json, JAX 0.11.2, 32K prefix, B in
-    {1, 4}, Nq in {1, 4, 8, 16}): 64-key blocks, 3 stages, 4 warps (8 for 128-row blocks; 2 where blocks
-    of <= 32 rows stream >= 1024 keys a program: B=1 Nq=1 22.9 -> 22.5 us, Nq=4 25.9 -> 24.7; B=4 Nq=1
-    68.7 -> 67.9, Nq=4 73.6 -> 71.5; but short ranges ran slower with 2: sliding layers 3.6 -> 3.8, 2K
-    prefix 6.1 -> 6.3, 256 keys 4.6 -> 4.9; 8 warps at Nq=4: 35.9 / 124; 2 at Nq=8: 25.7 -> 27.0), and as
-    many splits as give about 2 programs per SM (4 for blocks of <= 32 rows while each split keeps
-    >= 1024 keys: B=4 Nq=4 ran at 82% of the roofline with 18 splits, 72% with 9), rounded down to a
-    power of two: the merge pads the split count to one (B=1 Nq=1: 33 splits 23.9 us, merge 2.5;
-    32 splits 22.7 us, merge 1.7). The new tokens' K/V are loaded before the prefix loop where that
-    costs no occupancy (<= 2 programs per SM): B=1 Nq=16 35.8 -> 32.3 us, sliding layers 4.1 -> 3.6 us;
-    at 4 programs per SM its registers (95 -> 148 at 32 rows) cut the resident programs (B=4 Nq=4: 74 -> 94 us).
-    Nq=16 (128 rows) stays one 8-warp block: two 64-row blocks (4 warps) took 36.6 us against 29.0 at B=1
-    and 113 against 91 at B=4, 32-row blocks 62.5 / 229, 128-key steps 36.4 / 109 (main kernel, H200); an
-    exp2 in f16x2 (ex2.approx.f16x2, two logits a MUFU op) was slower too (33.6 against 32.0 us, 103
-    against 96): the softmax's chain, not the exp units' throughput, bounds it. The split-K merge stays a
-    kernel of its own: the last split of each block merging in the main kernel (an acq_rel ticket per
-    block, zeroed counters) was slower at every shape, its serial tail longer than the merge kernel
-    (B=1 Nq=1/4/16: 24.5/30.0/53.1 us against 22.7/25.7/32.4; B=4 Nq=1 68.9 against 67.5; H200).
+    From sweeps on an H200 (experiments/results/kernels_h200.json; each choice's figures in
+    docs/perf/attention.md): 64-key blocks, 3 stages, 4 warps (8 for 128-row blocks, 2 where blocks of
+    <= 32 rows stream >= 1024 keys a program); as many splits as give about 2 programs per SM (4 for
+    blocks of <= 32 rows while each split keeps >= 1024 keys), rounded down to a power of two (the merge
+    pads the split count to one); the new tokens' K/V loaded before the prefix loop where that costs no
+    occupancy (<= 2 programs per SM); Nq=16 (128 rows) one 8-warp block; the split-K merge a kernel of
+    its own.
     """
     G = hq // hkv
     R = nq * G
@@ -540,11 +523,11 @@ def _launch(srcs, rope, k_cache, v_cache, lengths, positions, mask, sinks, *, B,
 
 
 def attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale):
-    """The model's single attention entry point (same contract as `attention_reference`): on GPU for
-    cached steps the Mosaic GPU kernel (attention_mosaic.py) where it is faster (full layers, long
-    caches, several query tokens), else the Pallas (Triton) kernel; the jnp reference elsewhere and for
-    cache-free full-sequence passes (`forward`, training: the reference is differentiable, the kernels
-    are not)."""
+    """The model's single attention entry point (same contract as `attention_reference`): the
+    implementation `select.attention` names for these shapes on this platform. The Mosaic GPU kernel
+    (attention_mosaic.py) for full layers with long caches and several query tokens on a GPU, else the
+    Pallas (Triton) kernel on a GPU; the jnp reference elsewhere and for cache-free full-sequence
+    passes (`forward`, training: the reference is differentiable, the kernels are not)."""
     impl = select.attention(q, k_cache, window)
     if impl == "mosaic":
         return attention_mosaic.attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,

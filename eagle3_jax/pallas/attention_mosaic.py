@@ -7,61 +7,24 @@ contract of `attention.attention_reference` for full (window None) layers. Two l
   1. prefix (`_prefix_call`), grid (splits, B * Hkv), one block per multiprocessor: a memory warpgroup
      streams the split's K/V blocks of `block_k` keys from the cache (viewed as [B * Hkv * S, D], read
      in place) into a shared-memory ring (TMA, `stages` slots); two compute warpgroups run Q K^T and
-     P V on the tensor cores (wgmma) with an online base-2 softmax in f32 (P rounded to bf16 for P V,
-     as in the Triton kernel). The kv head's query rows (token x group head, GQA folded: row r is token
-     r // G, head h * G + r % G) are row groups of 64, each token's G rows copied from q by TMA. One row
+     P V on the tensor cores (wgmma) with an online base-2 softmax in f32 (P rounded to bf16 for P V).
+     The kv head's query rows (row r is token r // G, head h * G + r % G) are row groups of 64. One row
      group (Nq * G <= 64): the two warpgroups take alternate key blocks and write separate partials; two
      row groups (<= 128 rows): each takes one over every block, and they take turns on the tensor cores
-     (a schedule barrier, as in JAX's FlashAttention-3 example: one's softmax runs during the other's
-     matmuls). Output: unnormalized partials (acc f32 [.., D], running max m and sum l, m in units of
-     `scale * log2(e)`) per (split, key phase).
-  2. finish (`_finish_kernel`), grid (Nq * G, B * Hkv), one query row a program (one warp; 8 or 16 rows
-     a program with 2-4 warps were slower: 4.4-8.8 us against 2.5-4.6 on an H200): the row's partials, its
-     sink (a virtual key of logit `sinks[hq]`, value zero) and the Nq new tokens under the packed mask
-     (or causal) merged by their maxima, normalized, stored as [B, Nq, Hq, D] in q.dtype.
+     (a schedule barrier, as in JAX's FlashAttention-3 example). Output: unnormalized partials (acc f32
+     [.., D], running max m and sum l, m in units of `scale * log2(e)`) per (split, key phase).
+  2. finish (`_finish_kernel`), grid (Nq * G, B * Hkv), one query row a program (one warp): the row's
+     partials, its sink and the Nq new tokens under the packed mask (or causal) merged by their maxima,
+     normalized, stored as [B, Nq, Hq, D] in q.dtype.
 
-`attention.attention` (plain q/k/v callers: the EAGLE-3 draft) takes this kernel where `preferred` says
-so; the target's cached steps on GPUs stay on `attention.rope_attention` (the Triton kernel with the
-q/k/v bias, RoPE and cache write inside: here they would be XLA ops of their own). `prefix_reference`
-is the jnp function of the prefix kernel (the same partials); with interpret=True the partials come
-from it (the Mosaic interpreter runs no warp-specialized kernel) and the finish kernel runs in the
-Pallas interpreter.
+`select.attention` says when `attention.attention` takes this kernel (full layers, caches of at least
+`select.MOSAIC_MIN_CACHE` slots, Nq >= 2). `prefix_reference` is the jnp function of the prefix kernel;
+with interpret=True the partials come from it and the finish kernel runs in the Pallas interpreter.
 
-Measured on an H200 (experiments/results/attention_mosaic_h200.json, device time of both kernels, K/V
-bytes over the copy bandwidth of the run, 4.18 TB/s; the Triton kernel in the same run): 32K prefix,
-64/8 heads, D 64, B=1 Nq=1/4/8/16 22.9/23.8/24.8/29.0 us (Triton 22.3/24.8/25.4/32.2), B=4
-67.5/68.5/71.1/88.5 us (Triton 67.5/71.1/71.9/96.4); 128K Nq=16 B=1 86.8 us (95.6), B=4 322 us (350).
-Launch: 128-key slots, 2 stages (64-key slots: Nq=16 B=1 prefix 28.3 us against 24.1; 6 stages of 64
-no faster than 4). The schedule barrier took the Nq=16 prefix kernel from 26.3 to 24.1 us (B=1) and 89.3
-to 80.4 us (B=4). Where B=1 stops: the same kernel streaming the same 67 MB with its compute left out
-took 19.6 us (82% of the roofline; B=4's 268 MB: 64.2 us, 100%), and XLA's reduce over 64 MB 21.9 us,
-so about 3.5 us of a call is one kernel's ramp and tail, whichever kernel; the finish adds 2.3 us (Nq=1)
-to 3.5 us (Nq=16) where the Triton kernel's merge takes 1.7-3.3. Tried and not kept: griddepcontrol
-(programmatic dependent launch, with XLA's --xla_gpu_enable_pdl=true) at the kernel's start or only in
-the compute warpgroups: device span unchanged (B=1 Nq=1 22.9 against 22.8 us). Four compute warpgroups
-(two row groups x two key phases, each pair taking turns): correct but slower, B=4 Nq=16 90.96 against
-88.05 us with 64-key slots, 256 us with 128-key ones (five warpgroups leave ~100 registers a thread; with
-setmaxnreg moving the memory warpgroup's registers to the compute ones, the kernel hung: the increase
-waits on a pool the launch did not hold). FlashAttention-3's intra-warpgroup overlap (Q K^T of block j and
-P V of block j - 1 issued together, block j's softmax while P V runs, the warpgroups passing a tensor-core
-turn through two barriers): B=4 Nq=16 95.2 us against 87.3 (without the turns 88.9), Nq <= 8 no faster
-with 4 stages of 128 keys (with 2, a key phase holds one slot: 30.9 against 22.7 us at B=1 Nq=1); this
-kernel with 4 stages: 87.8 us. (P V reads P from registers: P must stay live past P V's wait, or ptxas
-serializes the wgmmas, its warning C7513.)
-
-Where it stops (experiments/attention_floor.py, experiments/results/attention_floor_h200.json, one run,
-32K, copy bandwidth 4.01 TB/s; `_prefix_call(probe=...)`): B=1 the prefix kernel streaming K/V with the
-math left out takes 19.7 us (Nq=1, 85% of the roofline) to 20.6 us (Nq=16, 81%), an XLA reduction of the
-same bytes 21.1-21.4 us, the math alone 13.7 us (Nq <= 8) and 21.7 us (Nq=16); B=4 the stream alone runs
-at the roofline (63.8-65.1 us) and at Nq=16 the math alone takes 76.4 us: compute-bound there.
-The softmax at B=4 Nq=16 (the math alone, scratch variants of the kernel, one H200 run each): without the
-exp2 at all 67.1 us against 78.2, without the row sums 72.9, so a block's softmax and its warpgroup's two
-matmuls add up (one warpgroup's softmax, then its P V and next Q K^T: the other's softmax hides only part
-of them). Kept: each thread's partial row sums stay apart in an [64, 8] tile (`LW`), summed across
-threads once at the end instead of a shuffle reduction per block: 76.2 against 78.0 us (call 86.9 against
-89.0, in one run, twice). Tried and not kept: a quarter of the exp2 as a degree-3 polynomial on the FMA
-pipe (FlashAttention-4's trick; slices of P joined by `inline_mgpu`): 81.8 us (an eighth: 78.4); the row
-maxima as a tree over column slices: 77.2.
+H200, 32K prefix, 64/8 heads, D 64, device time of both kernels (experiments/results/
+attention_mosaic_h200.json): B=1 Nq=1/4/8/16 22.9/23.8/24.8/29.0 us, B=4 67.5/68.5/71.1/88.5 us
+(87.7 us at Nq=16 with the per-thread row sums, attention_floor_h200.json); 128K Nq=16 B=1 86.8 us,
+B=4 322 us. What was tried, and where it stops: docs/perf/attention.md.
 """
 
 from __future__ import annotations

@@ -1,80 +1,30 @@
-"""MXFP4 expert matmul for few tokens (decode and verify) and for tiles of many (prefill), the experts
-kept packed.
-
-`mxfp4_moe(x, ids, weights, <packed experts>)` computes, for T tokens routed to k experts each,
-`out[t] = sum_j weights[t, j] * FFN_{ids[t, j]}(x[t])` with the GPT-OSS expert
-`FFN_e(x) = W2_e act(W1_e x + b1_e) + b2_e`, `act` the clamped, interleaved SwiGLU. The experts
-stay packed exactly as the HF checkpoint stores them (MXFP4: E2M1 nibbles, one E8M0 scale byte per
-32 inputs along the contraction axis; rows are outputs):
+"""MXFP4 expert matmul for few tokens (decode, verify) and for tiles of many (prefill), the experts
+kept packed as the HF checkpoint stores them (`eagle3_jax.formats.mxfp4`; rows are outputs):
 
   gate_up_blocks u8 [E, 2I, H/32, 16], gate_up_scales u8 [E, 2I, H/32], gate_up_bias [E, 2I]
   down_blocks    u8 [E, H, I/32, 16],  down_scales    u8 [E, H, I/32],  down_bias    [E, H]
 
-Two Pallas (Triton) kernels per path, no routing glue in XLA (one XLA fusion lays x out for the FMA
-path, unless the caller passes that layout: `moe_route.route` writes it with the routing):
+`mxfp4_moe(x, ids, weights, <experts>)`: for T <= MAX_TOKENS tokens routed to k experts each, f32
+`out[t] = sum_j weights[t, j] * FFN_{ids[t, j]}(x[t])`, `FFN_e(x) = W2_e act(W1_e x + b1_e) + b2_e`,
+`act` the clamped, interleaved SwiGLU. Two Pallas (Triton) kernels per path: gate_up + SwiGLU, then
+down + the weighted combine (f32 atomics into out, which kernel 1 zeroes). The FMA path (experts of
+at most `MoeConfig.fma_tokens` tokens: by default all) runs one pass per (token, expert) pair on the
+CUDA cores: each weight word decoded in registers to f16x2 E2M1 * 2^-14 and multiplied by inline PTX
+(`_group_dot_asm`) with the token's activations in the f16 pair layout (`f16_pairs`: one power-of-two
+factor per 32-input group, |x'| < 2^14, values below 2^-24 of the group's maximum flushed;
+`moe_route.route` writes it with the routing); each group's 32 products are summed in f16 (at most 96
+in magnitude), then in f32, times 2^(scale - 127) and the group's factor. The MMA
+path (experts of more tokens) runs 16-token chunks on the tensor cores, the weights decoded to bf16
+times 2^-32 (exact for scale bytes 35..160). The interpreter decodes through f16 with f32 products.
 
-  FMA path (an expert chosen by at most `fma_tokens` tokens; by default every expert, since it was
-  faster than the MMA path at every T <= 64 measured, random routing): one pass per (token, expert)
-  pair, on the CUDA cores, in small one-warp programs that stream few rows in long row segments (a
-  pure-load kernel with the old 64-row, 256-byte-segment tiles reached 57% of the roofline, with
-  8-16-row, 512-byte ones 78-85%: scratch probes, H200). An expert shared by tokens is read once per
-  pair; the copies of one tile run at about the same time, so the later ones come from L2 (Nsight
-  Compute, T=16: 460 MB read from DRAM for 52 distinct experts' 445 MB of gate_up bytes).
-  1. gate_up + SwiGLU, grid (pair, I / fma_block_i). The program decodes its gate and linear rows
-     in registers and multiplies them with the token's activations, f16 pairs with one power-of-two
-     factor per 32-input scale group (`f16_pairs`): each group's four weight words become sixteen
-     f16x2 (each word's nibbles rewritten byte by byte, then one byte permute per f16x2), multiplied
-     with the matching pairs by f16x2 fma in one inline-PTX block (`_group_dot_asm`). Bias and
-     SwiGLU in f32; act to HBM in kernel 2's pair layout with one power-of-two factor per 8 columns
-     (a program's block), not per 32: the down kernel sums each word's 8 products apart.
-  2. down + combine, grid (pair, H / fma_block_h): act @ W2^T + b2, times the pair's routing weight,
-     atomically added (f32) into the output, which kernel 1 zeroed.
-  MMA path (experts with more tokens; grid (slot, token chunk, tile); a slot whose expert already
-  appeared in an earlier pair exits at once, so each such expert is read once): the chunk's 16
-  token rows on the tensor cores; the decoded tile is interleaved into input order and converted to
-  the dot-operand layout. Its kernels run after the FMA ones where T > fma_tokens.
+`mxfp4_moe_grouped`: the tokens grouped by expert into tiles of 16-256 rows (`gpt_oss.MoE._grouped`),
+every tile at once, the MMA path's decode and tensor-core products. `mxfp4_moe_reference` is the
+plain-jnp function of `mxfp4_moe`'s signature; CPU tests run the kernels with interpret=True.
 
-Dequantization: the nibble's sign and three magnitude bits are moved into the sign, exponent-low
-and mantissa-high bits of a float: bf16x2 times 2^(scale - 1 - 32) in the MMA path (the weights enter
-the MMA as exact bf16 values times 2^-32 and the accumulator is scaled back once; exact for scale
-bytes 35..160), f16x2 E2M1 * 2^-14 in the FMA path (0.5 an f16 subnormal, which GPUs keep). FMA path
-numerics: activations are scaled per group so that |x'| < 2^14 (values below 2^-24 of their group's
-maximum flush; act: of its 8-column block's), each group's 32 products are summed in f16 (16 a half, at most
-96 in magnitude) and then in f32, and each (row, group) sum is multiplied by 2^(scale - 127) and the
-group's factor (scale byte 0 reads as 0). The interpreter (XLA:CPU flushes f32 subnormals) decodes
-through f16 with f32 products (`decode="f16"`).
-
-Status (H200, JAX 0.11.2, experiments/results/moe_h200.json): by device kernel time 26.9 / 80.0 /
-141 / 256 / 901 us = 50 / 65 / 69 / 67 / 40% of the HBM roofline at T = 1 / 4 / 8 / 16 / 64 (copy
-bandwidth 3.97 TB/s in that run; T=1: gate_up 15.2 + down 10.2 + the pair-layout fusion 1.6 us). The
-FMA path's launch (`MoeConfig`: loads at the start of each 32-group K step, nothing prefetched into
-registers across steps, two warps a program) took 7-13% off the one before (28.8 / 89.3 / 159 / 296 /
-983 us in one process; the old 64-row kernels: 41 / 45 / 45 / 40 / 13%). Nsight Compute, the
-earlier FMA gate_up at T=1 (one warp, one step prefetched): 158 registers (12 programs per SM),
-0.45-0.48 instructions issued per scheduler cycle, 6.8M instructions (~3.3 a weight; stalls per
-issued instruction: long scoreboard 1.5, not selected 0.7, short scoreboard 0.6, math-pipe throttle
-0.5 cycles; DRAM at 40% of peak):
-the decode's issue rate and latency, not the access pattern, are the limit. What did not move the
-old 64-row kernel off ~32 us at T=1 (measured, H200): 9% fewer instructions; 8 warps a program;
-activations loaded per element; Triton's own load pipelining. Nor did the K steps as straight-line
-code (no loop-carried copies of the prefetched tiles, no masks on full steps; device time, H200):
-gate_up 16.7 -> 16.9 / 55.0 -> 61.4 / 192 -> 212 us, down 10.7 -> 10.2 / 32.1 -> 31.3 / 102 -> 107 us
-at T = 1 / 4 / 16; with two steps prefetched, slower still.
-The MMA path is bound by L1 / shared-memory traffic (the layout conversions, 75-85% busy).
-
-`mxfp4_moe_reference` is the plain-jnp function of the same signature (dequantize the selected
-experts per pair). CPU tests run the kernels with interpret=True.
-
-Many tokens (prefill): `mxfp4_moe_grouped` takes the tokens already grouped by expert into tiles of
-16-256 rows (gpt_oss.MoE._grouped builds them) and runs every tile at once in two kernels, grid
-(tile, output block), with the MMA path's K loop over the tile's rows: each program streams its rows
-of the tile's expert once, decodes them in registers and multiplies them with the tile on the tensor
-cores. One gpt-oss-120b layer on an H200 (device time): 256 tokens 1.9 ms (16-row tiles), 2048
-tokens 3.5-3.6 ms (128-row tiles), 4096 tokens 5.0 ms, where the scan over tiles that dequantizes each
-tile's expert in XLA took 9.8 / 10.3 / 11.3-14.6 ms; gpt-oss-120b's 2048-token prefill 0.51 -> 0.20 s.
-About 240 TFLOP/s on the tile rows computed at 2048 tokens: far from the tensor cores' peak (the
-decode and layout conversions per K step, as in the MMA path) and from the experts' bytes (all 128
-experts, 1.6 GB a layer, 0.4 ms).
+H200, one gpt-oss-120b layer, device time: `mxfp4_moe` 26.9 / 80.0 / 141 / 256 / 901 us at T = 1 / 4
+/ 8 / 16 / 64 = 50 / 65 / 69 / 67 / 40% of the HBM roofline (experiments/results/moe_h200.json);
+`mxfp4_moe_grouped` 3.5-3.6 ms at 2048 tokens (moe_grouped_h200.json). What was tried, and the
+variants removed: docs/perf/moe.md.
 """
 
 from __future__ import annotations
@@ -105,44 +55,14 @@ _MASK16 = np.int32(np.uint32(0x8E000000).view(np.int32))  # the same fields of a
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
-    """Launch parameters of both paths (see the module docstring).
+    """Launch parameters of both paths (see the module docstring; the defaults are the fastest of the
+    launches measured, docs/perf/moe.md).
 
     FMA path: fma_tokens: an expert chosen by at most this many tokens takes it (0 turns it off);
-    fma_block_i: act columns per gate_up
-    program (8, 16 or 32: 8-column blocks of the pair layout), fma_block_h: down outputs per program,
-    fma_warps: warps per program, fma_groups: 32-input scale groups per K step (power of 2),
-    fma_prefetch: K steps whose loads are issued ahead of the math (0: each step's loads at its start,
-    so no loaded tile is held across steps). Device time per call, gpt-oss-120b layer, H200, one
-    process (scratch A/B, model-router routing), T = 1 / 4 / 8 / 16 / 64 (prefetch, groups, warps,
-    block_h, block_i):
-      0, 32, 2, 16, 8 (the defaults)        26.8 / 79.6 / 139 / 257 / 897 us
-      1, 16, 1,  8, 8 (the defaults before)  28.8 / 89.3 / 159 / 296 / 983 us
-      0, 16, 1,  8, 8                        29.4 / 91.6 /  -  / 299 /  -
-      0, 32, 1,  8, 8                        28.0 / 84.1 / 150 / 273 / 886 us
-      0, 64, 1,  8, 8                        40.2 / 118 / 210 / 396 / 1458 us
-      0, 16, 2,  8, 8                        29.2 / 89.0 /  -  / 297 / 1011 us
-      0, 32, 2,  8, 8                        26.8 / 80.5 / 144 / 268 / 937 us
-      0, 32, 4,  8, 8                        28.2 / 84.4 /  -  / 289 / 1055 us
-      1, 32, 2,  8, 8                        30.0 / 87.4 /  -  / 300 / 1089 us
-      0, 32, 2, 32, 8                        29.2 / 81.4 / 143 / 264 / 908 us
-      0, 32, 2, 16, 16                       27.7 / 79.7 / 139 / 254 / 861 us
-    Triton's num_stages 2 or 3 on these kernels: no change (26.9 / 79.4 / - / 257 / 898 us). Earlier
-    (prefetch 1, 16 groups, 1 warp, T=1): fma_prefetch 2 and Triton's pipelining (loads in the loop
-    body, num_stages 2-4) were slower. fma_tokens 1 (experts of several tokens on the MMA path) was
-    slower at every T: 4 / 16 / 64 tokens 157 / 403 (at 2) / 2760 us against 88 / 290 / 982. So were
-    programs that decode an expert's weights once for two or four of its pairs (separate launches for
-    the groups of pairs sharing an expert; 2 pairs a program: 107 / 197 / 358 / 1181 us at T = 4 / 8 /
-    16 / 64 against 89 / 159 / 296 / 984): a two-token program took longer than two one-token ones. So
-    were both FMA kernels in one launch (gate_up programs first, each down program spinning on an
-    acq_rel count of its pair's finished gate_up programs): 29.6 / 80.9 / 268 / 1030 us at T = 1 / 4 /
-    16 / 64 against 25.1 / 78.3 / 256 / 896 for the two kernels (one process): the waiting programs
-    hold SM slots, and no down work overlaps gate_up's.
-    Split-K on the FMA kernels (several programs per (pair, block), each an equal share of the K
-    steps; down's shares added into out, gate_up's counted in by an acq_rel atomic and summed by the
-    last program) was measured and not kept: device time 28.7 / 79.4 / 261 us at T = 1 / 4 / 16 unsplit,
-    28.8 / 79.0 / 266 with down in 3, 29.7 / 89.6 / 310 with both in 3, 31.1 / 97.6 / 337 (groups 16,
-    3 and 3), 32.6 / 106 / 397 (groups 16, 6 and 6) (H200, bench_kernels --moe_sweep, session 19):
-    more, shorter programs do not hide the T=1 kernels' fixed cost.
+    fma_block_i: act columns per gate_up program (8, 16 or 32: 8-column blocks of the pair layout),
+    fma_block_h: down outputs per program, fma_warps: warps per program, fma_groups: 32-input scale
+    groups per K step (power of 2), fma_prefetch: K steps whose loads are issued ahead of the math (0:
+    each step's loads at its start, so no loaded tile is held across steps).
 
     MMA path: block_i: SwiGLU outputs per gate_up program (it reads 2*block_i rows); block_h: outputs
     per down program; groups: scale groups per K step (power of 2); num_warps, num_stages: Triton's;
@@ -382,13 +302,8 @@ def _group_dot_asm(nt: int, per_word: bool = False) -> str:
     byte permute into an f16x2 with zero low bytes, and one f16x2 multiply-add per token, into two
     accumulators (even and odd k: two shorter dependency chains; per_word: one a word). A sum (16
     products a half, at most 96 in magnitude) goes to f32 once. Decode: about 12 instructions a word
-    in SASS, 4 of them byte permutes (Nsight, gate_up at T=1: 6.84M instructions; the earlier
-    (u | u >> 3) & mask form took 13 a word, 7.12M, and was 2% slower in both kernels; per-pair
-    shifts take 15), 4 a word for the fma, 4 a sum. Fewer is not faster: a 9-instruction decode of a
-    re-laid nibble format (even nibble at bits 7, 3, 2, 1 of each byte: one AND; odd at 6, 5, 4, 0: two
-    shifts, two LOP3; timing only, on HF-layout data) took both FMA kernels 27.2 / 81.5 / 144 / 266 us at
-    T = 1 / 4 / 8 / 16 against 26.9 / 79.5 / 139 / 258 with this one (H200, one process, twice), so the
-    experts keep the checkpoint's layout."""
+    in SASS, 4 of them byte permutes, 4 a word for the fma, 4 a sum (the decodes measured against it:
+    docs/perf/moe.md)."""
     assert nt == 1 or not per_word
     n_out = 4 if per_word else nt
     accs = [f"a{q}" for q in range(4)] if per_word else [r for t in range(nt) for r in (f"a{t}", f"c{t}")]
@@ -467,9 +382,8 @@ def _fma_rows(xq_ref, x_lead, toks, wq_ref, sc_ref, e, row_sets, r_ok, *, K, BG,
     loaded `depth` steps ahead (0: at the start of the step that uses them). xq_ref[*x_lead, tok]: u32
     [>= K / 32, 20] (the pair layout above, a group's 20 words in a row); each (row, group) sum is
     scaled once by 2^(scale - 127) (scale byte 0, 2^-127, reads as 0) and the group's factor, word 16;
-    per_word (one token): each word q's sum by its own factor, word 16 + q. gpt-oss's 90 groups a row
-    in steps of 32 decode 6 masked groups; the 26 left as straight-line steps of 16, 8 and 2 groups
-    instead made the calls 19-23% slower (gate_up 24-34%, down 9-14%; H200, T = 1..64)."""
+    per_word (one token): each word q's sum by its own factor, word 16 + q (masked steps rather than
+    straight-line partial ones: docs/perf/moe.md)."""
     n = r_ok.shape[0]
     K_groups = K // BLOCK
     nk = -(-K_groups // BG)
@@ -788,13 +702,8 @@ class GroupedConfig:
     gate_up program (it reads 2 * block_i weight rows), block_h: outputs per down program, both for
     tm <= 128 and scaled down by tm / 128 above (at least 16), so that a program's accumulators stay
     the same size. groups: 32-input scale groups per K step; prefetch: K steps loaded ahead; num_warps,
-    num_stages: Triton's; decode: as in MoeConfig ("ptx" on GPUs). Measured on an H200 (one
-    gpt-oss-120b layer, 2048 tokens, tm = 128; device time): these defaults 3.5-3.6 ms; block_i 64
-    3.6-4.4; block_h 256 3.7; groups 4 4.4, 1 5.4; prefetch 2 4.8; 4 warps 4.0-12.8; activations
-    loaded in the loop body for Triton's pipelining (num_stages 2-4) 3.5-4.8; the 8 nibble planes
-    multiplied apart with strided activations (MoeConfig's "perm", groups 4 or 8) 7.4-27 ms. At 256
-    and 1024 tokens (16- and 64-row tiles) prefetch 2 or 3, groups 4, 4 warps, block_i 64 and block_h
-    64 were all within 8% of these defaults (1.93 and 2.84 ms)."""
+    num_stages: Triton's; decode: as in MoeConfig ("ptx" on GPUs). The defaults: 3.5-3.6 ms for one
+    gpt-oss-120b layer at 2048 tokens, tm = 128 (H200; the launches measured: docs/perf/moe.md)."""
 
     block_i: int = 128
     block_h: int = 128

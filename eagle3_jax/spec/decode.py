@@ -76,7 +76,7 @@ def prefill_chunk_for(batch: int, longest: int) -> int:
     tokens over the batch (at least PREFILL_CHUNK a row), the longest prompt split evenly between them
     and rounded up to a multiple of PREFILL_CHUNK. The MoE runs more efficiently on more tokens a call:
     gpt-oss-120b, one 2048-token prompt on an H200, prefill 0.63 / 0.37 / 0.27 / 0.20 s with chunks of
-    256 / 512 / 1024 / 2048 tokens."""
+    256 / 512 / 1024 / 2048 tokens (docs/perf/end_to_end.md)."""
     cap = max(PREFILL_CHUNK, PREFILL_TOKENS // batch // PREFILL_CHUNK * PREFILL_CHUNK)
     n = -(-longest // cap)
     return _round_up(-(-longest // n), PREFILL_CHUNK)
