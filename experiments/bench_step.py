@@ -9,6 +9,8 @@ work `--iters` times inside one jitted `fori_loop` with the caches carried in pl
 `while_loop` does, so a step and its parts are timed the same way: draft (tree + mask),
 verify (target over the N nodes), accept, rewind (trees only) and extend (draft over the
 accepted tokens). A step much slower than the sum of its parts would mean a hidden sync or copy.
+`--proposals deterministic,sample` times both verification rules (each row's `accept_rewind_share`:
+accept + rewind over the step); `--preset gpt-oss-120b` the full model.
 """
 
 import json
@@ -26,6 +28,8 @@ flags.DEFINE_integer("experts", 32, "target experts (top-4)")
 flags.DEFINE_list("batch", ["1", "4"], "batch sizes")
 flags.DEFINE_integer("context", 2048, "committed tokens per sequence")
 flags.DEFINE_list("shapes", ["chain3", "tree3x4n8"], "chainK or treeDxKnN")
+flags.DEFINE_list("proposals", ["deterministic"], "decode proposals to time: deterministic (greedy), sample "
+                  "(drafts drawn at temperature 1, recursive rejection)")
 flags.DEFINE_integer("iters", 10, "steps per timed loop")
 flags.DEFINE_bool("profile", True, "also record each timing's device kernel seconds by kernel family (GPU)")
 flags.DEFINE_string("preset", None, "use this GptOssConfig preset instead (e.g. tiny, for a smoke run)")
@@ -60,15 +64,20 @@ def main(argv):
     del argv
     target, draft = models()
     rows = []
-    bar = cli.bar([(int(B), name) for B in FLAGS.batch for name in FLAGS.shapes], "step timings", unit="shape")
-    for B, name in bar:
-        bar.set_postfix_str(f"B={B} {name}")
-        r = time_step(target, draft, B, parse_shape(name), FLAGS.context, FLAGS.iters, profile=FLAGS.profile)
+    bar = cli.bar([(int(B), name, prop) for B in FLAGS.batch for name in FLAGS.shapes for prop in FLAGS.proposals],
+                  "step timings", unit="shape")
+    for B, name, prop in bar:
+        bar.set_postfix_str(f"B={B} {name} {prop}")
+        r = time_step(target, draft, B, parse_shape(name), FLAGS.context, FLAGS.iters, profile=FLAGS.profile,
+                      proposal=prop)
+        sec = r["seconds"]
+        r["accept_rewind_share"] = (sec["accept"] + sec.get("rewind", 0.0)) / sec["step"]
         if r.get("kernels", {}).get("step"):
             r["kernel_diff"] = kernel_diff(r["kernels"])
         rows.append(r)
-        cli.write(f"B={B} {name}: step {r['seconds']['step'] * 1e3:.3f} ms, parts {r['sum_of_parts'] * 1e3:.3f} ms, "
-                  f"ratio {r['step_over_parts']:.3f}  " +
+        cli.write(f"B={B} {name} {prop}: step {r['seconds']['step'] * 1e3:.3f} ms, parts "
+                  f"{r['sum_of_parts'] * 1e3:.3f} ms, ratio {r['step_over_parts']:.3f}, accept + rewind "
+                  f"{r['accept_rewind_share']:.1%} of the step  " +
                   " ".join(f"{k}={v * 1e3:.3f}" for k, v in r["seconds"].items() if k != "step"))
         if "kernel_diff" in r:
             kd = r["kernel_diff"]

@@ -19,6 +19,7 @@ from eagle3_jax.checks import ArgumentError, int_arg, is_int
 from eagle3_jax.models import eagle3, gpt_oss
 from eagle3_jax.spec import loop, metrics
 from eagle3_jax.spec.state import Plan
+from eagle3_jax.spec.tree import PROPOSALS
 
 PREFILL_CHUNK = 256  # unit of the automatic prefill chunk (tokens)
 PREFILL_TOKENS = 2048  # tokens over the batch an automatic prefill chunk holds at most (at least PREFILL_CHUNK a row)
@@ -214,8 +215,8 @@ def _check_pair(target, draft):
 
 def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens: int, num_spec_tokens: int = 3,
            topk: int = 1, num_draft_tokens: int | None = None, temperature: float = 0.0,
-           eos_ids: Sequence[int] | None = None, seed: int = 0, *, max_cache_len: int | None = None,
-           prefill_chunk: int | None = None) -> Output:
+           eos_ids: Sequence[int] | None = None, seed: int = 0, *, proposal: str = "deterministic",
+           max_cache_len: int | None = None, prefill_chunk: int | None = None) -> Output:
     """EAGLE-3 speculative decoding; lossless against `generate` (greedy: token for token).
 
     num_spec_tokens: draft depth; topk: children per expanded node (1 = chain); num_draft_tokens:
@@ -225,9 +226,20 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
     acceptance metrics: mean_accept_length (tau: tokens committed per slot-step, the bonus token
     counted), accept_rate (accepted drafts per slot-step over the most a step can accept,
     min(num_spec_tokens, num_draft_tokens - 1)), accept_rate_per_position, accept_length_histogram,
-    frac_steps_ge2, slot_steps.
+    frac_steps_ge2, slot_steps, and the proposal.
+
+    proposal (spec/tree.py, spec/step.py): "deterministic" drafts the draft's top-k children and, at
+    temperature > 0, verifies them as given against one draw of the target per node (exact);
+    "sample" (temperature > 0 only) draws each node's children i.i.d. from the draft at the decoding
+    temperature and verifies them by recursive rejection with the draft's probabilities (exact).
     """
     _check_pair(target, draft)
+    if not isinstance(proposal, str) or proposal not in PROPOSALS:
+        raise ArgumentError(f"proposal: {proposal!r}, expected one of {list(PROPOSALS)}")
+    if proposal == "sample" and _temperature(temperature) == 0:
+        raise ArgumentError("proposal: 'sample' draws drafts at the decoding temperature, which is 0 here; use "
+                            "proposal='deterministic' for greedy decoding (allowed: "
+                            f"{list(PROPOSALS)} at temperature > 0, 'deterministic' at 0)")
     num_spec_tokens = int_arg("num_spec_tokens", num_spec_tokens, 1)
     topk = int_arg("topk", topk, 1)
     num_draft_tokens = int_arg("num_draft_tokens", num_draft_tokens, 2, optional=True)
@@ -243,8 +255,8 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
     prompts, args, static = _prepare(target.config, prompts, max_new_tokens, temperature, eos_ids, seed,
                                      max_cache_len, prefill_chunk, slack)
     plan = Plan(**static, depth=num_spec_tokens, topk=topk, num_nodes=num_draft_tokens,
-                feature_ids=tuple(draft.config.feature_layers))
+                feature_ids=tuple(draft.config.feature_layers), proposal=proposal)
     toks, counters, m = _run((target, draft), prompts, args, plan)
     m.update(metrics.acceptance(counters, num_spec_tokens, num_draft_tokens), num_spec_tokens=num_spec_tokens,
-             topk=topk, num_draft_tokens=num_draft_tokens)
+             topk=topk, num_draft_tokens=num_draft_tokens, proposal=proposal)
     return Output(toks, m)

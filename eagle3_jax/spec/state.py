@@ -25,6 +25,7 @@ class Plan:
     topk: int = 1          # children per expanded node
     num_nodes: int = 1     # verified tokens a step, the root included
     feature_ids: tuple = ()  # target hidden-state indices the draft reads (draft.config.feature_layers)
+    proposal: str = "deterministic"  # drafts chosen by top k, or "sample": drawn from the draft (spec/tree.py)
 
     @property
     def width(self) -> int:

@@ -7,11 +7,15 @@ target verifies them in one pass and the accepted prefix plus a bonus token is c
 one (depth 0, `generate`) the root alone is verified and the target's pick is the bonus: the same
 step, drafting nothing.
 
-Acceptance works on the target's choice y at every node: its argmax (greedy) or one independent draw
-from softmax(logits / T) per node (sampling). Node i is accepted iff its token equals y at its
-parent and its parent is accepted; the bonus is y at the deepest accepted node. With draws this is
-sequential rejection with the drafts taken as given (one-hot q): each committed token is exactly a
-draw from the target, for chains and trees alike (SGLang's "target only" verification).
+Acceptance, proposal "deterministic" (top-k drafts): on the target's choice y at every node, its
+argmax (greedy) or one independent draw from softmax(logits / T) per node (sampling). Node i is
+accepted iff its token equals y at its parent and its parent is accepted; the bonus is y at the
+deepest accepted node. With draws this is sequential rejection with the drafts taken as given
+(one-hot q): each committed token is exactly a draw from the target, for chains and trees alike
+(SGLang's "target only" verification). Proposal "sample" (drafts drawn from the draft's q at the
+decoding temperature): recursive rejection with q, `pallas.accept.accept_sample` (accept a child
+with min(1, r/q), else r <- norm(max(r - q, 0)) and try the next sibling; the bonus is drawn from
+what is left), with p = softmax(target logits / T).
 Each part is a public function so that benchmarks time the library's own parts.
 """
 
@@ -22,7 +26,7 @@ import jax.numpy as jnp
 
 from eagle3_jax.models import eagle3, gpt_oss
 from eagle3_jax.models import kv_cache as kvc
-from eagle3_jax.pallas.accept import accept_greedy
+from eagle3_jax.pallas.accept import accept_greedy, accept_sample
 from eagle3_jax.pallas.kv_rewind import kv_rewind
 from eagle3_jax.pallas.tree_mask import tree_mask
 from eagle3_jax.spec.state import DecodeState, Plan
@@ -36,17 +40,25 @@ def sample(logits, key, temperature, greedy: bool):
     return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
 
 
+def keys(s: DecodeState):
+    """The step's PRNG keys: (the target's draws, the draft's draws)."""
+    key = jax.random.fold_in(s.key, s.steps + 1)
+    return key, jax.random.fold_in(key, 1)
+
+
 def propose(draft, s: DecodeState, plan: Plan):
     """The tokens to verify: (tokens int32 [B, N] with tokens[:, 0] = root, parents int32 [B, N]
     (parents[:, 0] = -1), packed ancestor mask [B, N, ceil(N/32)] or None (the baseline's one token),
-    positions int32 [B, N])."""
+    positions int32 [B, N], q float32 [B, N, Vd] the draft distribution each node's children were
+    drawn from (proposal "sample"; else None))."""
     L = s.lengths
     if not plan.depth:
-        return s.root[:, None], jnp.full_like(s.root[:, None], -1), None, L[:, None]
-    tokens, parents = draft_tree(draft, s.draft_cache, L, s.root, s.h_root, depth=plan.depth, topk=plan.topk,
-                                 num_nodes=plan.num_nodes)
+        return s.root[:, None], jnp.full_like(s.root[:, None], -1), None, L[:, None], None
+    sample = (keys(s)[1], s.temperature) if plan.proposal == "sample" else None
+    tokens, parents, q = draft_tree(draft, s.draft_cache, L, s.root, s.h_root, depth=plan.depth, topk=plan.topk,
+                                    num_nodes=plan.num_nodes, sample=sample)
     bits, _, positions, _, _ = tree_mask(parents, L)
-    return tokens, parents, bits, positions
+    return tokens, parents, bits, positions, q
 
 
 def verify(target, s: DecodeState, tokens, positions, mask, plan: Plan):
@@ -70,6 +82,23 @@ def accept(tokens, parents, choice, plan: Plan):
         return zero, zero[:, None], choice[:, 0]
     acc, path, bonus = accept_greedy(tokens, parents, choice, max_depth=plan.depth)
     return acc, jnp.maximum(path, 0), bonus  # entries past acc only feed scratch slots
+
+
+def target_ids_q(draft, q):
+    """q [B, N, Vd] over the draft vocabulary -> [B, N, V] over the target's (zero outside the draft
+    vocabulary, where the rejection rule then accepts nothing and the residual keeps p)."""
+    B, N, _ = q.shape
+    ids = eagle3.to_target_ids(draft, jnp.arange(q.shape[-1]))
+    return jnp.zeros((B, N, draft.config.vocab_size), q.dtype).at[:, :, ids].set(q)
+
+
+def accept_sampled(draft, logits, tokens, parents, q, key, temperature, plan: Plan):
+    """Proposal "sample": recursive rejection of drafts drawn from q with the target's p =
+    softmax(logits / T); outputs as `accept`."""
+    p = jax.nn.softmax(logits / temperature, axis=-1)
+    acc, path, bonus = accept_sample(tokens, parents, p, target_ids_q(draft, q), key, max_depth=plan.depth,
+                                     proposal="sample")
+    return acc, jnp.maximum(path, 0), bonus
 
 
 def rewind(cache: kvc.KVCache, lengths, path, acc, plan: Plan) -> kvc.KVCache:
@@ -126,13 +155,16 @@ def commit(s: DecodeState, plan: Plan, *, target_cache, draft_cache, nxt, acc, h
 def step(models, s: DecodeState, plan: Plan) -> DecodeState:
     """One iteration over all slots; models = (target, draft), draft None when plan.depth is 0."""
     target, draft = models
-    key = jax.random.fold_in(s.key, s.steps + 1)
+    key = keys(s)[0]
     with jax.named_scope("draft"):
-        tokens, parents, mask, positions = propose(draft, s, plan)
+        tokens, parents, mask, positions, q = propose(draft, s, plan)
     with jax.named_scope("verify"):
         logits, feats, target_cache = verify(target, s, tokens, positions, mask, plan)
     with jax.named_scope("accept"):
-        acc, path, bonus = accept(tokens, parents, choose(logits, key, s.temperature, plan), plan)
+        if plan.proposal == "sample":
+            acc, path, bonus = accept_sampled(draft, logits, tokens, parents, q, key, s.temperature, plan)
+        else:
+            acc, path, bonus = accept(tokens, parents, choose(logits, key, s.temperature, plan), plan)
         nxt = path_tokens(tokens, path, acc, bonus)
     with jax.named_scope("rewind"):
         target_cache = rewind(target_cache, s.lengths, path, acc, plan)

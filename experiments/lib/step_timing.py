@@ -132,14 +132,17 @@ def same_context(new, old):
     return new.replace(lengths=old.lengths, n_out=old.n_out, done=old.done)
 
 
-def time_step(target, draft, B, shape, ctx, iters=10, parts=True, profile=False):
+def time_step(target, draft, B, shape, ctx, iters=10, parts=True, profile=False, proposal="deterministic"):
     """Seconds of one speculative step (`eagle3_jax.spec.step.step`) over B sequences at context `ctx`
     (caches filled with noise), and with `parts` each of its parts alone: draft (`propose`), verify
     (`verify` + `choose`), accept (`accept` + `path_tokens`), rewind (trees), extend. With `profile`,
-    the result's "kernels" holds each one's device kernel seconds per iteration by kernel family."""
+    the result's "kernels" holds each one's device kernel seconds per iteration by kernel family.
+    proposal "deterministic" runs greedy (argmax choices); "sample" draws the drafts at temperature 1
+    and its accept part is `accept_sampled` (the target's softmax + `accept_sample`)."""
     depth, topk, N = shape["depth"], shape["topk"], shape["num_nodes"]
-    plan = Plan(cache_len=ctx + 2 * N + depth + 8, out_len=8, chunk=1, greedy=True, depth=depth, topk=topk,
-                num_nodes=N, feature_ids=tuple(draft.config.feature_layers))
+    sample = proposal == "sample"
+    plan = Plan(cache_len=ctx + 2 * N + depth + 8, out_len=8, chunk=1, greedy=not sample, depth=depth, topk=topk,
+                num_nodes=N, feature_ids=tuple(draft.config.feature_layers), proposal=proposal)
     graphdef, params = nnx.split((target, draft))
     s = noisy_state(target, draft, B, ctx, plan)
     times, kernels = {}, {}
@@ -152,11 +155,13 @@ def time_step(target, draft, B, shape, ctx, iters=10, parts=True, profile=False)
 
     timed("step", full, s)
     if not parts:
-        return dict(batch=B, context=ctx, **shape, seconds=times, **({"kernels": kernels} if profile else {}))
+        return dict(batch=B, context=ctx, **shape, proposal=proposal, seconds=times,
+                    **({"kernels": kernels} if profile else {}))
 
     def part_draft(m, st):
-        tokens, parents, bits, positions = spec_step.propose(m[1], st, plan)
-        return st.replace(root=tokens[:, -1] + positions[:, -1] + parents[:, -1] + bits[:, -1, 0].astype(jnp.int32))
+        tokens, parents, bits, positions, q = spec_step.propose(m[1], st, plan)
+        used = tokens[:, -1] + positions[:, -1] + parents[:, -1] + bits[:, -1, 0].astype(jnp.int32)
+        return st.replace(root=used + (0 if q is None else (q[:, 0, 0] > 2).astype(jnp.int32)))
 
     timed("draft", part_draft, s)
     # verify sees the step's own sequence of trees (the MoE kernel's time depends on the routing)
@@ -165,28 +170,36 @@ def time_step(target, draft, B, shape, ctx, iters=10, parts=True, profile=False)
             return full(m, c), spec_step.propose(m[1], c, plan)
         return jax.lax.scan(body, st, None, length=iters)[1]
 
-    all_tokens, all_parents, all_mask, all_pos = once(graphdef, params, step_trees, s)  # [iters, B, N, ...]
+    all_tokens, all_parents, all_mask, all_pos, all_q = once(graphdef, params, step_trees, s)  # [iters, B, N, ...]
 
-    def part_verify(m, c):  # the target over the N nodes and its greedy choice at every node
+    def part_verify(m, c):  # the target over the N nodes (and, deterministic, its choice at every node)
         i = c["i"] % iters
         logits, feats, tc = spec_step.verify(m[0], c["s"], all_tokens[i], all_pos[i], all_mask[i], plan)
-        choice = spec_step.choose(logits, c["s"].key, c["s"].temperature, plan)
-        used = jnp.sum(choice, -1) + (feats[:, 0, 0] > 1e30)  # so that no output is dead code
+        if sample:
+            used = (logits[:, :, 0] > 1e30).sum(-1)
+        else:
+            used = jnp.sum(spec_step.choose(logits, c["s"].key, c["s"].temperature, plan), -1)
+        used = used + (feats[:, 0, 0] > 1e30)  # so that no output is dead code
         return dict(s=c["s"].replace(target_cache=tc), i=c["i"] + 1, used=c["used"] + used)
 
     timed("verify", part_verify, dict(s=s, i=jnp.int32(0), used=jnp.zeros((B,), jnp.int32)))
     tokens, parents, mask, positions = all_tokens[0], all_parents[0], all_mask[0], all_pos[0]
+    q = None if all_q is None else all_q[0]
     logits, feats, _ = once(graphdef, params, lambda m, st: spec_step.verify(m[0], st, tokens, positions, mask, plan),
                             s)
-    choice = spec_step.choose(logits, s.key, s.temperature, plan)
+
+    def accept_once(m, key, logits, q):  # arrays as arguments: a closed-over one is baked in as a constant
+        if sample:
+            return spec_step.accept_sampled(m[1], logits, tokens, parents, q, key, s.temperature, plan)
+        return spec_step.accept(tokens, parents, spec_step.choose(logits, key, s.temperature, plan), plan)
 
     def part_accept(m, c):
-        acc, path, bonus = spec_step.accept(tokens, parents, c["choice"], plan)
+        acc, path, bonus = accept_once(m, jax.random.fold_in(s.key, c["acc"][0]), c["logits"], c["q"])
         nxt = spec_step.path_tokens(tokens, path, acc, bonus)
-        return dict(choice=c["choice"], acc=c["acc"] + acc + path[:, 0] + nxt[:, 0])
+        return dict(c, acc=c["acc"] + acc + path[:, 0] + nxt[:, 0])
 
-    timed("accept", part_accept, dict(choice=choice, acc=jnp.zeros((B,), jnp.int32)))
-    acc, path, bonus = spec_step.accept(tokens, parents, choice, plan)
+    timed("accept", part_accept, dict(acc=jnp.zeros((B,), jnp.int32), logits=logits, q=q))
+    acc, path, bonus = once(graphdef, params, accept_once, s.key, logits, q)
     nxt = spec_step.path_tokens(tokens, path, acc, bonus)
     if topk > 1:
         def part_rewind(m, st):
@@ -200,7 +213,8 @@ def time_step(target, draft, B, shape, ctx, iters=10, parts=True, profile=False)
 
     timed("extend", part_extend, s)
     parts = sum(v for k, v in times.items() if k != "step")
-    out = dict(batch=B, context=ctx, **shape, seconds=times, sum_of_parts=parts, step_over_parts=times["step"] / parts)
+    out = dict(batch=B, context=ctx, **shape, proposal=proposal, seconds=times, sum_of_parts=parts,
+               step_over_parts=times["step"] / parts)
     if profile:
         out["kernels"] = kernels
     return out

@@ -1,0 +1,96 @@
+"""Deterministic against sampled drafts on the same pair: tau, accept rates and decode / generate.
+
+  python experiments/eval_proposals.py --out experiments/results/proposals_<device>.json
+
+For each draft shape and temperature, `decode(..., proposal=p)` for p in "deterministic" (top-k
+drafts verified against one target draw per node) and "sample" (drafts drawn from the draft at the
+decoding temperature, recursive rejection with its probabilities), on --num_prompts held-out
+prompts of the embedded pair (or --target / --draft), all prompts in one batch; temperature 0 runs
+"deterministic" alone as the reference row. With --speed_batches, decode / generate wall clock at
+those batch sizes in the same process (median of --repeats runs, compile excluded, both at the
+row's temperature).
+"""
+
+import json
+import os
+import statistics
+
+from absl import flags
+
+import jax.numpy as jnp
+
+from eagle3_jax import assets
+from eagle3_jax.convert import load_eagle3, load_gpt_oss
+from eagle3_jax.spec import decode, generate
+from lib import cli
+from lib.step_timing import parse_shape, validate_shape_flags
+from lib.timing import device_info, write_json
+
+flags.DEFINE_string("target", assets.TARGET_DIR, "HF GPT-OSS checkpoint folder")
+flags.DEFINE_string("draft", assets.DRAFT_DIR, "HF EAGLE-3 draft folder")
+flags.DEFINE_string("prompts_file", os.path.join(assets.PAIR_DIR, "eval_prompts.json"), "JSON list of token-id lists")
+flags.DEFINE_integer("num_prompts", 16, "prompts used (the first n)")
+flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per prompt")
+flags.DEFINE_list("shapes", ["chain3", "tree3x4n8", "tree5x8n16"], "draft shapes: chainK or treeDxKnN")
+flags.DEFINE_list("temperatures", ["0.6", "1.0"], "sampling temperatures (> 0); 0 is always added as the reference")
+flags.DEFINE_list("speed_batches", [], "batch sizes of the decode / generate wall-clock comparison (e.g. 1,4)")
+flags.DEFINE_integer("repeats", 3, "timed runs per wall-clock figure (median)")
+flags.DEFINE_integer("seed", 0, "sampling seed")
+flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "dtype (default: bfloat16 on GPUs, float32 on CPUs)")
+flags.DEFINE_string("out", None, "JSON output path")
+cli.progress_flag()
+FLAGS = flags.FLAGS
+validate_shape_flags("shapes")
+
+
+def _shape_kw(s):
+    p = parse_shape(s)
+    return dict(num_spec_tokens=p["depth"], topk=p["topk"], num_draft_tokens=p["num_nodes"])
+
+
+def _median_seconds(fn):
+    return statistics.median(fn().metrics["seconds"] for _ in range(FLAGS.repeats))
+
+
+def main(argv):
+    del argv
+    dtype = jnp.dtype(FLAGS.dtype) if FLAGS.dtype else assets.default_dtype()
+    progress = None if FLAGS.progress else False
+    target = load_gpt_oss(FLAGS.target, dtype=dtype, progress=progress)
+    draft = load_eagle3(FLAGS.draft, target=target, progress=progress)
+    with open(FLAGS.prompts_file) as f:
+        prompts = json.load(f)[:FLAGS.num_prompts]
+    temps = [float(t) for t in FLAGS.temperatures]
+    if any(t <= 0 for t in temps):
+        raise ValueError(f"--temperatures: {FLAGS.temperatures}, expected values > 0 (0 is always run)")
+    runs = [(s, 0.0, "deterministic") for s in FLAGS.shapes]
+    runs += [(s, t, p) for s in FLAGS.shapes for t in temps for p in ("deterministic", "sample")]
+    n = FLAGS.max_new_tokens
+    res = dict(**device_info(), target=FLAGS.target, draft=FLAGS.draft, num_prompts=len(prompts),
+               max_new_tokens=n, dtype=dtype.name, seed=FLAGS.seed, rows=[])
+    batches = [int(b) for b in FLAGS.speed_batches]
+    base_s = {}
+    bar = cli.bar(runs, "proposals", unit="run")
+    for s, t, p in bar:
+        bar.set_postfix_str(f"{s} T={t} {p}")
+        kw = dict(_shape_kw(s), temperature=t, seed=FLAGS.seed, proposal=p)
+        m = decode(target, draft, prompts, n, **kw).metrics
+        row = dict(shape=s, temperature=t, proposal=m["proposal"], tau=m["mean_accept_length"],
+                   accept_rate=m["accept_rate"], accept_rate_per_position=m["accept_rate_per_position"],
+                   slot_steps=m["slot_steps"], speed=[])
+        for b in batches:
+            if (b, t) not in base_s:
+                base_s[b, t] = _median_seconds(lambda: generate(target, prompts[:b], n, temperature=t, seed=FLAGS.seed))
+            decode(target, draft, prompts[:b], n, **kw)  # compile
+            d = _median_seconds(lambda: decode(target, draft, prompts[:b], n, **kw))
+            row["speed"].append(dict(batch=b, generate_seconds=base_s[b, t], decode_seconds=d,
+                                     speedup=base_s[b, t] / d))
+        res["rows"].append(row)
+        write_json(FLAGS.out, res)
+        cli.write(f"{s:11s} T={t:.1f} {p:13s} tau {row['tau']:.3f}  accept rate {row['accept_rate']:.3f}  " +
+                  "  ".join(f"B={r['batch']} {r['speedup']:.2f}x" for r in row["speed"]))
+    write_json(FLAGS.out, res)
+
+
+if __name__ == "__main__":
+    cli.run(main)
