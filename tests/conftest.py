@@ -1,5 +1,6 @@
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -25,6 +26,26 @@ jax.config.update("jax_default_matmul_precision", "highest")
 _CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 _made_cache_dir = None
 
+# Compiling for speed costs more than the tests' programs run: on CPU, with LLVM at -O0 and without
+# its expensive passes (jax_disable_most_optimizations) and with XLA's older CPU fusion emitters,
+# which at -O0 compile in about half the time of the new MLIR ones, a tiny model's decode loop
+# compiles in ~30% of the default's time (4.6 against 15.8 CPU-seconds for three of them) and the
+# suite takes about half as long. The programs compute the same thing (no fast-math either way).
+# Both reach the experiment scripts that tests run as subprocesses through the environment. Not on
+# GPUs: there the settings stay as users have them. The XLA flag is only set where this jaxlib knows
+# it (XLA aborts on an unknown flag): a probe process, started by the process that starts first.
+_FAST_CPU_XLA_FLAG = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _add_cpu_xla_flag():
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_use_fusion_emitters" in flags:
+        return
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True,
+                           env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"{flags} {_FAST_CPU_XLA_FLAG}"})
+    if probe.returncode == 0:
+        os.environ["XLA_FLAGS"] = f"{flags} {_FAST_CPU_XLA_FLAG}".strip()
+
 
 # The files that take longest (mostly compiling), slowest first; the others follow in collection
 # order. `--dist loadfile` hands whole files to the workers, by default those with the most tests
@@ -40,6 +61,8 @@ def pytest_configure(config):
     global _made_cache_dir
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's scheduler
         config.option.loadscopereorder = False
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # xdist's workers inherit the first process's environment
+        _add_cpu_xla_flag()
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         _made_cache_dir = tempfile.mkdtemp(prefix="eagle3_jax_xla_cache_")
         os.environ["JAX_COMPILATION_CACHE_DIR"] = _made_cache_dir
@@ -61,6 +84,9 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: otherwise collection order
     if any(d.platform == "gpu" for d in jax.devices()):
         return
+    if "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ:  # set outside: used as it is
+        os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # for the subprocesses
+        jax.config.update("jax_disable_most_optimizations", True)
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
