@@ -104,6 +104,11 @@ def test_reuses_the_executable(prompts):
     assert again.metrics["compile_seconds"] == 0.0
 
 
+# the reference of the sampling tests: jitted (compiles in ~1 s a shape on CPU; eager op by op, ~6 s),
+# one function for both, so the second traces nothing
+forward = nnx.jit(gpt_oss.forward)
+
+
 @pytest.mark.parametrize("kw", [dict(num_spec_tokens=3), dict(num_spec_tokens=2, topk=3, num_draft_tokens=6)],
                          ids=["chain", "tree"])
 def test_sampling_follows_target_two_token_law(kw):
@@ -113,12 +118,13 @@ def test_sampling_follows_target_two_token_law(kw):
     d = eagle3.Eagle3(draft_config(vocab=8), dtype=jnp.float32, rngs=nnx.Rngs(4))
     prompt = [2, 5, 3]
     lse = lambda x: x - jnp.log(jnp.sum(jnp.exp(x), -1, keepdims=True))  # noqa: E731
-    forward = nnx.jit(gpt_oss.forward)  # compiles in ~1 s a shape on CPU; eager op by op, ~6 s
     p1 = np.exp(np.asarray(lse(forward(t, jnp.asarray([prompt]))[0][0, -1]), np.float64))
     p2 = np.exp(np.asarray(lse(forward(t, jnp.asarray([prompt + [x] for x in range(8)]))[0][:, -1]), np.float64))
     exact = p1[:, None] * p2
     n = 4096
-    out = decode(t, d, [prompt] * n, 2, temperature=1.0, eos_ids=(), prefill_chunk=4,
+    # 16 cache slots (the prompt, 2 tokens and the scratch slots fit): the default bucket, 256 slots a
+    # row, made this batch's cache a 1 GiB array that each step reads and writes
+    out = decode(t, d, [prompt] * n, 2, temperature=1.0, eos_ids=(), prefill_chunk=4, max_cache_len=16,
                  seed=np.random.randint(1 << 30), **kw)
     counts = np.zeros((8, 8))
     for a, b in out.tokens:

@@ -59,8 +59,9 @@ def test_sampling_follows_exact_two_token_distribution():
     p2 = np.asarray(jnp.exp(jax_log_softmax(forward(model, seqs)[0][:, -1])))
     exact = p1[:, None] * p2  # [t1, t2]
     n = 4096
+    # 8 cache slots, not the default bucket's 256 a row (a 1 GiB cache at this batch)
     out = generate(model, [prompt] * n, 2, temperature=1.0, eos_ids=(), seed=np.random.randint(1 << 30),
-                   prefill_chunk=4)
+                   prefill_chunk=4, max_cache_len=8)
     counts = np.zeros((8, 8))
     for t1, t2 in out.tokens:
         counts[t1, t2] += 1
