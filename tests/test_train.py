@@ -28,6 +28,12 @@ forward = nnx.jit(gpt_oss.forward, static_argnums=2)
 layer = nnx.jit(eagle3.layer)
 
 
+def target_tx():
+    """The optimizer of every target fit here: the schedule's constants are part of the train step's
+    program, so one schedule compiles one program (later fits find it in the compilation cache)."""
+    return loop.adamw(3e-3, 60, 10)
+
+
 def repeating_batches(step, B=8, T=24):
     # sequences with a learnable pattern: a random start, then +1 mod 64
     rng = np.random.default_rng(step)
@@ -51,10 +57,18 @@ def test_quantize_roundtrip_and_error():
         mxfp4.quantize(np.ones((2, 40)))
 
 
-def test_target_learns_and_packs(tmp_path):
+@pytest.fixture(scope="module")
+def trained_target():
+    """tiny_target() after 60 steps on the repeating pattern, and its logged records: the LM test's
+    model and the TTT test's teacher (trained once for both; neither changes it)."""
     model = tiny_target()
-    hist = loop.fit(model, ttarget.lm_loss, repeating_batches, steps=60, tx=loop.adamw(3e-3, 60, 10),
-                    log_every=20, log=lambda r: None)
+    hist = loop.fit(model, ttarget.lm_loss, repeating_batches, steps=60, tx=target_tx(), log_every=20,
+                    log=lambda r: None)
+    return model, hist
+
+
+def test_target_learns_and_packs(trained_target):
+    model, hist = trained_target
     assert hist[-1]["loss"] < 0.5 * hist[0]["loss"] and hist[-1]["accuracy"] > 0.8
     tokens = jnp.asarray(repeating_batches(999)["tokens"])
     dense_logits, _ = forward(model, tokens)
@@ -68,8 +82,9 @@ def test_target_learns_and_packs(tmp_path):
 def test_fit_resumes_exactly(tmp_path):
     def run(steps, ckpt):
         m = tiny_target(seed=3)
-        loop.fit(m, ttarget.lm_loss, repeating_batches, steps=steps, tx=loop.adamw(1e-3, 6, 2), ckpt_dir=ckpt,
-                 save_every=3, log=lambda r: None)
+        # 6 steps in the warmup: the learning rate of each step follows the restored step count
+        loop.fit(m, ttarget.lm_loss, repeating_batches, steps=steps, tx=target_tx(), ckpt_dir=ckpt, save_every=3,
+                 log=lambda r: None)
         return m
 
     whole = run(6, None)
@@ -88,23 +103,23 @@ def test_fit_checkpoint_at_or_past_steps(tmp_path):
 
     ckpt = tmp_path / "c"
     done = tiny_target(seed=4)
-    assert len(loop.fit(done, ttarget.lm_loss, repeating_batches, steps=3, tx=loop.adamw(1e-3, 3, 1), ckpt_dir=ckpt,
+    assert len(loop.fit(done, ttarget.lm_loss, repeating_batches, steps=3, tx=target_tx(), ckpt_dir=ckpt,
                         log=lambda r: None)) == 1
     # a finished run called again: restored, nothing to train, no records
     again, logged = tiny_target(seed=4), []
-    assert loop.fit(again, ttarget.lm_loss, repeating_batches, steps=3, tx=loop.adamw(1e-3, 3, 1), ckpt_dir=ckpt,
+    assert loop.fit(again, ttarget.lm_loss, repeating_batches, steps=3, tx=target_tx(), ckpt_dir=ckpt,
                     log=logged.append) == []
     assert logged == [{"resumed_from_step": 3}] and same(again, done) and not same(again, tiny_target(seed=4))
     short = tiny_target(seed=4)
     msg = f"ckpt_dir {ckpt}: holds a checkpoint at step 3, past the requested steps=2"
     with pytest.raises(ValueError, match=re.escape(msg)):
-        loop.fit(short, ttarget.lm_loss, repeating_batches, steps=2, tx=loop.adamw(1e-3, 2, 1), ckpt_dir=ckpt,
+        loop.fit(short, ttarget.lm_loss, repeating_batches, steps=2, tx=target_tx(), ckpt_dir=ckpt,
                  log=lambda r: None)
     assert same(short, tiny_target(seed=4))  # refused before the checkpoint was restored
 
 
-def _draft_pair(seed, vocab_k=48):
-    target = tiny_target(seed)
+def _draft_pair(seed, vocab_k=48, target=None):
+    target = tiny_target(seed) if target is None else target
     cfg = tdraft.draft_config(target.config, vocab_k, aux_layer_ids=(0, 1, 3))
     ids = np.sort(np.random.default_rng(seed).choice(64, vocab_k, replace=False))
     return target, tdraft.new_draft(cfg, target, ids, seed=seed + 1), ids
@@ -132,14 +147,13 @@ def test_ttt_steps_equal_decode_draft_steps():
             np.testing.assert_allclose(h[:, -1], hs[i][:, t], rtol=2e-4, atol=2e-4, err_msg=f"t={t} i={i}")
 
 
-def test_ttt_loss_masks_and_learns():
-    target, draft, ids = _draft_pair(5)
+def test_ttt_loss_masks_and_learns(trained_target):
+    # the target has learned the pattern (the fixture); the draft learns the target
+    target, draft, ids = _draft_pair(5, target=trained_target[0])
     batch = repeating_batches(0, B=4, T=15)
     loss, m = nnx.jit(tdraft.ttt_loss, static_argnames="ttt_length")(draft, jax.tree.map(jnp.asarray, batch), target,
                                                                       ttt_length=3)
     assert np.isfinite(float(loss)) and set(m) == {"loss_0", "loss_1", "loss_2", "acc_0", "acc_1", "acc_2"}
-    # the target learns the pattern first, then the draft learns the target
-    loop.fit(target, ttarget.lm_loss, repeating_batches, steps=60, tx=loop.adamw(3e-3, 60, 10), log=lambda r: None)
     hist = loop.fit(draft, lambda d, b, t: tdraft.ttt_loss(d, b, t, ttt_length=3), repeating_batches, steps=60,
                     tx=loop.adamw(3e-3, 60, 10), extra=(target,), log_every=20, log=lambda r: None)
     assert hist[-1]["loss"] < 0.5 * hist[0]["loss"]
