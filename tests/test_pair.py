@@ -57,7 +57,9 @@ def test_trained_draft_is_accepted():
     # a regression anywhere in the pipeline (model, converter, draft, decode) shows up as a low tau
     target = load_gpt_oss(TARGET, dtype=jnp.float32)
     draft = load_eagle3(DRAFT, target=target, dtype=jnp.float32)
-    prompts = eval_prompts(3, 96)
-    out = decode(target, draft, prompts, 48, num_spec_tokens=3)
+    # 6 prompts, 24 tokens each (tau 1.92; 3 prompts and 48 tokens gave 1.91): verify's 24 tokens a step
+    # take the jnp MoE's dense path, whose CPU run is a fifth of the per-pair gathers' at 12 tokens
+    prompts = eval_prompts(6, 96)
+    out = decode(target, draft, prompts, 24, num_spec_tokens=3)
     assert out.metrics["mean_accept_length"] > 1.8, out.metrics
-    assert out.tokens == generate(target, prompts, 48).tokens
+    assert out.tokens == generate(target, prompts, 24).tokens
