@@ -166,12 +166,12 @@ def test_swapped_models_raise(prompts):
 
 def test_limits_and_accept_rate(prompts):
     # a prompt + budget exactly at max_position_embeddings decodes (scratch slots past it are cache
-    # only) and matches generate; the cache may be capped at need + scratch slots
+    # only) and matches generate, in a cache capped at need + scratch slots, the scratch slots its last
+    # (the default bucket's 1280-slot cache, room to spare past them, is the same case less tight)
     t, d = pair("right")
     P = t.config.max_position_embeddings
     long = [np.random.default_rng().integers(3, 256, P - 6).tolist()]
     want = generate(t, long, 6, eos_ids=()).tokens
-    assert decode(t, d, long, 6, eos_ids=(), num_spec_tokens=3).tokens == want
     assert decode(t, d, long, 6, eos_ids=(), num_spec_tokens=3, max_cache_len=P + 8).tokens == want
     # accept_rate is over the drafts a step can accept: 2 (a chain of 3 nodes), not num_spec_tokens = 3
     out = decode(t, d, prompts, 9, eos_ids=(), num_spec_tokens=3, topk=1, num_draft_tokens=3, prefill_chunk=8)
