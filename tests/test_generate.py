@@ -68,8 +68,8 @@ def test_sampling_follows_exact_two_token_distribution():
     tv = 0.5 * np.abs(counts / n - exact).sum()
     noise = 0.5 * np.sum(np.sqrt(2 * exact * (1 - exact) / (np.pi * n)))  # E[TV] of an exact sampler
     assert tv < noise + 0.02, (tv, noise)
-    greedy = generate(model, [prompt] * 4, 2, eos_ids=())  # and temperature 0 is the argmax
-    assert greedy.tokens[0] == naive_greedy(model, prompt, 2)
+    # (temperature 0 is the argmax: test_budget_one_and_reuse_of_executable here, and greedy generate
+    # against the float64 reference in tests/test_gpt_oss.py)
 
 
 def jax_log_softmax(x):

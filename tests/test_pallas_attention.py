@@ -281,8 +281,8 @@ def test_rope_attention_cache_slots_interpret():
     B, T, Hq, Hkv, D, S = 2, 3, 4, 2, 8, 10
     args = rope_inputs(11, B, T, Hq, Hkv, D, S, "causal", [9, 2])
     kw = dict(num_heads=Hq, num_kv_heads=Hkv, window=None, scale=D ** -0.5)
-    ref = rope_attention_reference(*args, **kw)
-    got = rope_attention(*args, **kw, interpret=True)
+    ref = jax.jit(lambda *a: rope_attention_reference(*a, **kw))(*args)  # jitted: one program (eager, ~90 ops)
+    got = jax.jit(lambda *a: rope_attention(*a, **kw, interpret=True))(*args)
     assert rel_err(got[0], ref[0]) < TOL
     for c, rc in zip(got[1:], ref[1:]):
         np.testing.assert_array_equal(np.asarray(c, np.float32), np.asarray(rc, np.float32))
