@@ -38,6 +38,8 @@ flags.DEFINE_integer("num_spec_tokens", 3, "draft depth")
 flags.DEFINE_integer("topk", 1, "children per expanded draft node (1 = chain)")
 flags.DEFINE_integer("num_draft_tokens", None, "tree nodes including the root (default: chain length + 1)")
 flags.DEFINE_float("temperature", 0.0, "0 = greedy")
+flags.DEFINE_enum("proposal", "deterministic", ["deterministic", "sample"], "drafts: top-k (deterministic), or "
+                  "drawn from the draft at --temperature > 0 and verified by rejection with its probabilities")
 flags.DEFINE_integer("seed", 0, "sampling seed")
 flags.DEFINE_bool("baseline", True, "also run generate() in the same process and compare")
 flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "weights / activations dtype (default: bfloat16 on "
@@ -112,7 +114,7 @@ def main(argv):
     if draft is not None:
         _say(f"compiling and running decode, B={B} (one executable per batch, cache length and tree shape) ...")
         out = decode(target, draft, prompts, FLAGS.max_new_tokens, num_spec_tokens=FLAGS.num_spec_tokens,
-                     topk=FLAGS.topk, num_draft_tokens=FLAGS.num_draft_tokens, **kw)
+                     topk=FLAGS.topk, num_draft_tokens=FLAGS.num_draft_tokens, proposal=FLAGS.proposal, **kw)
         result["decode"] = dict(tokens=out.tokens, metrics=out.metrics)
         _show(prompts, out.tokens, tok)
         m = out.metrics
