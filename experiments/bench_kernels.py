@@ -81,7 +81,7 @@ def bench_moe():
         res["e2e"] = _bench_moe_e2e(bw)
         partial()
     cfg = GptOssConfig.preset(FLAGS.moe_preset)
-    H, E, k = cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok
+    H, k = cfg.hidden_size, cfg.num_experts_per_tok
     layer = gpt_oss.MoE(cfg, jnp.bfloat16, nnx.Rngs(0))  # one layer, random packed experts (scale bytes 119..121)
     ex = layer.experts
     packed = (ex.gate_up_blocks[...], ex.gate_up_scales[...], ex.gate_up_bias[...],

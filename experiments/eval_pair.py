@@ -16,7 +16,6 @@ the outputs must be identical.
 
 import json
 import os
-import statistics
 
 from absl import flags
 
@@ -27,7 +26,7 @@ from eagle3_jax import assets
 from eagle3_jax.convert import load_eagle3, load_gpt_oss
 from eagle3_jax.spec import decode, generate
 from lib import cli
-from lib.step_timing import parse_shape, validate_shape_flags
+from lib.step_timing import decode_kwargs, median_seconds, validate_shape_flags
 from lib.timing import device_info, write_json
 
 flags.DEFINE_string("target", assets.TARGET_DIR, "HF GPT-OSS checkpoint folder")
@@ -48,15 +47,6 @@ FLAGS = flags.FLAGS
 validate_shape_flags("shapes", "speed_shapes", "exact_check")
 
 
-def _shape_kw(s):
-    p = parse_shape(s)
-    return dict(num_spec_tokens=p["depth"], topk=p["topk"], num_draft_tokens=p["num_nodes"])
-
-
-def _median_seconds(fn):
-    return statistics.median(fn().metrics["seconds"] for _ in range(FLAGS.repeats))
-
-
 def first_differences(a, b):
     """Per sequence pair: the first index where they differ (None when identical)."""
     return [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None if len(x) == len(y) else min(len(x), len(y)))
@@ -69,7 +59,7 @@ def exact_check(prompts, n):
         target = load_gpt_oss(FLAGS.target, dtype=jnp.float32, progress=_load_progress())
         draft = load_eagle3(FLAGS.draft, target=target, dtype=jnp.float32, progress=_load_progress())
         base = generate(target, prompts, n).tokens
-        return {s: decode(target, draft, prompts, n, **_shape_kw(s)).tokens == base
+        return {s: decode(target, draft, prompts, n, **decode_kwargs(s)).tokens == base
                 for s in cli.bar(FLAGS.exact_check, "float32 check", unit="shape")}
 
 
@@ -90,9 +80,9 @@ def main(argv):
                prompt_lengths=sorted({len(p) for p in prompts}), max_new_tokens=n, dtype=FLAGS.dtype, acceptance=[],
                speed=[])
     for s in cli.bar(FLAGS.shapes, "acceptance", unit="shape"):
-        out = decode(target, draft, prompts, n, **_shape_kw(s))
+        out = decode(target, draft, prompts, n, **decode_kwargs(s))
         m = out.metrics
-        row = dict(shape=s, **_shape_kw(s), tau=m["mean_accept_length"], accept_rate=m["accept_rate"],
+        row = dict(shape=s, **decode_kwargs(s), tau=m["mean_accept_length"], accept_rate=m["accept_rate"],
                    accept_rate_per_position=m["accept_rate_per_position"], frac_steps_ge2=m["frac_steps_ge2"],
                    identical=out.tokens == base.tokens, first_difference=first_differences(out.tokens, base.tokens))
         res["acceptance"].append(row)
@@ -103,13 +93,13 @@ def main(argv):
     for b in map(int, FLAGS.speed_batches):
         ps = prompts[:b]
         bar.set_postfix_str(f"B={b} generate")
-        t_base = _median_seconds(lambda: generate(target, ps, n))
+        t_base = median_seconds(lambda: generate(target, ps, n), FLAGS.repeats)
         bar.update()
         for s in FLAGS.speed_shapes:
             bar.set_postfix_str(f"B={b} {s}")
-            kw = _shape_kw(s)
+            kw = decode_kwargs(s)
             last = decode(target, draft, ps, n, **kw)
-            t_spec = _median_seconds(lambda: decode(target, draft, ps, n, **kw))
+            t_spec = median_seconds(lambda: decode(target, draft, ps, n, **kw), FLAGS.repeats)
             row = dict(batch=b, shape=s, baseline_seconds=t_base, decode_seconds=t_spec, speedup=t_base / t_spec,
                        tau=last.metrics["mean_accept_length"], tokens=sum(map(len, last.tokens)))
             res["speed"].append(row)

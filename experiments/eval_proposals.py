@@ -13,7 +13,6 @@ row's temperature).
 
 import json
 import os
-import statistics
 
 from absl import flags
 
@@ -23,7 +22,7 @@ from eagle3_jax import assets
 from eagle3_jax.convert import load_eagle3, load_gpt_oss
 from eagle3_jax.spec import decode, generate
 from lib import cli
-from lib.step_timing import parse_shape, validate_shape_flags
+from lib.step_timing import decode_kwargs, median_seconds, validate_shape_flags
 from lib.timing import device_info, write_json
 
 flags.DEFINE_string("target", assets.TARGET_DIR, "HF GPT-OSS checkpoint folder")
@@ -41,15 +40,6 @@ flags.DEFINE_string("out", None, "JSON output path")
 cli.progress_flag()
 FLAGS = flags.FLAGS
 validate_shape_flags("shapes")
-
-
-def _shape_kw(s):
-    p = parse_shape(s)
-    return dict(num_spec_tokens=p["depth"], topk=p["topk"], num_draft_tokens=p["num_nodes"])
-
-
-def _median_seconds(fn):
-    return statistics.median(fn().metrics["seconds"] for _ in range(FLAGS.repeats))
 
 
 def main(argv):
@@ -73,16 +63,17 @@ def main(argv):
     bar = cli.bar(runs, "proposals", unit="run")
     for s, t, p in bar:
         bar.set_postfix_str(f"{s} T={t} {p}")
-        kw = dict(_shape_kw(s), temperature=t, seed=FLAGS.seed, proposal=p)
+        kw = dict(decode_kwargs(s), temperature=t, seed=FLAGS.seed, proposal=p)
         m = decode(target, draft, prompts, n, **kw).metrics
         row = dict(shape=s, temperature=t, proposal=m["proposal"], tau=m["mean_accept_length"],
                    accept_rate=m["accept_rate"], accept_rate_per_position=m["accept_rate_per_position"],
                    slot_steps=m["slot_steps"], speed=[])
         for b in batches:
             if (b, t) not in base_s:
-                base_s[b, t] = _median_seconds(lambda: generate(target, prompts[:b], n, temperature=t, seed=FLAGS.seed))
+                base_s[b, t] = median_seconds(
+                    lambda: generate(target, prompts[:b], n, temperature=t, seed=FLAGS.seed), FLAGS.repeats)
             decode(target, draft, prompts[:b], n, **kw)  # compile
-            d = _median_seconds(lambda: decode(target, draft, prompts[:b], n, **kw))
+            d = median_seconds(lambda: decode(target, draft, prompts[:b], n, **kw), FLAGS.repeats)
             row["speed"].append(dict(batch=b, generate_seconds=base_s[b, t], decode_seconds=d,
                                      speedup=base_s[b, t] / d))
         res["rows"].append(row)

@@ -11,6 +11,7 @@ that its MoE routing is the step's.
 """
 
 import re
+import statistics
 import time
 
 from absl import flags
@@ -40,6 +41,18 @@ def parse_shape(s):
     if m[1]:
         return dict(depth=int(m[1]), topk=1, num_nodes=int(m[1]) + 1)
     return dict(depth=int(m[2]), topk=int(m[3]), num_nodes=int(m[4]))
+
+
+def decode_kwargs(s):
+    """A draft shape string -> decode's keyword arguments (num_spec_tokens, topk, num_draft_tokens)."""
+    p = parse_shape(s)
+    return dict(num_spec_tokens=p["depth"], topk=p["topk"], num_draft_tokens=p["num_nodes"])
+
+
+def median_seconds(run, repeats):
+    """The median of `metrics["seconds"]` (the call's run time, compile excluded) over `repeats` calls
+    of run() (a generate or decode call)."""
+    return statistics.median(run().metrics["seconds"] for _ in range(repeats))
 
 
 def validate_shape_flags(*names):
