@@ -288,7 +288,7 @@ def _bench_moe_e2e(bw):
         "lm_head_and_pick: final norm, lm_head, argmax, embedding; rest = step - both: the 36 attention halves "
         f"(norm, q/k/v/o projections, RoPE, {'Pallas' if uses_attn_kernel else 'jnp reference'} attention "
         "(pallas/attention.py dispatch on GPU at the time of the run), KV-cache writes) and the embedding. "
-        "Roofline bytes: REFERENCE.md 4 (weights read once per token, 4 experts per layer) plus the KV cache. "
+        "Roofline bytes: docs/reference.md 4 (weights read once per token, 4 experts per layer) plus the KV cache. "
         "kernels_by_family: device kernel seconds per iteration of each loop by kernel family "
         "(timing.kernel_group; 'launches': kernels per iteration); wall time minus their sum is launch gaps.")
     del model, state

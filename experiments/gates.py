@@ -4,7 +4,7 @@ the file is not a bench.py results JSON (a key missing).
   python experiments/gates.py --results experiments/results/bench_gpt-oss-120b_h200.json
 
 Gate figure: projected speedup tau * T_base / T_step for the scenario's spec-3 chain, with the
-seeds' own tau for that scenario (REFERENCE.md 7). Beside it, the byte-roofline speedup
+seeds' own tau for that scenario (docs/reference.md 7). Beside it, the byte-roofline speedup
 tau * bytes_base / bytes_step: verified tokens read the union of their experts, so on a MoE target
 a gate may ask for more than the hardware allows; the reader sees which.
 """

@@ -1,4 +1,4 @@
-"""An independent float64 numpy EAGLE-3 draft (REFERENCE.md 5) and tiny random draft checkpoints.
+"""An independent float64 numpy EAGLE-3 draft (docs/reference.md 5) and tiny random draft checkpoints.
 
 Depends only on numpy (+ hf_fixtures' safetensors writer); it reads the HF key layout directly, so
 it checks the converter and the JAX model at once.

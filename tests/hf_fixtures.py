@@ -58,7 +58,7 @@ def tiny_hf_config(**overrides) -> dict:
     Why original 256 and not 32: with head_dim 16 and theta 150000 the YaRN correction range is
     ``low = 8*ln(orig/(beta_fast*2*pi))/ln(theta)``, ``high = 8*ln(orig/(beta_slow*2*pi))/ln(theta)``.
     For orig 32, low = -1.23 < 0, where HF clamps it to 0 (``max(low, 0)``) while OpenAI's
-    reference asserts ``0 < low < high < head_dim/2 - 1`` and REFERENCE.md has no clamp: ambiguous.
+    reference asserts ``0 < low < high < head_dim/2 - 1`` and docs/reference.md 2 gives it unclamped: ambiguous.
     For orig 256: low = 0.162, high = 2.49, inside (0, 7): every implementation agrees, and the
     ramp still blends (ramp = 0, .36, .79, 1, 1, 1, 1, 1).  YaRN is static (it does not depend on
     the sequence length), so short test sequences still exercise it.
@@ -219,7 +219,7 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 
 def random_hf_weights(config: dict, seed: int = 0, mxfp4: bool = True, norm_dtype: str = "float32") -> dict:
-    """Random weights under the HF keys / shapes of REFERENCE.md section 3 (torch ``[out, in]``).
+    """Random weights under the HF keys / shapes of docs/reference.md section 3 (torch ``[out, in]``).
 
     Float tensors are ``ml_dtypes.bfloat16`` except the RMSNorm scales (``norm_dtype``:
     "float32" or "bfloat16").  Magnitudes: linear weights std ~ 1/sqrt(fan_in); all biases and

@@ -1,4 +1,4 @@
-"""Independent float64 numpy reference of GPT-OSS (REFERENCE.md section 2), for tests.
+"""Independent float64 numpy reference of GPT-OSS (docs/reference.md section 2), for tests.
 
 Works on the HF-key weights dict of ``hf_fixtures`` (MXFP4 ``_blocks``/``_scales`` or the dense
 ``gate_up_proj``/``down_proj`` layout) and an HF ``config.json`` dict.  No torch, no jax.

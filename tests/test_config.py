@@ -27,7 +27,7 @@ def test_presets_match_reference_table():
 
 
 def test_yarn_of_120b():
-    """low/high from REFERENCE.md 2: 8.0928 / 17.3980, concentration 1.34657."""
+    """low/high from docs/reference.md 2: 8.0928 / 17.3980, concentration 1.34657."""
     inv, scale = inv_freq_and_scale(GptOssConfig().rope, 64, 131072)
     assert scale == pytest.approx(0.1 * np.log(32) + 1)
     freq = 150000.0 ** (np.arange(32) * 2 / 64)

@@ -331,7 +331,7 @@ def test_reference_batch_rows_independent(cfg, weights, ref_out):
 
 def test_yarn_negative_low_is_clamped_like_transformers(tmp_path):
     """original_max_position_embeddings 32 with head_dim 16: low = -1.23 < 0.  HF clamps it to 0
-    (``max(low, 0)``; REFERENCE.md section 2 states no clamp, OpenAI's reference asserts
+    (``max(low, 0)``; docs/reference.md section 2 gives the formula unclamped, OpenAI's reference asserts
     ``0 < low``).  The reference follows HF; this only matters for tiny configs."""
     c = tiny_hf_config(rope_scaling={"original_max_position_embeddings": 32}, quantization_config=None)
     w = random_hf_weights(c, 3, mxfp4=False)

@@ -1,4 +1,4 @@
-"""EAGLE-3 draft checkpoints (`LlamaForCausalLMEagle3`, REFERENCE.md 5) <-> `Eagle3`.
+"""EAGLE-3 draft checkpoints (`LlamaForCausalLMEagle3`, docs/reference.md 5) <-> `Eagle3`.
 
 Reads the layouts published drafts use: SpecForge / lmsys (draft vocab with `d2t` / `t2d`),
 nvidia (no `lm_head`: the target's head serves; v3 with `norm_before_fc` and aux ids read as

@@ -1,4 +1,4 @@
-"""Hugging Face GPT-OSS checkpoints <-> `GptOss` (REFERENCE.md 3), and orbax save / restore.
+"""Hugging Face GPT-OSS checkpoints <-> `GptOss` (docs/reference.md 3), and orbax save / restore.
 
 `load_gpt_oss(path)` reads one file or shards (`model.safetensors.index.json`), MXFP4 experts
 (`*_blocks` / `*_scales`, kept packed) or the dequantized layout (`gate_up_proj` / `down_proj`,

@@ -1,6 +1,6 @@
 """Model configurations: frozen dataclasses, presets and the Hugging Face `config.json` reader.
 
-`GptOssConfig.preset("gpt-oss-120b")` gives the published architecture (REFERENCE.md 1);
+`GptOssConfig.preset("gpt-oss-120b")` gives the published architecture (docs/reference.md 1);
 `GptOssConfig.from_hf(path_or_dict)` reads a checkpoint's `config.json`. Every invalid value
 raises `ValueError` naming the field.
 """
@@ -314,7 +314,7 @@ AUX_CONVENTIONS = ("output", "input")
 
 @dataclasses.dataclass(frozen=True)
 class Eagle3Config:
-    """EAGLE-3 draft (REFERENCE.md 5): fc over 3 target features, one Llama decoder layer, a head.
+    """EAGLE-3 draft (docs/reference.md 5): fc over 3 target features, one Llama decoder layer, a head.
 
     `feature_layers` holds the target hidden-state indices the draft reads, normalized:
     h[0] = embeddings, h[k + 1] = output of block k. `aux_layer_ids` / `aux_convention` keep the

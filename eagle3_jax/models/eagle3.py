@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft in Flax NNX (REFERENCE.md 5).
+"""The EAGLE-3 draft in Flax NNX (docs/reference.md 5).
 
 Per position t the draft reads the token embedding e = embed(x_{t+1}) and the target features
 f_t (3 target hidden states concatenated): g = fc(f_t) (after `input_norm` over the concat with

@@ -1,4 +1,4 @@
-"""GPT-OSS in Flax NNX (REFERENCE.md 2).
+"""GPT-OSS in Flax NNX (docs/reference.md 2).
 
 Pre-norm residual blocks: `x += Attn(RMSNorm(x)); x += MoE(RMSNorm(x))`, a final RMSNorm and an
 untied `lm_head`. On GPUs with bf16 activations the glue between the GEMMs runs as Pallas kernels

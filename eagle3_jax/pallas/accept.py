@@ -8,7 +8,7 @@ excluded; accept_len + 1 tokens are committed), path int32 [B, max_depth + 1] (p
 accepted node at depth d, path[:, 0] = 0, -1 past accept_len), bonus int32 [B] (the token the target
 adds after the path). `max_depth` (static, default N - 1): deeper nodes are never accepted.
 
-Greedy (REFERENCE.md 6): node i is accepted iff every node on its root path equals the target argmax
+Greedy (docs/reference.md 6): node i is accepted iff every node on its root path equals the target argmax
 at its parent; the deepest accepted node wins (the smallest index among equals); bonus = the argmax
 there. Lossless sampling, recursive rejection over siblings (SpecInfer; EAGLE's tree sampling): from
 the root with residual r = p[root], child x with proposal q_x is accepted with probability

@@ -4,7 +4,7 @@
                the --progress flag and progress bars
   timing       device timing (median per call, kernel profiles), copy bandwidth, device_info, write_json
   step_timing  a speculative step and its parts, and a baseline decode step, timed as decode runs them
-  roofline     the byte model of decode and speculative steps (REFERENCE.md 4)
+  roofline     the byte model of decode and speculative steps (docs/reference.md 4)
   train_flags  the flags and `loop.fit` settings train_target.py and train_draft.py share
 
 A script run as `python experiments/<script>.py` (from any folder) finds this package because

@@ -1,4 +1,4 @@
-"""Byte roofline of decode and speculative steps (REFERENCE.md 4): the fewest bytes a step must read.
+"""Byte roofline of decode and speculative steps (docs/reference.md 4): the fewest bytes a step must read.
 
 A target pass over T tokens per sequence (batch B, committed context C) reads every dense weight
 once, the packed bytes of each distinct routed expert once per layer, the lm_head once, and each
