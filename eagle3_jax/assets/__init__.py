@@ -16,9 +16,8 @@ import os
 
 import jax
 import jax.numpy as jnp
-from tokenizers import Tokenizer
 
-from eagle3_jax.convert import load_eagle3, load_gpt_oss
+from eagle3_jax.convert import load_eagle3, load_gpt_oss, load_tokenizer  # load_tokenizer: re-exported
 
 PAIR_DIR = os.path.join(os.path.dirname(__file__), "stdlib-gpt-oss")
 TARGET_DIR = os.path.join(PAIR_DIR, "target")
@@ -30,17 +29,6 @@ __all__ = ["PAIR_DIR", "TARGET_DIR", "DRAFT_DIR", "default_dtype", "load_pair", 
 def default_dtype() -> jnp.dtype:
     """bfloat16 on GPUs; float32 elsewhere (faster on CPUs, and decode == generate bit for bit)."""
     return jnp.dtype(jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
-
-
-def load_tokenizer(path: str | os.PathLike = TARGET_DIR):
-    """The `tokenizers.Tokenizer` of `path/tokenizer.json` (default: the embedded target's 4096-token
-    byte-level BPE), with special tokens such as `<|endoftext|>` encoded as themselves."""
-    file = os.path.join(os.fspath(path), "tokenizer.json")
-    if not os.path.isfile(file):
-        raise ValueError(f"{file}: not found (a folder with a tokenizer.json was expected)")
-    tok = Tokenizer.from_file(file)
-    tok.encode_special_tokens = True
-    return tok
 
 
 def load_pair(dtype=None):

@@ -21,8 +21,7 @@ from flax import nnx
 from eagle3_jax.convert import params
 from eagle3_jax.convert import safetensors_io as stio
 from eagle3_jax.models.config import Eagle3Config, GptOssConfig, rope_from_hf, rope_to_hf
-from eagle3_jax.models import eagle3
-from eagle3_jax.models.eagle3 import Eagle3
+from eagle3_jax.models.eagle3 import Eagle3, pair_dtype
 
 LAYER_PREFIXES = ("midlayer.", "layers.0.")
 
@@ -157,7 +156,7 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
     if target is not None:
         target_config = target.config
     if dtype is None:
-        dtype = eagle3.pair_dtype(target)
+        dtype = pair_dtype(target)
     if target_config is None:
         raise ValueError("load_eagle3: pass target_config= (or target=)")
     tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in stio.open_checkpoint(path).items()}

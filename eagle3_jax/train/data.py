@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eagle3_jax.formats import tokenizer as tokenizer_file
+
 EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 0
 SPLITS = ("train", "eval")
@@ -151,20 +153,11 @@ def build_dataset(out_dir, vocab_size=4096, eval_fraction=0.02, root=None):
 
 
 def load_tokenizer(data_dir):
-    """The `tokenizers.Tokenizer` saved by `build_dataset` in data_dir, `encode_special_tokens` set.
-
-    (That setting is not stored in tokenizer.json.)
-    """
-    try:
-        from tokenizers import Tokenizer
-    except ImportError as e:
-        raise ImportError("load_tokenizer needs HF tokenizers: pip install tokenizers") from e
+    """The `tokenizers.Tokenizer` saved by `build_dataset` in data_dir (`formats.tokenizer.load_tokenizer`)."""
     path = Path(data_dir) / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: run experiments/make_data.py --out_dir {data_dir}")
-    tok = Tokenizer.from_file(str(path))
-    tok.encode_special_tokens = True
-    return tok
+    return tokenizer_file.load_tokenizer(data_dir)
 
 
 def load_split(data_dir, split):
