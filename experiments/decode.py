@@ -102,7 +102,7 @@ def main(argv):
     prompts = [_encode(p, tok) for p in prompts]
     B = len(prompts)
     dtype = jnp.dtype(FLAGS.dtype) if FLAGS.dtype else assets.default_dtype()
-    load = dict(dtype=dtype, progress=None if FLAGS.progress else False)  # None: a bar for big checkpoints
+    load = dict(dtype=dtype, progress=cli.load_progress())
     _say(f"loading target {os.path.abspath(FLAGS.target)} ({dtype.name}, {jax.devices()[0].device_kind})")
     target = load_gpt_oss(FLAGS.target, **load)
     draft = None

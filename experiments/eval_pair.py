@@ -56,22 +56,18 @@ def first_differences(a, b):
 def exact_check(prompts, n):
     """decode vs generate in float32 with full-precision matmuls, for --exact_check shapes."""
     with jax.default_matmul_precision("highest"):
-        target = load_gpt_oss(FLAGS.target, dtype=jnp.float32, progress=_load_progress())
-        draft = load_eagle3(FLAGS.draft, target=target, dtype=jnp.float32, progress=_load_progress())
+        target = load_gpt_oss(FLAGS.target, dtype=jnp.float32, progress=cli.load_progress())
+        draft = load_eagle3(FLAGS.draft, target=target, dtype=jnp.float32, progress=cli.load_progress())
         base = generate(target, prompts, n).tokens
         return {s: decode(target, draft, prompts, n, **decode_kwargs(s)).tokens == base
                 for s in cli.bar(FLAGS.exact_check, "float32 check", unit="shape")}
 
 
-def _load_progress():
-    return None if FLAGS.progress else False  # None: a bar for checkpoints worth waiting for
-
-
 def main(argv):
     del argv
     dtype = jnp.dtype(FLAGS.dtype)
-    target = load_gpt_oss(FLAGS.target, dtype=dtype, progress=_load_progress())
-    draft = load_eagle3(FLAGS.draft, target=target, dtype=dtype, progress=_load_progress())
+    target = load_gpt_oss(FLAGS.target, dtype=dtype, progress=cli.load_progress())
+    draft = load_eagle3(FLAGS.draft, target=target, dtype=dtype, progress=cli.load_progress())
     with open(FLAGS.prompts_file) as f:
         prompts = json.load(f)[:FLAGS.num_prompts]
     n = FLAGS.max_new_tokens

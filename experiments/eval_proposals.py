@@ -45,7 +45,7 @@ validate_shape_flags("shapes")
 def main(argv):
     del argv
     dtype = jnp.dtype(FLAGS.dtype) if FLAGS.dtype else assets.default_dtype()
-    progress = None if FLAGS.progress else False
+    progress = cli.load_progress()
     target = load_gpt_oss(FLAGS.target, dtype=dtype, progress=progress)
     draft = load_eagle3(FLAGS.draft, target=target, progress=progress)
     with open(FLAGS.prompts_file) as f:

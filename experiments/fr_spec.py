@@ -168,7 +168,7 @@ def main(argv):
             return plot(json.load(f), FLAGS.plot)
     dtype = jnp.dtype(FLAGS.dtype)
     _say(f"loading target {os.path.abspath(FLAGS.target)} on {jax.devices()[0].device_kind}")
-    load = dict(dtype=dtype, progress=None if FLAGS.progress else False)  # None: a bar for big checkpoints
+    load = dict(dtype=dtype, progress=cli.load_progress())
     target = load_gpt_oss(FLAGS.target, **load)
     _say(f"loading draft {os.path.abspath(FLAGS.draft)}")
     draft = load_eagle3(FLAGS.draft, target=target, **load)

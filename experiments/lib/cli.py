@@ -86,6 +86,11 @@ def progress_on() -> bool:
     return bool(FLAGS["progress"].value) if "progress" in FLAGS else True
 
 
+def load_progress() -> bool | None:
+    """The loaders' `progress` under the flag: None (a bar for checkpoints worth waiting for) or False."""
+    return None if progress_on() else False
+
+
 def bar(iterable=None, desc: str | None = None, total: int | None = None, **kw):
     """A tqdm.auto bar over `iterable` (on stderr), off under --noprogress."""
     from tqdm.auto import tqdm
