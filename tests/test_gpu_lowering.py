@@ -36,17 +36,22 @@ def _attention_args(B, Nq, S, mask):
             _sds((B, Nq, mask_words(Nq)), u32) if mask else None, _sds((Hq,), f32))
 
 
-@pytest.mark.parametrize("B,Nq,S,window", [(1, 1, 32768, None), (4, 16, 32768, None), (1, 4, 4096, 128),
-                                           (2, 64, 1024, None), (1, 128, 256, 128)])
-def test_attention_lowers(B, Nq, S, window):
-    # decode, tree verify (split-K over a long prefix), sliding layers, a prefill chunk (mask None)
+@pytest.mark.parametrize("B,Nq,S,window,ring", [(1, 1, 32768, None, False), (4, 16, 32768, None, False),
+                                                (1, 4, 4096, 128, False), (2, 64, 1024, None, False),
+                                                (1, 128, 256, 128, False), (1, 1, 256, 128, True),
+                                                (4, 16, 256, 128, True), (2, 512, 256, 128, True)])
+def test_attention_lowers(B, Nq, S, window, ring):
+    # decode, tree verify (split-K over a long prefix), sliding layers (dense and ring caches), prefill
+    # chunks (mask None; a ring's longer than its spare slots take the plain kernel alone)
     kc, vc, lengths, positions, mask, sinks = _attention_args(B, Nq, S, mask=Nq <= 64)
     qkv = _sds((B, Nq, (Hq + 2 * Hkv) * D), bf16)
     bias, cs = _sds(((Hq + 2 * Hkv) * D,), bf16), _sds((B, Nq, D // 2), f32)
-    fused = functools.partial(attention.rope_attention, num_heads=Hq, num_kv_heads=Hkv, window=window, scale=D ** -0.5)
-    assert _triton_calls(fused, qkv, bias, cs, cs, kc, vc, lengths, positions, mask, sinks) >= 1
+    if not ring or Nq <= S - window:
+        fused = functools.partial(attention.rope_attention, num_heads=Hq, num_kv_heads=Hkv, window=window,
+                                  scale=D ** -0.5, ring=ring)
+        assert _triton_calls(fused, qkv, bias, cs, cs, kc, vc, lengths, positions, mask, sinks) >= 1
     q, kv = _sds((B, Nq, Hq, D), bf16), _sds((B, Nq, Hkv, D), bf16)
-    plain = functools.partial(attention.attention_pallas, window=window, scale=D ** -0.5)
+    plain = functools.partial(attention.attention_pallas, window=window, scale=D ** -0.5, ring=ring)
     assert _triton_calls(plain, q, kv, kv, kc, vc, lengths, positions, mask, sinks) >= 1
 
 
@@ -61,6 +66,10 @@ def test_tree_kernels_lower(B, N):
     caches = tuple(_sds((B, Hkv, 4096, D), bf16) for _ in range(L))
     path, acc = _sds((B, 8), i32), _sds((B,), i32)
     assert _triton_calls(lambda k, v, *a: kv_rewind.kv_rewind_pallas(k, v, *a), caches, caches, lengths, path,
+                         acc) == 1
+    mixed = tuple(_sds((B, Hkv, 256 if i % 2 == 0 else 4096, D), bf16) for i in range(L))  # rings and dense layers
+    rings = tuple(i % 2 == 0 for i in range(L))
+    assert _triton_calls(lambda k, v, *a: kv_rewind.kv_rewind_pallas(k, v, *a, rings), mixed, mixed, lengths, path,
                          acc) == 1
 
 

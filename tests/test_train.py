@@ -135,7 +135,7 @@ def test_ttt_steps_equal_decode_draft_steps():
     _, feats = forward(target, tokens, draft.config.aux_layer_ids)
     hs = nnx.jit(tdraft.ttt_hidden, static_argnums=3)(draft, tokens, feats, L)
     for t in (2, N - 1 - L):
-        cache = kv_cache.init(1, 2, 32, draft.config.num_key_value_heads, draft.config.head_dim, jnp.float32)
+        cache = kv_cache.init((draft.config.sliding_window,), 2, 32, draft.config.num_key_value_heads, draft.config.head_dim, jnp.float32)
         zero = jnp.zeros((2,), jnp.int32)
         pos = jnp.broadcast_to(jnp.arange(t + 1, dtype=jnp.int32), (2, t + 1))
         h0, cache = layer(draft, tokens[:, 1:t + 2], eagle3.project(draft, feats[:, :t + 1]), pos, zero, None, cache)
@@ -179,7 +179,7 @@ def test_ttt_sliding_window_matches_decode():
     feats = jnp.asarray(rng.standard_normal((2, N, 3 * 64)), jnp.float32)
     hs = nnx.jit(tdraft.ttt_hidden, static_argnums=3)(draft, tokens, feats, L)
     t = N - 1 - L
-    cache = kv_cache.init(1, 2, 16, cfg.num_key_value_heads, cfg.head_dim, jnp.float32)
+    cache = kv_cache.init((cfg.sliding_window,), 2, 16, cfg.num_key_value_heads, cfg.head_dim, jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(t + 1, dtype=jnp.int32), (2, t + 1))
     _, cache = layer(draft, tokens[:, 1:t + 2], eagle3.project(draft, feats[:, :t + 1]), pos,
                      jnp.zeros((2,), jnp.int32), None, cache)

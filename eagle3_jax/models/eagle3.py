@@ -26,7 +26,7 @@ from eagle3_jax.checks import int_arg
 from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.models import rope
 from eagle3_jax.models.config import Eagle3Config
-from eagle3_jax.models.gpt_oss import RMSNorm, check_step_inputs, check_tokens, qkv_rope
+from eagle3_jax.models.gpt_oss import RMSNorm, check_step_inputs, check_step_tokens, check_tokens, qkv_rope
 from eagle3_jax.models.layers import F32, keep_position, normal, over_chunks, shape_of
 from eagle3_jax.pallas.attention import attention
 
@@ -110,10 +110,12 @@ def layer_outputs(draft: Eagle3, residual, o):
     return h + (jax.nn.silu(y @ draft.gate[...]) * (y @ draft.up[...])) @ draft.down[...]
 
 
-def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache | None):
+def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache | None, *, n_write=None):
     """The decoder layer. tokens int32 [B, T] (x_{t+1}), g [B, T, H] (fc(f_t) or the previous step's
-    h), positions [B, T], lengths [B] committed draft-cache prefix (new K/V written at slots
-    lengths .. lengths + T - 1), mask packed [B, T, ceil(T/32)] or None (causal).
+    h), positions [B, T], lengths [B] committed draft-cache prefix (new K/V written at positions
+    lengths .. lengths + T - 1), mask packed [B, T, ceil(T/32)] or None (causal). n_write int32 [B]
+    (prefill chunks) or None: with a windowed draft's ring cache, only the first n_write[b] tokens are
+    written, after attention has read the ring; without it T <= cache.max_step_tokens.
     Returns (h [B, T, H] un-normed, cache)."""
     c = draft.config
     tokens = check_tokens(tokens, c.vocab_size)
@@ -122,6 +124,9 @@ def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache
         raise ValueError(f"layer: g shape {shape_of(g)}, expected [B, T, hidden_size] = {[B, T, c.hidden_size]}")
     check_step_inputs(tokens, positions, lengths, mask, None if cache is None else cache.batch,
                       None if cache is None else cache.max_len, "layer")
+    ring = cache is not None and cache.rings[0]
+    if ring and n_write is None:
+        check_step_tokens(T, cache, "layer")
     positions, lengths = jnp.asarray(positions, jnp.int32), jnp.asarray(lengths, jnp.int32)
     Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     q, k, v, residual = layer_inputs(draft, tokens, g, positions)
@@ -129,11 +134,17 @@ def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache
         kc = vc = jnp.zeros((B, Hkv, 0, D), k.dtype)
     else:
         kc, vc = cache.k[0], cache.v[0]
-    kc, vc = kvc.write_before_read(kc, vc, k, v, lengths)
-    o = attention(q, k, v, kc, vc, lengths, positions, mask, jnp.full((Hq,), NO_SINK, F32),
-                  window=c.sliding_window, scale=D ** -0.5)
+    sinks = jnp.full((Hq,), NO_SINK, F32)
+    kw = dict(window=c.sliding_window, scale=D ** -0.5, ring=ring)
+    if ring and n_write is not None:  # a prefill chunk may be longer than the ring's spare slots
+        o = attention(q, k, v, kc, vc, lengths, positions, mask, sinks, **kw)
+        kc = kvc.write(kc, k, lengths, ring=True, count=n_write)
+        vc = kvc.write(vc, v, lengths, ring=True, count=n_write)
+    else:
+        kc, vc = kvc.write_before_read(kc, vc, k, v, lengths, ring=ring)
+        o = attention(q, k, v, kc, vc, lengths, positions, mask, sinks, **kw)
     if cache is not None:
-        cache = kvc.KVCache(k=(kc,), v=(vc,))
+        cache = cache.replace(k=(kc,), v=(vc,))
     return layer_outputs(draft, residual, o), cache
 
 
@@ -184,15 +195,22 @@ def prefill(draft: Eagle3, cache: kvc.KVCache, next_tokens, features, prompt_len
         toks = jax.lax.dynamic_slice_in_dim(next_tokens, start, chunk, axis=1)
         f = jax.lax.dynamic_slice_in_dim(features, start, chunk, axis=1)
         pos = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
-        h, cache = layer(draft, toks, project(draft, f), pos, jnp.full((B,), start, jnp.int32), None, cache)
+        h, cache = layer(draft, toks, project(draft, f), pos, jnp.full((B,), start, jnp.int32), None, cache,
+                         n_write=jnp.clip(prompt_lengths - start, 0, chunk))
         return cache, keep_position(h, h_last, last, start)
 
     return over_chunks(body, prompt_lengths, chunk, (cache, jnp.zeros((B, draft.config.hidden_size), draft.dtype)))
 
 
-def init_cache(draft: Eagle3, batch: int, max_len: int) -> kvc.KVCache:
+def init_cache(draft: Eagle3, batch: int, max_len: int, *, max_step_tokens: int = kvc.DEFAULT_STEP_TOKENS
+               ) -> kvc.KVCache:
+    """Zeroed K/V of the draft layer for positions below max_len: [batch, Hkv, max_len, D], or with a
+    sliding window a ring of min(max_len, window + max_step_tokens) slots (models/kv_cache.py)."""
     c = draft.config
-    return kvc.init(1, batch, max_len, c.num_key_value_heads, c.head_dim, draft.dtype)
+    batch, max_len = int_arg("init_cache: batch", batch, 1), int_arg("init_cache: max_len", max_len, 1)
+    max_step_tokens = int_arg("init_cache: max_step_tokens", max_step_tokens, 1)
+    return kvc.init((c.sliding_window,), batch, max_len, c.num_key_value_heads, c.head_dim, draft.dtype,
+                    max_step_tokens=max_step_tokens)
 
 
 def pair_dtype(target=None):

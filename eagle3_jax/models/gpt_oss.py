@@ -12,7 +12,7 @@ are kept packed as MXFP4 (`Mxfp4Experts`) or dense (`DenseExperts`), both in [ou
 
 Entry points (all take the module itself and are traceable under `jax.jit`):
   forward(model, tokens, aux_layer_ids)      full sequence from position 0, no cache
-  init_cache(model, batch, max_len)          empty per-layer KV buffers
+  init_cache(model, batch, max_len)          empty per-layer KV buffers (rings on sliding layers)
   prefill(model, cache, tokens, lengths)     chunked prompt prefill into the cache
   step(model, cache, tokens, positions, lengths, mask)  cached multi-token step (decode / verify)
 """
@@ -114,22 +114,30 @@ class Attention(nnx.Module):
         y = x @ w[...]
         return y if b is None else y + b[...]
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, positions, mask):
-        """x [B, T, H] -> (out [B, T, H], k_cache, v_cache with the new tokens' K/V written at slots
-        lengths .. lengths + T - 1; caches of length 0 (no cache) are returned as they are)."""
+    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, positions, mask, *, ring=False, n_write=None):
+        """x [B, T, H] -> (out [B, T, H], k_cache, v_cache with the new tokens' K/V written at positions
+        lengths .. lengths + T - 1; caches of length 0 (no cache) are returned as they are).
+        ring: the caches are this sliding layer's ring (models/kv_cache.py). n_write int32 [B] (prefill
+        chunks): on a ring, only the first n_write[b] tokens are written, after attention has read it."""
         B, T, _ = x.shape
         bqkv = None if self.bqkv is None else self.bqkv[...]
         qkv = x @ self.wqkv[...]
-        kw = dict(window=self.window, scale=self.head_dim ** -0.5)
-        if select.target_attention(x, k_cache) == "rope_kernel":
+        kw = dict(window=self.window, scale=self.head_dim ** -0.5, ring=ring)
+        read_first = ring and n_write is not None
+        if not read_first and select.target_attention(x, k_cache) == "rope_kernel":
             # bias, RoPE, the cache write and attention in one kernel
             o, k_cache, v_cache = rope_attention(qkv, bqkv, cos, sin, k_cache, v_cache, lengths, positions, mask,
                                                  self.sinks[...], num_heads=self.num_heads,
                                                  num_kv_heads=self.num_kv_heads, **kw)
         else:
             q, k, v = qkv_rope(qkv, bqkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
-            k_cache, v_cache = kvc.write_before_read(k_cache, v_cache, k, v, lengths)
-            o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, self.sinks[...], **kw)
+            if read_first:  # a prefill chunk may be longer than the ring's spare slots
+                o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, self.sinks[...], **kw)
+                k_cache = kvc.write(k_cache, k, lengths, ring=True, count=n_write)
+                v_cache = kvc.write(v_cache, v, lengths, ring=True, count=n_write)
+            else:
+                k_cache, v_cache = kvc.write_before_read(k_cache, v_cache, k, v, lengths, ring=ring)
+                o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, self.sinks[...], **kw)
         return self._proj(o.reshape(B, T, -1), self.wo, self.bo), k_cache, v_cache
 
 
@@ -326,12 +334,12 @@ class Block(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg, dtype, rngs)
 
-    def __call__(self, x, h, cos, sin, k_cache, v_cache, lengths, positions, mask):
+    def __call__(self, x, h, cos, sin, k_cache, v_cache, lengths, positions, mask, **cache_kw):
         """x: the residual stream [B, T, H], h = input_layernorm(x) (run_layers fuses it with the
         previous block's residual add). Returns (x + attention, the MoE's f32 output, not yet added
         to the stream, k_cache, v_cache). The attention residual add stays an XLA fusion: at one
         token it is also the reduce of o_proj's split-K GEMM (what was tried instead: docs/perf/glue.md)."""
-        a, k_cache, v_cache = self.self_attn(h, cos, sin, k_cache, v_cache, lengths, positions, mask)
+        a, k_cache, v_cache = self.self_attn(h, cos, sin, k_cache, v_cache, lengths, positions, mask, **cache_kw)
         x = x + a
         return x, self.mlp(x, norm=self.post_attention_layernorm, dtype=F32), k_cache, v_cache
 
@@ -390,6 +398,13 @@ def check_step_inputs(tokens, positions, lengths, mask, cache_batch: int | None,
                          f"{cache_len} slots")
 
 
+def check_step_tokens(T: int, cache: kvc.KVCache, what: str = "step"):
+    """A cached step writes its T tokens before reading: at most cache.max_step_tokens of them."""
+    if T > cache.max_step_tokens:
+        raise ValueError(f"{what}: {T} tokens a step, but the cache's sliding-layer rings take at most "
+                         f"max_step_tokens={cache.max_step_tokens}: build it with init_cache(..., max_step_tokens={T})")
+
+
 # -- functional entry points ---------------------------------------------------------------------
 
 def feature_hidden_index(config: GptOssConfig, aux_layer_ids, convention: str = "output") -> tuple[int, ...]:
@@ -416,12 +431,13 @@ def logits(model: GptOss, h):
 
 
 def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCache | None,
-               feature_ids: tuple[int, ...] = ()):
+               feature_ids: tuple[int, ...] = (), n_write=None):
     """The trunk shared by every entry point.
 
     tokens, positions: int32 [B, T]; lengths int32 [B]: committed cache prefix per sequence; the
-    new tokens' K/V are written at slots lengths .. lengths + T - 1. mask: packed [B, T, ceil(T/32)]
-    or None (causal). cache None means no prefix (nothing is read or written).
+    new tokens' K/V are written at positions lengths .. lengths + T - 1. mask: packed [B, T, ceil(T/32)]
+    or None (causal). cache None means no prefix (nothing is read or written). n_write int32 [B] or
+    None: a prefill chunk's tokens each sequence keeps (ring layers write only those).
     Returns (final-normed hidden [B, T, H], features [B, T, len(ids) * H] or None, new cache).
     """
     cfg = model.config
@@ -441,13 +457,14 @@ def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCac
                 kc, vc = cache.k[i], cache.v[i]
             x, h = block.input_layernorm.add(x, moe_out)
             hidden.append(x)
-            x, moe_out, kc, vc = block(x, h, cos, sin, kc, vc, lengths, positions, mask)
+            ring = cache is not None and cache.rings[i]
+            x, moe_out, kc, vc = block(x, h, cos, sin, kc, vc, lengths, positions, mask, ring=ring, n_write=n_write)
             new_k.append(kc)
             new_v.append(vc)
     x, h = model.norm.add(x, moe_out)
     hidden.append(x)
     feats = jnp.concatenate([hidden[j] for j in feature_ids], axis=-1) if feature_ids else None
-    cache = None if cache is None else kvc.KVCache(k=tuple(new_k), v=tuple(new_v))
+    cache = None if cache is None else cache.replace(k=tuple(new_k), v=tuple(new_v))
     return h, feats, cache
 
 
@@ -468,21 +485,29 @@ def forward(model: GptOss, tokens, aux_layer_ids=None, *, aux_convention: str = 
     return logits(model, h), feats
 
 
-def init_cache(model: GptOss, batch: int, max_len: int) -> kvc.KVCache:
+def init_cache(model: GptOss, batch: int, max_len: int, *, max_step_tokens: int = kvc.DEFAULT_STEP_TOKENS
+               ) -> kvc.KVCache:
+    """Zeroed K/V for positions below max_len: full layers [batch, Hkv, max_len, D], sliding layers a
+    ring of min(max_len, window + max_step_tokens) slots (models/kv_cache.py). max_step_tokens: the
+    most tokens one `step` writes (decode 1, a verify its nodes)."""
     batch, max_len = int_arg("init_cache: batch", batch, 1), int_arg("init_cache: max_len", max_len, 1)
+    max_step_tokens = int_arg("init_cache: max_step_tokens", max_step_tokens, 1)
     cfg = model.config
-    return kvc.init(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+    windows = [cfg.window(i) for i in range(cfg.num_hidden_layers)]
+    return kvc.init(windows, batch, max_len, cfg.num_key_value_heads, cfg.head_dim, model.dtype,
+                    max_step_tokens=max_step_tokens)
 
 
 def step(model: GptOss, cache: kvc.KVCache, tokens, positions, lengths, mask=None, feature_ids=()):
     """Cached multi-token step (decode: T = 1; verify: T tree nodes with a packed ancestor mask).
 
     tokens/positions int32 [B, T]; lengths int32 [B] committed prefix; K/V of the T tokens go to
-    slots lengths .. lengths + T - 1 (lengths are not advanced here).
+    positions lengths .. lengths + T - 1 (lengths are not advanced here); T <= cache.max_step_tokens.
     Returns (logits f32 [B, T, V], features or None, cache).
     """
     tokens = check_tokens(tokens, model.config.vocab_size)
     check_step_inputs(tokens, positions, lengths, mask, cache.batch, cache.max_len)
+    check_step_tokens(tokens.shape[1], cache)
     positions, lengths = jnp.asarray(positions, jnp.int32), jnp.asarray(lengths, jnp.int32)
     h, feats, cache = run_layers(model, tokens, positions, lengths, mask, cache, feature_ids)
     return logits(model, h), feats, cache
@@ -517,7 +542,8 @@ def prefill(model: GptOss, cache: kvc.KVCache, tokens, prompt_lengths, *, chunk:
         cache, h_last, feats = carry
         toks = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
         pos = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
-        h, f, cache = run_layers(model, toks, pos, jnp.full((B,), start, jnp.int32), None, cache, feature_ids)
+        n_write = jnp.clip(prompt_lengths - start, 0, chunk)
+        h, f, cache = run_layers(model, toks, pos, jnp.full((B,), start, jnp.int32), None, cache, feature_ids, n_write)
         if feature_ids:
             feats = jax.lax.dynamic_update_slice_in_dim(feats, f, start, axis=1)
         return cache, keep_position(h, h_last, last, start), feats

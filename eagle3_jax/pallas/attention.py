@@ -34,12 +34,15 @@ from eagle3_jax.pallas import attention_mosaic, select, util
 from eagle3_jax.pallas.util import LOG2E, M_INIT, pow2
 
 
-def attention_reference(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale):
+def attention_reference(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale,
+                        ring: bool = False):
     """Plain-jnp attention; the semantics every kernel must match.
 
     q: [B, Nq, Hq, D] new queries (rotary applied); k, v: [B, Nq, Hkv, D] the new tokens' keys/values.
-    k_cache, v_cache: [B, Hkv, S, D]; only slots [0, lengths[b]) are read (committed prefix, key
-    position = slot). positions: [B, Nq] int32 positions of the new tokens (all >= lengths[b]).
+    k_cache, v_cache: [B, Hkv, S, D]; only committed positions [0, lengths[b]) are read, position p at
+    slot p, or with `ring` (sliding layers, models/kv_cache.py) at slot p mod S, where a slot holds the
+    last committed position of its residue. positions: [B, Nq] int32 positions of the new tokens (all
+    >= lengths[b]).
     mask: uint32 [B, Nq, ceil(Nq/32)] packed "query i may see new token j" bits, or None for causal
     in token order (a prefill chunk). sinks: [Hq] logits of the virtual zero-value key, unscaled.
     window: None, or W > 0: key position p_j is visible to query position p_i iff p_i - W < p_j.
@@ -52,14 +55,18 @@ def attention_reference(q, k, v, k_cache, v_cache, lengths, positions, mask, sin
     qf = q.astype(f32).reshape(B, Nq, Hkv, G, D)
     pos = positions.astype(jnp.int32)
 
-    slot = jnp.arange(S)
-    see_prefix = slot[None, None, :] < lengths[:, None, None]  # [B, Nq, S]
+    if ring and window is None:
+        raise ValueError("attention: a ring cache needs a sliding window")
+    L = lengths.astype(jnp.int32)[:, None]
+    slot = jnp.arange(S, dtype=jnp.int32)[None]
+    key_pos = L - 1 - (L - 1 - slot) % S if ring else slot  # [B or 1, S]: the position each slot holds
+    see_prefix = jnp.broadcast_to(((key_pos >= 0) & (key_pos < L))[:, None, :], (B, Nq, S))
     if mask is None:
         see_new = jnp.broadcast_to(jnp.tril(jnp.ones((Nq, Nq), bool)), (B, Nq, Nq))
     else:
         see_new = unpack_mask(mask, Nq)  # [B, Nq, Nq]
     if window is not None:
-        see_prefix &= slot[None, None, :] > pos[:, :, None] - window
+        see_prefix &= key_pos[:, None, :] > pos[:, :, None] - window
         see_new &= pos[:, None, :] > pos[:, :, None] - window
 
     neg = jnp.finfo(f32).min
@@ -165,8 +172,9 @@ def _round_bf16(x):
 
 
 def _attn_kernel(len_ref, pos_ref, *refs, Nq, G, Hkv, D, Dp, RB, BK, BKn, NS, window, scale, causal,
-                 preload_new, interpret, rope):
-    """rope None: refs = (q, k, v, k_cache, v_cache, mask, sinks, *outs). rope (Hq, has_bias, S):
+                 preload_new, interpret, rope, S, ring):
+    """S: the caches' slots; ring: position p at slot p mod S (else at slot p).
+    rope None: refs = (q, k, v, k_cache, v_cache, mask, sinks, *outs). rope (Hq, has_bias):
     refs = (qkv, bias, cos, sin, k_cache, v_cache, mask, sinks, k_cache out, v_cache out, *outs); q, k and
     v are formed from the fused projection as `rope_write_reference` forms them, and the programs of row
     block 0 in the last split write the new tokens' K/V to the caches."""
@@ -194,7 +202,7 @@ def _attn_kernel(len_ref, pos_ref, *refs, Nq, G, Hkv, D, Dp, RB, BK, BKn, NS, wi
         return jnp.broadcast_to(m, (rows_ok.shape[0], Dp))
 
     if rope is not None:
-        Hq, has_bias, S = rope
+        Hq, has_bias = rope
         half = D // 2
         partner = jnp.where(d < half, d + half, d - half)  # the other half of the NeoX rotation
         first_half = (d < half)[None, :]
@@ -278,12 +286,17 @@ def _attn_kernel(len_ref, pos_ref, *refs, Nq, G, Hkv, D, Dp, RB, BK, BKn, NS, wi
         return kt, vt
 
     def write_new(js, kt, vt):
-        """Cache slots length + js .. of new tokens js .. js + BKn - 1 (the last split's row block 0
-        only; slots at or past S are not written: the interpreter's caches have a spare slot S)."""
+        """Cache slots of positions length + js .. of new tokens js .. js + BKn - 1 (the last split's
+        row block 0 only; dense caches: slots at or past S are not written, the interpreter's caches
+        have a spare slot S; rings: mod S)."""
         jj = js + jnp.arange(BKn, dtype=jnp.int32)
-        slot = length + jj
-        ok = (jj < Nq) & (slot < S) & (rb == 0) & last
-        slot = jnp.minimum(slot, S)
+        if ring:  # masked rows point at the spare slot: the interpreter stores them too, unchanged
+            ok = (jj < Nq) & (rb == 0) & last
+            slot = jnp.where(ok, (length + jj) % S, S)
+        else:
+            slot = length + jj
+            ok = (jj < Nq) & (slot < S) & (rb == 0) & last
+            slot = jnp.minimum(slot, S)
         plgpu.store(kc_out.at[b, h, slot[:, None], d[None, :]], kt, mask=dmask(ok))
         plgpu.store(vc_out.at[b, h, slot[:, None], d[None, :]], vt, mask=dmask(ok))
 
@@ -304,7 +317,17 @@ def _attn_kernel(len_ref, pos_ref, *refs, Nq, G, Hkv, D, Dp, RB, BK, BKn, NS, wi
     def prefix_step(t, carry, masked):
         ks = start + t * BK
         kk = ks + jnp.arange(BK, dtype=jnp.int32)
-        if masked:
+        if ring:  # keys are positions; a block of them may wrap around the ring: gathered rows
+            k_ok = kk < end if masked else jnp.ones((BK,), jnp.bool_)
+            slots = (kk % S)[:, None]
+            if masked or not full_d:
+                kt = plgpu.load(kc_ref.at[b, h, slots, d[None, :]], mask=dmask(k_ok), other=0)
+                vt = plgpu.load(vc_ref.at[b, h, slots, d[None, :]], mask=dmask(k_ok), other=0)
+            else:
+                kt = plgpu.load(kc_ref.at[b, h, slots, d[None, :]])
+                vt = plgpu.load(vc_ref.at[b, h, slots, d[None, :]])
+            vis = k_ok[None, :] if masked else None
+        elif masked:
             k_ok = kk < end
             kt = plgpu.load(kc_ref.at[b, h, pl.ds(ks, BK), pl.ds(0, Dp)], mask=dmask(k_ok), other=0)
             vt = plgpu.load(vc_ref.at[b, h, pl.ds(ks, BK), pl.ds(0, Dp)], mask=dmask(k_ok), other=0)
@@ -386,24 +409,26 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, G, Hkv, D, Dp, RB, NS, NSp):
 
 
 def attention_pallas(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale,
-                     config: AttnConfig | None = None, interpret: bool = False, **overrides):
+                     ring: bool = False, config: AttnConfig | None = None, interpret: bool = False, **overrides):
     """The Pallas kernel behind `attention` (same contract as `attention_reference`).
 
     `config` (or keyword overrides of its fields) fixes the launch; default: `attention_config`.
     """
     B, Nq, Hq, D = q.shape
     return _launch((q, k, v), None, k_cache, v_cache, lengths, positions, mask, sinks, B=B, Nq=Nq, Hq=Hq, D=D,
-                   dtype=q.dtype, window=window, scale=scale, config=config, interpret=interpret, overrides=overrides)
+                   S=k_cache.shape[2], ring=ring, dtype=q.dtype, window=window, scale=scale, config=config,
+                   interpret=interpret, overrides=overrides)
 
 
 def rope_attention(qkv, bias, cos, sin, k_cache, v_cache, lengths, positions, mask, sinks, *, num_heads: int,
-                   num_kv_heads: int, window, scale, config: AttnConfig | None = None, interpret: bool = False,
-                   **overrides):
+                   num_kv_heads: int, window, scale, ring: bool = False, config: AttnConfig | None = None,
+                   interpret: bool = False, **overrides):
     """Attention's prologue and `attention_pallas` in one kernel: the fused projection qkv [B, T, (Hq + 2 Hkv) D]
     bf16 (before its bias [(Hq + 2 Hkv) D] or None), cos, sin f32 [B, T, D / 2] -> (out [B, T, Hq, D],
-    k_cache, v_cache with the new tokens' K/V written at slots lengths .. lengths + T - 1, in place).
+    k_cache, v_cache with the new tokens' K/V written at positions lengths .. lengths + T - 1, in place).
     q and the new K/V are formed in the kernel as `rope_write_reference` forms them (bias, NeoX RoPE);
-    slots at or past the cache's end are not written. The model's cached steps on GPUs (one launch less
+    dense caches: slots at or past the cache's end are not written; a ring (`ring`, T <= S - window:
+    the writes land outside every query's window) takes them mod S. The model's cached steps on GPUs (one launch less
     per layer than a separate prologue kernel)."""
     B, T, N = qkv.shape
     Hq, Hkv = num_heads, num_kv_heads
@@ -425,28 +450,33 @@ def rope_attention(qkv, bias, cos, sin, k_cache, v_cache, lengths, positions, ma
         b_in = jnp.pad(b_in, (0, N + Dp - D - b_in.shape[0]))
         kc, vc = (jnp.pad(c, ((0, 0), (0, 0), (0, 1), (0, Dp - D))) for c in (k_cache, v_cache))
     srcs = (qkv, b_in, cos.astype(jnp.float32), sin.astype(jnp.float32))
-    out, kc, vc = _launch(srcs, (Hq, has_bias, S), kc, vc, lengths, positions, mask, sinks, B=B, Nq=T, Hq=Hq,
-                          D=D, dtype=qkv.dtype, window=window, scale=scale, config=config, interpret=interpret,
-                          overrides=overrides)
+    if ring and (window is None or T > S - window):
+        raise ValueError(f"rope_attention: a ring of {S} slots with window {window} takes at most "
+                         f"{None if window is None else S - window} new tokens a call, got {T}")
+    out, kc, vc = _launch(srcs, (Hq, has_bias), kc, vc, lengths, positions, mask, sinks, B=B, Nq=T, Hq=Hq,
+                          D=D, S=S, ring=ring, dtype=qkv.dtype, window=window, scale=scale, config=config,
+                          interpret=interpret, overrides=overrides)
     if interpret:
         kc, vc = kc[:, :, :S, :D], vc[:, :, :S, :D]
     return out, kc, vc
 
 
 def rope_attention_reference(qkv, bias, cos, sin, k_cache, v_cache, lengths, positions, mask, sinks, *,
-                             num_heads: int, num_kv_heads: int, window, scale):
+                             num_heads: int, num_kv_heads: int, window, scale, ring: bool = False):
     """Plain-jnp `rope_attention`: `rope_write_reference`, then `attention_reference`."""
     q, k, v, k_cache, v_cache = rope_write_reference(qkv, bias, cos, sin, k_cache, v_cache, lengths,
-                                                     num_heads=num_heads, num_kv_heads=num_kv_heads)
-    out = attention_reference(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, window=window, scale=scale)
+                                                     num_heads=num_heads, num_kv_heads=num_kv_heads, ring=ring)
+    out = attention_reference(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, window=window, scale=scale,
+                              ring=ring)
     return out, k_cache, v_cache
 
 
-def rope_write_reference(qkv, bias, cos, sin, k_cache, v_cache, lengths, *, num_heads: int, num_kv_heads: int):
+def rope_write_reference(qkv, bias, cos, sin, k_cache, v_cache, lengths, *, num_heads: int, num_kv_heads: int,
+                         ring: bool = False):
     """q/k/v of the fused projection and the cache write, as `rope_attention` forms them: q and k
     (qkv + bias) rounded to qkv.dtype, then the NeoX half-split rotation (x1 c - x2 s, x2 c + x1 s) in
     f32, rounded; v qkv + bias, rounded; k and v written at slots lengths .. lengths + T - 1 (slots past
-    the cache's end dropped). -> (q [B, T, Hq, D], k, v [B, T, Hkv, D], k_cache, v_cache)."""
+    the cache's end dropped; `ring`: mod S). -> (q [B, T, Hq, D], k, v [B, T, Hkv, D], k_cache, v_cache)."""
     B, T, N = qkv.shape
     Hq, Hkv = num_heads, num_kv_heads
     D = N // (Hq + 2 * Hkv)
@@ -463,21 +493,22 @@ def rope_write_reference(qkv, bias, cos, sin, k_cache, v_cache, lengths, *, num_
     slots = lengths[:, None] + jnp.arange(T)  # [B, T]
     bi = jnp.arange(B)[:, None]
     # out-of-range slots go to index S, which mode="drop" discards
-    slots = jnp.where(slots < S, slots, S)
+    slots = slots % S if ring else jnp.where(slots < S, slots, S)
     k_cache = k_cache.at[bi, :, slots].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[bi, :, slots].set(v.astype(v_cache.dtype), mode="drop")
     return qk[:, :, :Hq], k, v, k_cache, v_cache
 
 
-def _launch(srcs, rope, k_cache, v_cache, lengths, positions, mask, sinks, *, B, Nq, Hq, D, dtype, window, scale,
-            config, interpret, overrides):
+def _launch(srcs, rope, k_cache, v_cache, lengths, positions, mask, sinks, *, B, Nq, Hq, D, S, ring, dtype, window,
+            scale, config, interpret, overrides):
     """Both entry points' launch: srcs (q, k, v) or, with rope, (qkv, bias, cos, sin) -> out [B, Nq, Hq, D]
     (with rope: and the two caches, written in place)."""
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
-    S_cfg = k_cache.shape[2] if rope is None else rope[2]
+    if ring and window is None:
+        raise ValueError("attention: a ring cache needs a sliding window")
     if config is None:
-        config = attention_config(B, Nq, Hq, Hkv, D, S_cfg, window, num_sms=132 if interpret else util.num_sms(),
+        config = attention_config(B, Nq, Hq, Hkv, D, S, window, num_sms=132 if interpret else util.num_sms(),
                                   **overrides)
     RB, NS = config.block_rows, config.num_splits
     Dp = pow2(max(16, D))
@@ -494,7 +525,7 @@ def _launch(srcs, rope, k_cache, v_cache, lengths, positions, mask, sinks, *, B,
         raise ValueError(f"attention: scale must be positive, got {scale}")
     kern = functools.partial(_attn_kernel, Nq=Nq, G=G, Hkv=Hkv, D=D, Dp=Dp, RB=RB, BK=config.block_k,
                              BKn=config.block_new, NS=NS, window=window, scale=float(scale), causal=causal,
-                             preload_new=config.preload_new, interpret=interpret, rope=rope)
+                             preload_new=config.preload_new, interpret=interpret, rope=rope, S=S, ring=ring)
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     out_final = jax.ShapeDtypeStruct((B, Nq, Hq, D), dtype)
     if NS == 1:
@@ -522,18 +553,18 @@ def _launch(srcs, rope, k_cache, v_cache, lengths, positions, mask, sinks, *, B,
     return (out, *caches) if rope is not None else out
 
 
-def attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale):
+def attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale, ring: bool = False):
     """The model's single attention entry point (same contract as `attention_reference`): the
     implementation `select.attention` names for these shapes on this platform. The Mosaic GPU kernel
     (attention_mosaic.py) for full layers with long caches and several query tokens on a GPU, else the
     Pallas (Triton) kernel on a GPU; the jnp reference elsewhere and for cache-free full-sequence
     passes (`forward`, training: the reference is differentiable, the kernels are not)."""
-    impl = select.attention(q, k_cache, window)
+    impl = select.attention(q, k_cache, window, ring=ring)
     if impl == "mosaic":
         return attention_mosaic.attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
                                                  window=window, scale=scale)
     if impl == "triton":
         return attention_pallas(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
-                                window=window, scale=scale)
+                                window=window, scale=scale, ring=ring)
     return attention_reference(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
-                               window=window, scale=scale)
+                               window=window, scale=scale, ring=ring)

@@ -48,11 +48,12 @@ def glue_kernels(x, platform: str | None = None) -> bool:
     return x.dtype == jnp.bfloat16 and _gpu(platform)
 
 
-def attention(q, k_cache, window, platform: str | None = None) -> str:
-    """q [B, Nq, Hq, D], k_cache [B, Hkv, S, D] -> "mosaic", "triton" or "reference"."""
+def attention(q, k_cache, window, platform: str | None = None, *, ring: bool = False) -> str:
+    """q [B, Nq, Hq, D], k_cache [B, Hkv, S, D] (ring: a sliding layer's ring) -> "mosaic", "triton" or
+    "reference"."""
     if not (_gpu(platform) and q.shape[-1] <= MAX_HEAD_DIM and k_cache.shape[2] > 0):
         return "reference"
-    if (attention_mosaic.mosaic_fits(q, k_cache, window) and k_cache.shape[2] >= MOSAIC_MIN_CACHE
+    if (not ring and attention_mosaic.mosaic_fits(q, k_cache, window) and k_cache.shape[2] >= MOSAIC_MIN_CACHE
             and q.shape[1] >= 2):
         return "mosaic"
     return "triton"

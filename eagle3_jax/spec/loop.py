@@ -21,7 +21,7 @@ def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key
     target, draft = models
     B = tokens.shape[0]
     with jax.named_scope("prefill"):
-        target_cache, h_last, feats = gpt_oss.prefill(target, gpt_oss.init_cache(target, B, plan.cache_len), tokens,
+        target_cache, h_last, feats = gpt_oss.prefill(target, gpt_oss.init_cache(target, B, plan.cache_len, max_step_tokens=plan.step_tokens), tokens,
                                                       prompt_lengths, chunk=plan.chunk, feature_ids=plan.feature_ids)
         first = sample(gpt_oss.logits(target, h_last), jax.random.fold_in(key, 0), temperature, plan.greedy)
         draft_cache = h_root = None
@@ -29,7 +29,7 @@ def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key
             # the draft reads (x_{t+1}, f_t): the prompt shifted left, the first token after the last position
             nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], 1)
             nxt = nxt.at[jnp.arange(B), prompt_lengths - 1].set(first)
-            draft_cache, h_root = eagle3.prefill(draft, eagle3.init_cache(draft, B, plan.cache_len), nxt, feats,
+            draft_cache, h_root = eagle3.prefill(draft, eagle3.init_cache(draft, B, plan.cache_len, max_step_tokens=plan.step_tokens), nxt, feats,
                                                  prompt_lengths, chunk=plan.chunk)
     n_out = jnp.ones((B,), jnp.int32)
     return DecodeState(target_cache=target_cache, draft_cache=draft_cache, lengths=prompt_lengths, root=first,

@@ -33,6 +33,12 @@ class Plan:
         return self.depth + 1
 
     @property
+    def step_tokens(self) -> int:
+        """Most tokens one cached call of a step writes: verify num_nodes (the baseline 1), the draft's
+        tree levels (depth - 1) * topk and its extend depth + 1; the caches' `max_step_tokens`."""
+        return max(self.num_nodes, (self.depth - 1) * self.topk, self.width) if self.depth else 1
+
+    @property
     def slack(self) -> int:
         """Cache slots a step needs past the committed length: verify writes num_nodes slots, the
         draft's extend depth + 1."""

@@ -105,8 +105,8 @@ def rewind(cache: kvc.KVCache, lengths, path, acc, plan: Plan) -> kvc.KVCache:
     """Moves the accepted nodes' K/V to slots lengths .. lengths + acc (a chain's already are)."""
     if plan.topk == 1:
         return cache
-    k, v = kv_rewind(cache.k, cache.v, lengths, path, acc)
-    return kvc.KVCache(k=tuple(k), v=tuple(v))
+    k, v = kv_rewind(cache.k, cache.v, lengths, path, acc, cache.rings)
+    return cache.replace(k=tuple(k), v=tuple(v))
 
 
 def path_tokens(tokens, path, acc, bonus):
