@@ -13,6 +13,13 @@ draft tokens) and, with --tau_trained, a measured one.
 Scenarios: single (B=1, 1K), gates (B=1 32K and B=4 16K, chain3: what gates.py reads), batch (B=4,
 1K), large (B=1 at --large_contexts), sweep (B=1 at --sweep_context over chains 1..5 and trees),
 stress (decode() end to end, B=16 ragged prompts, early eos).
+
+Memory: each row's "memory" holds, for the baseline and the step loop (and each part's loop), the
+compiled program's buffers (`timing.program_memory`: argument, output, alias, temp, peak bytes) and
+the device allocator's figures after its first call (`timing.memory_stats`), and the allocator's
+figures after the row ("device": bytes_in_use, peak_bytes_in_use since the process started,
+bytes_limit; None on CPU). The printed "peak" is the largest program peak of the row, and in
+parentheses the device's peak in use so far (not on CPU).
 """
 
 import json
@@ -57,11 +64,23 @@ def rows_for(name):
             "sweep": [("sweep", 1, FLAGS.sweep_context, sh) for sh in FLAGS.sweep_shapes]}.get(name, [])
 
 
+def peak_text(memory):
+    """'peak X GiB' for a row's line: the largest peak of the row's compiled loops (parameters, state
+    and temporaries), and where the device keeps figures its peak in use since the process started."""
+    loops = [memory.get("baseline"), memory.get("step"), *memory.get("parts", {}).values()]
+    peaks = [m["program"]["peak"] for m in loops if m and m.get("program")]
+    text = f"peak {timing.gib(max(peaks, default=None))}"
+    if memory.get("device") and "peak_bytes_in_use" in memory["device"]:
+        text += f" (device {timing.gib(memory['device']['peak_bytes_in_use'])})"
+    return text
+
+
 def measure(target, draft, bw, name, B, ctx, shape_name, base_cache):
     shape = parse_shape(shape_name)
     if (B, ctx) not in base_cache:
-        base_cache[(B, ctx)] = time_baseline(target, B, ctx, FLAGS.iters)
-    t_base = base_cache[(B, ctx)]
+        base_mem = {}
+        base_cache[(B, ctx)] = time_baseline(target, B, ctx, FLAGS.iters, memory=base_mem), base_mem
+    t_base, base_mem = base_cache[(B, ctx)]
     r = time_step(target, draft, B, shape, ctx, FLAGS.iters)
     sec = r["seconds"]
     split = dict(draft=sec["draft"], verify=sec["verify"], accept_rewind=sec["accept"] + sec.get("rewind", 0.0),
@@ -69,6 +88,8 @@ def measure(target, draft, bw, name, B, ctx, shape_name, base_cache):
     sb = roofline.step_bytes(target.config, draft.config, B, ctx, shape["depth"], shape["num_nodes"])
     base_bytes = roofline.target_bytes(target.config, B, 1, ctx)["total"]
     taus = list(PUBLISHED_TAU) + ([FLAGS.tau_trained] if FLAGS.tau_trained else [])
+    memory = dict(baseline=base_mem, step=r["memory"]["step"],
+                  parts={k: v for k, v in r["memory"].items() if k != "step"}, device=timing.memory_stats())
     row = dict(name=name, batch=B, context=ctx, shape=shape_name, **shape,
                baseline_seconds_per_token=t_base, step_seconds=dict(step=sec["step"], **split),
                bytes=dict(baseline=base_bytes, step=sb["total"], draft=sb["draft"], verify=sb["verify"],
@@ -76,13 +97,14 @@ def measure(target, draft, bw, name, B, ctx, shape_name, base_cache):
                roofline_seconds=dict(baseline=base_bytes / bw, step=sb["total"] / bw, draft=sb["draft"] / bw,
                                      verify=sb["verify"] / bw, extend=sb["extend"] / bw),
                projected_speedup={f"{t:g}": t * t_base / sec["step"] for t in taus},
-               roofline_speedup={f"{t:g}": t * base_bytes / sb["total"] for t in taus})
+               roofline_speedup={f"{t:g}": t * base_bytes / sb["total"] for t in taus}, memory=memory)
     row["baseline_roofline_fraction"] = row["roofline_seconds"]["baseline"] / t_base
     row["step_roofline_fraction"] = row["roofline_seconds"]["step"] / sec["step"]
     cli.write(f"{name:<12} B={B:<2} ctx={ctx:<6} {shape_name:<10} base {t_base * 1e3:7.2f} ms "
           f"({row['baseline_roofline_fraction']:.0%} of roofline)  step {sec['step'] * 1e3:7.2f} ms "
           f"({row['step_roofline_fraction']:.0%})  " + " ".join(f"{k} {v * 1e3:.2f}" for k, v in split.items()) +
-          f"  proj@3.22 {row['projected_speedup']['3.22']:.2f}x roof@3.22 {row['roofline_speedup']['3.22']:.2f}x")
+          f"  proj@3.22 {row['projected_speedup']['3.22']:.2f}x roof@3.22 {row['roofline_speedup']['3.22']:.2f}x"
+          f"  {peak_text(memory)}")
     return row
 
 
@@ -95,9 +117,10 @@ def stress(target, draft):
     out = decode(target, draft, prompts, 64, num_spec_tokens=3, eos_ids=eos, prefill_chunk=512)
     m = out.metrics
     lens = [len(t) for t in out.tokens]
+    memory = dict(device=timing.memory_stats())
     cli.write(f"stress B=16: {m['generated_tokens']} tokens, {m['steps']} steps, {m['tokens_per_second']:.1f} tok/s, "
-              f"lengths {min(lens)}..{max(lens)}")
-    return dict(name="stress", batch=16, lengths=lens, metrics=m)
+              f"lengths {min(lens)}..{max(lens)}  {peak_text(memory)}")
+    return dict(name="stress", batch=16, lengths=lens, metrics=m, memory=memory)
 
 
 def plot(rows, path):

@@ -8,8 +8,16 @@ the target over the N nodes and its pick at every node), accept (`accept` + `pat
 (trees only), extend (the draft over the accepted tokens). Caches hold noise; the context stays at
 `ctx` committed tokens. Verify runs over the step's own sequence of trees, recorded beforehand, so
 that its MoE routing is the step's.
+
+Memory: a timing holds one state (its caches once) beside the parameters. A loop takes over the
+carry it is given (donated, not copied), each timing builds its own state after the previous one is
+gone, the caches are filled with noise in place, and every array a timed function reads goes in as
+an argument (`compile_call` refuses a large closed-over array, which XLA would copy into the
+program as a constant). `loop_time` and `time_step` report each executable's buffer sizes
+(`timing.program_memory`); `state_bytes` is a state's size without building it.
 """
 
+import functools
 import re
 import statistics
 import time
@@ -18,6 +26,7 @@ from absl import flags
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from eagle3_jax.models import Eagle3Config, eagle3, gpt_oss
@@ -68,9 +77,42 @@ def validate_shape_flags(*names):
         flags.register_validator(name, check)
 
 
-def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3):
-    """Seconds per iteration of `carry = fn(models, carry)` run in one jitted fori_loop (parameters
-    passed as arguments, the carry donated so caches update in place), without the call's own cost:
+MAX_CAPTURED_BYTES = 1 << 20  # a larger array closed over by a timed function is refused (`compile_call`)
+
+
+def compile_call(fn, *args, donate_argnums=()):
+    """`jax.jit(fn, donate_argnums=...)` traced, lowered and compiled for `args`: the executable (call
+    it with arguments of the same shapes; donated ones are deleted for the caller). A function that
+    closes over an array (jax or numpy) of more than MAX_CAPTURED_BYTES raises RuntimeError naming its
+    shapes: XLA would copy it into the program as a constant (host and device memory beside the
+    array itself); pass it as an argument instead."""
+    traced = jax.jit(fn, donate_argnums=donate_argnums).trace(*args)
+    big = [c for c in traced.jaxpr.consts if getattr(c, "nbytes", 0) > MAX_CAPTURED_BYTES]
+    if big:
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} closes over arrays "
+                           f"{', '.join(f'{c.dtype}{list(c.shape)}' for c in big)} "
+                           f"({sum(c.nbytes for c in big)} bytes): pass them as arguments")
+    return traced.lower().compile()
+
+
+def distinct_leaves(tree):
+    """`tree` with every array that appears more than once (the same object at several leaves, e.g. one
+    zero shared by counters) replaced by copies after its first use, so the whole tree can be donated
+    (a buffer may be donated once per call). Other leaves are kept as they are."""
+    seen = set()
+
+    def one(a):
+        if id(a) in seen:
+            return jnp.copy(a)
+        seen.add(id(a))
+        return a
+
+    return jax.tree.map(one, tree)
+
+
+def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3, *, args=(), memory=None):
+    """Seconds per iteration of `carry = fn(models, carry, *args)` run in one jitted fori_loop (parameters
+    and `args` passed as arguments), without the call's own cost:
     (best time of a call of n iterations - best time of a call of none) / n, n = `iters`, raised
     4x at a time (to at most 64 * iters) until the call takes at least twice the empty one. The trip
     count is an argument, so every call shares one executable. The call's own cost is host work that
@@ -80,17 +122,27 @@ def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3):
     0.21 ms of the accept part's 0.23. With a trip count that is an argument, the loop reads its
     condition on the host each iteration, as decode's while_loop does (about 3 us of device time).
     Callers keep the context fixed across iterations, so any n sees the same work.
+
+    The loop takes ownership of `carry`: its arrays are donated to the first call (deleted for the
+    caller, who builds a new carry for anything else) and updated in place after, so the loop holds
+    one copy of the caches. `args` (arrays fn reads and does not change) are not donated. A timed
+    function must take every array as an argument (`compile_call` refuses a large closed-over one).
+    With `memory` (a dict), fills it with "program": `timing.program_memory` of the loop's executable
+    (its argument, output, alias, temp and peak bytes) and "device": `timing.memory_stats()` after
+    its first call (the carry and parameters live; None on CPU).
     With `profile`, also the device kernel seconds per iteration by kernel family
     (`timing.kernel_group`, plus "launches": kernels per iteration; `iters` iterations); else {}."""
-    def run(params, c, n):
+    def run(params, c, n, a):
         m = nnx.merge(graphdef, params)
-        return jax.lax.fori_loop(0, n, lambda i, c: fn(m, c), c)
+        return jax.lax.fori_loop(0, n, lambda i, c: fn(m, c, *a), c)
 
-    run = jax.jit(run, donate_argnums=1)
-    box = [jax.tree.map(jnp.copy, carry)]  # the caller keeps its arrays; the loop owns these
+    args, carry = tuple(args), distinct_leaves(carry)
+    compiled = compile_call(run, params, carry, jnp.int32(iters), args, donate_argnums=1)
+    box = [carry]
+    del carry  # the first call donates the caller's arrays; the loop owns them from here
 
     def call(n):
-        box[0] = run(params, box[0], jnp.int32(n))
+        box[0] = compiled(params, box[0], jnp.int32(n), args)
         return box[0]
 
     def best_of(n):
@@ -101,7 +153,9 @@ def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3):
             best = min(best, time.perf_counter() - t0)
         return best
 
-    jax.block_until_ready(call(iters))  # compile + warm
+    jax.block_until_ready(call(iters))  # warm
+    if memory is not None:
+        memory.update(program=timing.program_memory(compiled), device=timing.memory_stats())
     empty, n = best_of(0), iters
     full = best_of(n)
     while full < 2 * empty and n < 64 * iters:
@@ -118,25 +172,74 @@ def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3):
     return (full - empty) / n, groups
 
 
-def once(graphdef, params, fn, *args):
-    """fn(models, *args) once, jitted; arrays go in as arguments (a closed-over cache would be
-    baked into the program as a constant)."""
-    return jax.jit(lambda p, *a: fn(nnx.merge(graphdef, p), *a))(params, *args)
+def once(graphdef, params, fn, *args, donate=()):
+    """fn(models, *args) once, compiled by `compile_call` (arrays go in as arguments). `donate`: indices
+    into args whose arrays the call takes over (deleted for the caller); return a donated state from
+    fn (updated or not) so that its buffers are reused rather than copied."""
+    def call(p, *a):
+        return fn(nnx.merge(graphdef, p), *a)
+
+    args = tuple(distinct_leaves(a) if i in donate else a for i, a in enumerate(args))
+    return compile_call(call, params, *args, donate_argnums=tuple(1 + i for i in donate))(params, *args)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _noise(key, shape, dtype):
+    return (jax.random.normal(key, shape, jnp.float32) * 0.5).astype(dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _add_in_place(a, b):
+    return a + b
+
+
+def _add_noise(tree, key):
+    """Every array leaf of `tree` plus N(0, 0.25) noise drawn from `key` in float32 and cast to its
+    dtype, the same values for leaves of one shape: drawn once per shape (a temporary of one leaf's
+    size) and added to each leaf in place (the leaf donated)."""
+    drawn = {}
+
+    def one(a):
+        if (a.shape, a.dtype) not in drawn:
+            drawn[a.shape, a.dtype] = _noise(key, a.shape, a.dtype)
+        return _add_in_place(a, drawn[a.shape, a.dtype])
+
+    return jax.tree.map(one, tree)
 
 
 def noisy_state(target, draft, B, ctx, plan):
     """A `DecodeState` at context `ctx` (caches of plan.cache_len slots filled with noise), no slot done,
-    no budget or eos that could end it."""
+    no budget or eos that could end it. The same arrays every call (seed 0). Peak memory: the state's
+    own bytes (the caches are filled in place)."""
     key = jax.random.key(0)
-    noise = lambda c: jax.tree.map(lambda a: (jax.random.normal(key, a.shape, jnp.float32) * 0.5).astype(a.dtype), c)  # noqa: E731
     return DecodeState(
-        target_cache=noise(gpt_oss.init_cache(target, B, plan.cache_len)),
-        draft_cache=noise(eagle3.init_cache(draft, B, plan.cache_len)) if plan.depth else None,
+        target_cache=_add_noise(gpt_oss.init_cache(target, B, plan.cache_len), key),
+        draft_cache=_add_noise(eagle3.init_cache(draft, B, plan.cache_len), key) if plan.depth else None,
         lengths=jnp.full((B,), ctx, jnp.int32), root=jnp.arange(B, dtype=jnp.int32) + 7,
         h_root=jax.random.normal(key, (B, draft.config.hidden_size), draft.dtype) if plan.depth else None,
         out=jnp.zeros((B, plan.out_len), jnp.int32), n_out=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
         budget=jnp.int32(2 ** 30), eos_ids=jnp.full((8,), -1, jnp.int32), temperature=jnp.float32(1.0), key=key,
         steps=jnp.zeros((), jnp.int32), counters=Counters.zeros(plan.depth))
+
+
+def state_bytes(target, draft, B, ctx, plan):
+    """Bytes of `noisy_state(target, draft, B, ctx, plan)`'s arrays (caches first of all), from its
+    shapes alone: nothing is allocated."""
+    shapes = jax.eval_shape(lambda: noisy_state(target, draft, B, ctx, plan))
+    return sum(int(np.prod(a.shape)) * getattr(a.dtype, "itemsize", 0) for a in jax.tree.leaves(shapes))
+
+
+def step_plan(draft, shape, ctx, proposal="deterministic"):
+    """The `Plan` of a speculative step of `shape` (parse_shape's dict) timed at context `ctx`: room
+    for the step's writes past ctx, 8 output columns."""
+    depth, topk, N = shape["depth"], shape["topk"], shape["num_nodes"]
+    return Plan(cache_len=ctx + 2 * N + depth + 8, out_len=8, chunk=1, greedy=proposal != "sample", depth=depth,
+                topk=topk, num_nodes=N, feature_ids=tuple(draft.config.feature_layers), proposal=proposal)
+
+
+def baseline_plan(ctx):
+    """The `Plan` of a baseline (greedy, no draft) step timed at context `ctx`."""
+    return Plan(cache_len=ctx + 8, out_len=8, chunk=1, greedy=True)
 
 
 def same_context(new, old):
@@ -148,44 +251,56 @@ def same_context(new, old):
 def time_step(target, draft, B, shape, ctx, iters=10, parts=True, profile=False, proposal="deterministic"):
     """Seconds of one speculative step (`eagle3_jax.spec.step.step`) over B sequences at context `ctx`
     (caches filled with noise), and with `parts` each of its parts alone: draft (`propose`), verify
-    (`verify` + `choose`), accept (`accept` + `path_tokens`), rewind (trees), extend. With `profile`,
-    the result's "kernels" holds each one's device kernel seconds per iteration by kernel family.
+    (`verify` + `choose`), accept (`accept` + `path_tokens`), rewind (trees), extend. Returns a dict:
+    batch, context, the shape's keys, proposal, "seconds" {name: seconds per iteration}, "memory"
+    {name: loop_time's memory dict}; with `parts` also sum_of_parts and step_over_parts; with
+    `profile`, "kernels" {name: device kernel seconds per iteration by kernel family}.
     proposal "deterministic" runs greedy (argmax choices); "sample" draws the drafts at temperature 1
-    and its accept part is `accept_sampled` (the target's softmax + `accept_sample`)."""
-    depth, topk, N = shape["depth"], shape["topk"], shape["num_nodes"]
+    and its accept part is `accept_sampled` (the target's softmax + `accept_sample`).
+    Every timing gets a fresh state (its loop takes the arrays over), built after the previous one
+    is freed: one state is live at a time."""
+    topk = shape["topk"]
     sample = proposal == "sample"
-    plan = Plan(cache_len=ctx + 2 * N + depth + 8, out_len=8, chunk=1, greedy=not sample, depth=depth, topk=topk,
-                num_nodes=N, feature_ids=tuple(draft.config.feature_layers), proposal=proposal)
+    plan = step_plan(draft, shape, ctx, proposal)
     graphdef, params = nnx.split((target, draft))
-    s = noisy_state(target, draft, B, ctx, plan)
-    times, kernels = {}, {}
+    times, kernels, memory = {}, {}, {}
 
-    def timed(name, fn, carry):
-        times[name], kernels[name] = loop_time(graphdef, params, fn, carry, iters, profile)
+    def fresh():
+        return noisy_state(target, draft, B, ctx, plan)
+
+    def timed(name, fn, carry, *args):
+        memory[name] = {}
+        times[name], kernels[name] = loop_time(graphdef, params, fn, carry, iters, profile, args=args,
+                                               memory=memory[name])
 
     def full(m, st):
         return same_context(spec_step.step(m, st, plan), st)
 
-    timed("step", full, s)
+    timed("step", full, fresh())
+    out = dict(batch=B, context=ctx, **shape, proposal=proposal, seconds=times, memory=memory)
+    if profile:
+        out["kernels"] = kernels
     if not parts:
-        return dict(batch=B, context=ctx, **shape, proposal=proposal, seconds=times,
-                    **({"kernels": kernels} if profile else {}))
+        return out
 
     def part_draft(m, st):
         tokens, parents, bits, positions, q = spec_step.propose(m[1], st, plan)
         used = tokens[:, -1] + positions[:, -1] + parents[:, -1] + bits[:, -1, 0].astype(jnp.int32)
         return st.replace(root=used + (0 if q is None else (q[:, 0, 0] > 2).astype(jnp.int32)))
 
-    timed("draft", part_draft, s)
+    timed("draft", part_draft, fresh())
+
     # verify sees the step's own sequence of trees (the MoE kernel's time depends on the routing)
     def step_trees(m, st):
         def body(c, _):
             return full(m, c), spec_step.propose(m[1], c, plan)
-        return jax.lax.scan(body, st, None, length=iters)[1]
+        return jax.lax.scan(body, st, None, length=iters)  # (the state, donated and dropped; the trees)
 
-    all_tokens, all_parents, all_mask, all_pos, all_q = once(graphdef, params, step_trees, s)  # [iters, B, N, ...]
+    _, trees = once(graphdef, params, step_trees, fresh(), donate=(0,))
+    all_tokens, all_parents, all_mask, all_pos, all_q = trees  # [iters, B, N, ...]
+    del trees
 
-    def part_verify(m, c):  # the target over the N nodes (and, deterministic, its choice at every node)
+    def part_verify(m, c, all_tokens, all_pos, all_mask):  # the target over the N nodes (and its choices)
         i = c["i"] % iters
         logits, feats, tc = spec_step.verify(m[0], c["s"], all_tokens[i], all_pos[i], all_mask[i], plan)
         if sample:
@@ -195,51 +310,61 @@ def time_step(target, draft, B, shape, ctx, iters=10, parts=True, profile=False,
         used = used + (feats[:, 0, 0] > 1e30)  # so that no output is dead code
         return dict(s=c["s"].replace(target_cache=tc), i=c["i"] + 1, used=c["used"] + used)
 
-    timed("verify", part_verify, dict(s=s, i=jnp.int32(0), used=jnp.zeros((B,), jnp.int32)))
+    timed("verify", part_verify, dict(s=fresh(), i=jnp.int32(0), used=jnp.zeros((B,), jnp.int32)),
+          all_tokens, all_pos, all_mask)
     tokens, parents, mask, positions = all_tokens[0], all_parents[0], all_mask[0], all_pos[0]
     q = None if all_q is None else all_q[0]
-    logits, feats, _ = once(graphdef, params, lambda m, st: spec_step.verify(m[0], st, tokens, positions, mask, plan),
-                            s)
+    del all_tokens, all_parents, all_mask, all_pos, all_q
 
-    def accept_once(m, key, logits, q):  # arrays as arguments: a closed-over one is baked in as a constant
+    def verify_once(m, st, tokens, positions, mask):
+        logits, feats, tc = spec_step.verify(m[0], st, tokens, positions, mask, plan)
+        return logits, feats, st.replace(target_cache=tc)
+
+    logits, feats, st = once(graphdef, params, verify_once, fresh(), tokens, positions, mask, donate=(0,))
+    key, temperature = st.key, st.temperature
+    del st
+    known = (key, temperature, logits, q, tokens, parents)  # what accept reads
+
+    def accept_once(m, key, temperature, logits, q, tokens, parents):
         if sample:
-            return spec_step.accept_sampled(m[1], logits, tokens, parents, q, key, s.temperature, plan)
-        return spec_step.accept(tokens, parents, spec_step.choose(logits, key, s.temperature, plan), plan)
+            return spec_step.accept_sampled(m[1], logits, tokens, parents, q, key, temperature, plan)
+        return spec_step.accept(tokens, parents, spec_step.choose(logits, key, temperature, plan), plan)
 
-    def part_accept(m, c):
-        acc, path, bonus = accept_once(m, jax.random.fold_in(s.key, c["acc"][0]), c["logits"], c["q"])
-        nxt = spec_step.path_tokens(tokens, path, acc, bonus)
-        return dict(c, acc=c["acc"] + acc + path[:, 0] + nxt[:, 0])
+    def part_accept(m, acc, key, temperature, logits, q, tokens, parents):
+        a, path, bonus = accept_once(m, jax.random.fold_in(key, acc[0]), temperature, logits, q, tokens, parents)
+        nxt = spec_step.path_tokens(tokens, path, a, bonus)
+        return acc + a + path[:, 0] + nxt[:, 0]
 
-    timed("accept", part_accept, dict(acc=jnp.zeros((B,), jnp.int32), logits=logits, q=q))
-    acc, path, bonus = once(graphdef, params, accept_once, s.key, logits, q)
+    timed("accept", part_accept, jnp.zeros((B,), jnp.int32), *known)
+    acc, path, bonus = once(graphdef, params, accept_once, *known)
     nxt = spec_step.path_tokens(tokens, path, acc, bonus)
+    del known, logits, q
     if topk > 1:
-        def part_rewind(m, st):
+        def part_rewind(m, st, path, acc):
             return st.replace(target_cache=spec_step.rewind(st.target_cache, st.lengths, path, acc, plan))
 
-        timed("rewind", part_rewind, s)
+        timed("rewind", part_rewind, fresh(), path, acc)
 
-    def part_extend(m, st):
+    def part_extend(m, st, nxt, feats, path, acc):
         dc, h = spec_step.extend(m[1], st, nxt, feats, path, acc, plan)
         return st.replace(draft_cache=dc, h_root=st.h_root + h)
 
-    timed("extend", part_extend, s)
+    timed("extend", part_extend, fresh(), nxt, feats, path, acc)
     parts = sum(v for k, v in times.items() if k != "step")
-    out = dict(batch=B, context=ctx, **shape, proposal=proposal, seconds=times, sum_of_parts=parts,
-               step_over_parts=times["step"] / parts)
-    if profile:
-        out["kernels"] = kernels
+    out.update(sum_of_parts=parts, step_over_parts=times["step"] / parts)
     return out
 
 
-def time_baseline(target, B, ctx, iters=10):
+def time_baseline(target, B, ctx, iters=10, memory=None):
     """Seconds of one baseline decode step (`step` with no draft: one token per sequence, the target's
-    argmax, the commit) at context `ctx`."""
-    plan = Plan(cache_len=ctx + 8, out_len=8, chunk=1, greedy=True)
+    argmax, the commit) at context `ctx`. With `memory` (a dict): filled as `loop_time` fills it."""
+    plan = baseline_plan(ctx)
     graphdef, params = nnx.split((target, None))
-    s = noisy_state(target, None, B, ctx, plan)
-    return loop_time(graphdef, params, lambda m, st: same_context(spec_step.step(m, st, plan), st), s, iters)[0]
+
+    def base(m, st):
+        return same_context(spec_step.step(m, st, plan), st)
+
+    return loop_time(graphdef, params, base, noisy_state(target, None, B, ctx, plan), iters, memory=memory)[0]
 
 
 def random_pair(tcfg):

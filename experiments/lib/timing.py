@@ -4,6 +4,8 @@
 asynchronous, so the device runs them back to back), blocks once, and reports the median over
 `repeats` such batches divided by `calls`. `copy_bandwidth` is bytes read + written per second of
 a large device-to-device copy measured in the same process: the denominator of every roofline.
+`memory_stats` and `program_memory` are the device allocator's figures and a compiled program's
+buffer sizes, in bytes.
 """
 
 from __future__ import annotations
@@ -47,6 +49,42 @@ def device_info() -> dict:
     d = jax.devices()[0]
     return dict(device=d.device_kind, platform=d.platform, jax_version=jax.__version__,
                 date=datetime.date.today().isoformat(), command=" ".join(["python"] + sys.argv))
+
+
+def memory_stats(device=None) -> dict | None:
+    """The allocator's figures of `device` (default: the first local device) in bytes: "bytes_in_use"
+    (now), "peak_bytes_in_use" (the most in use at once since the process started; never reset, so
+    it only grows) and "bytes_limit" (what the allocator may hold), those the backend reports; None
+    where it keeps none (CPU)."""
+    d = jax.local_devices()[0] if device is None else device
+    s = d.memory_stats()
+    if not s:
+        return None
+    return {k: int(s[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in s}
+
+
+def program_memory(compiled) -> dict | None:
+    """A compiled program's buffers in bytes, from XLA's buffer assignment (`compiled.memory_analysis()`):
+    "argument", "output", "alias" (outputs that reuse a donated argument's buffer), "temp" (scratch
+    live inside the program), "code" (generated code), and "peak" = argument + output - alias + temp:
+    what the program holds at once while it runs, its arguments (parameters included) counted. None
+    where the backend reports nothing."""
+    try:
+        m = compiled.memory_analysis()
+    except (NotImplementedError, jax.errors.JaxRuntimeError):
+        return None
+    if m is None:
+        return None
+    out = dict(argument=m.argument_size_in_bytes, output=m.output_size_in_bytes, alias=m.alias_size_in_bytes,
+               temp=m.temp_size_in_bytes, code=m.generated_code_size_in_bytes)
+    out = {k: int(v) for k, v in out.items()}
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
+def gib(nbytes) -> str:
+    """nbytes as 'X.XX GiB'; '-' for None."""
+    return "-" if nbytes is None else f"{nbytes / 2**30:.2f} GiB"
 
 
 def time_calls(fn, arg_sets, *, repeats: int = 5, warmup: int = 2) -> float:

@@ -1,0 +1,187 @@
+"""The largest batch that runs, per context and step: the baseline decode step and a speculative step.
+
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python experiments/capacity.py --preset gpt-oss-120b \
+      --contexts 8192,32768,131072 --modes baseline,chain3 --out experiments/results/capacity_h100.json
+
+Random packed weights of --preset and a random draft of the published EAGLE-3 shape
+(`lib.step_timing.random_pair`). For each context and mode ("baseline", or a draft shape such as
+chain3), a trial at batch B builds the decode state at that context (`step_timing.noisy_state`: its
+caches as decode allocates them) and times a few iterations of the step (`time_baseline`, or
+`time_step` without its parts); a trial that runs out of device memory (an XLA RESOURCE_EXHAUSTED
+error) fails, and everything it held is freed before the next one. The search starts at a
+prediction: device memory free after the weights, less --margin of it for the program's
+temporaries, over the bytes of one sequence's state (`step_timing.state_bytes`, caches first of
+all); then it doubles B until a trial fails and bisects between the largest B that ran and the
+smallest that failed, at most --max_trials trials a cell, within [--min_batch, --max_batch]. Where
+the device reports no memory (CPU), the search starts at --min_batch; reaching --max_batch ends it
+("cap reached").
+
+JSON: device_info (command included), the preset, the memory after the weights, and a row per
+(context, mode): max_batch (0 if none ran), peak_bytes (the compiled step's peak at max_batch:
+parameters, state and temporaries), failed_batch and failed_error (the smallest B that failed and
+its error's first line, or None), predicted_batch, sequence_bytes, note, and trials (each: batch,
+ok, seconds per step, memory or error).
+"""
+
+import gc
+
+from absl import flags
+
+import jax
+
+from eagle3_jax.models import GptOssConfig
+from lib import cli, timing
+from lib.step_timing import (baseline_plan, parse_shape, random_pair, state_bytes, step_plan, time_baseline,
+                             time_step)
+
+flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
+flags.DEFINE_list("contexts", ["8192", "32768", "131072"], "committed tokens per sequence")
+flags.DEFINE_list("modes", ["baseline", "chain3"], "baseline, or draft shapes (chainK, treeDxKnN)")
+flags.DEFINE_integer("max_trials", 6, "trials per (context, mode) cell")
+flags.DEFINE_integer("iters", 2, "steps per timed loop of a trial")
+flags.DEFINE_integer("min_batch", 1, "smallest batch tried")
+flags.DEFINE_integer("max_batch", 1024, "largest batch tried (reached: the cell ends with 'cap reached')")
+flags.DEFINE_float("margin", 0.1, "fraction of the free device memory the prediction leaves to temporaries")
+flags.DEFINE_string("out", None, "JSON output path")
+cli.progress_flag()
+FLAGS = flags.FLAGS
+
+
+def _check_modes(modes):
+    for m in modes:
+        if m != "baseline":
+            try:
+                parse_shape(m)
+            except ValueError as e:
+                raise flags.ValidationError(f"mode {m!r}: expected baseline or a draft shape: {e}") from e
+    return True
+
+
+flags.register_validator("modes", _check_modes)
+flags.register_validator("contexts", lambda cs: all(c.isdigit() and int(c) > 0 for c in cs),
+                         "expected positive integers")
+flags.register_validator("max_trials", lambda n: n >= 1, "expected >= 1")
+flags.register_validator("min_batch", lambda n: n >= 1, "expected >= 1")
+
+
+def is_oom(e: BaseException) -> bool:
+    """Whether an XLA error is the device (or its allocator) running out of memory."""
+    msg = str(e)
+    return "RESOURCE_EXHAUSTED" in msg or "Out of memory" in msg or "out of memory" in msg
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def free_device() -> None:
+    """Drops what JAX keeps between calls (compiled executables, traces) and collects garbage, so that
+    the arrays of a failed trial (held by its traceback's frames) are gone before the next one."""
+    jax.clear_caches()
+    gc.collect()
+
+
+def trial(target, draft, B, ctx, mode):
+    """One batch size: {batch, ok, seconds (per step), memory (loop_time's: program and device)} or
+    {batch, ok False, error (first line)} when the device ran out of memory. Other errors propagate."""
+    try:
+        if mode == "baseline":
+            memory = {}
+            seconds = time_baseline(target, B, ctx, FLAGS.iters, memory=memory)
+        else:
+            r = time_step(target, draft, B, parse_shape(mode), ctx, FLAGS.iters, parts=False)
+            seconds, memory = r["seconds"]["step"], r["memory"]["step"]
+        out = dict(batch=B, ok=True, seconds=seconds, memory=memory)
+    except jax.errors.JaxRuntimeError as e:
+        if not is_oom(e):
+            raise
+        out = dict(batch=B, ok=False, error=first_line(e))
+    free_device()
+    return out
+
+
+def predict(free_bytes, seq_bytes):
+    """Batch that the free device memory holds, --margin of it kept for temporaries; None if unknown."""
+    if free_bytes is None or seq_bytes <= 0:
+        return None
+    return int(free_bytes * (1 - FLAGS.margin) // seq_bytes)
+
+
+def search(run, start, lo_bound, hi_bound, max_trials):
+    """The largest B in [lo_bound, hi_bound] for which run(B)["ok"], by trials: start (clamped), then
+    doubling while trials run (up to hi_bound), halving while they fail (down to lo_bound), and
+    bisection between the largest B that ran and the smallest that failed; at most max_trials calls.
+    Returns (largest ok B or 0, smallest failed B or None, trials in order, note)."""
+    trials, ok, bad = [], 0, None
+    B = min(max(start, lo_bound), hi_bound)
+    while len(trials) < max_trials:
+        t = run(B)
+        trials.append(t)
+        if t["ok"]:
+            ok = max(ok, B)
+        else:
+            bad = B if bad is None else min(bad, B)
+        if bad is None:
+            if ok >= hi_bound:
+                return ok, bad, trials, "cap reached"
+            B = min(2 * ok, hi_bound)
+        elif ok == 0:
+            if bad <= lo_bound:
+                return ok, bad, trials, "min_batch failed"
+            B = max(bad // 2, lo_bound)
+        else:
+            if bad - ok <= 1:
+                return ok, bad, trials, "exact"
+            B = (ok + bad) // 2
+    return ok, bad, trials, "trials exhausted"
+
+
+def cell(target, draft, ctx, mode, free_bytes):
+    plan = baseline_plan(ctx) if mode == "baseline" else step_plan(draft, parse_shape(mode), ctx)
+    seq_bytes = state_bytes(target, None if mode == "baseline" else draft, 1, ctx, plan)
+    predicted = predict(free_bytes, seq_bytes)
+    start = predicted if predicted else FLAGS.min_batch
+    best, bad, trials, note = search(lambda B: trial(target, draft, B, ctx, mode), start, FLAGS.min_batch,
+                                     FLAGS.max_batch, FLAGS.max_trials)
+    at_best = next((t for t in trials if t["ok"] and t["batch"] == best), None)
+    program = (at_best or {}).get("memory", {}).get("program") or {}
+    failed = next((t for t in trials if not t["ok"] and t["batch"] == bad), None)
+    return dict(context=ctx, mode=mode, max_batch=best, peak_bytes=program.get("peak"),
+                seconds_at_max=at_best["seconds"] if at_best else None, failed_batch=bad,
+                failed_error=failed["error"] if failed else None, predicted_batch=predicted,
+                sequence_bytes=seq_bytes, note=note, trials=trials)
+
+
+def main(argv):
+    del argv
+    if FLAGS.max_batch < FLAGS.min_batch:
+        raise ValueError(f"--max_batch {FLAGS.max_batch} is below --min_batch {FLAGS.min_batch}")
+    target, draft = random_pair(GptOssConfig.preset(FLAGS.preset))
+    jax.block_until_ready((jax.tree.leaves(target), jax.tree.leaves(draft)))
+    mem = timing.memory_stats()
+    free = mem["bytes_limit"] - mem["bytes_in_use"] if mem and "bytes_limit" in mem else None
+    rows = []
+    result = dict(timing.device_info(), preset=FLAGS.preset, iters=FLAGS.iters, margin=FLAGS.margin,
+                  min_batch=FLAGS.min_batch, max_batch_bound=FLAGS.max_batch, max_trials=FLAGS.max_trials,
+                  memory_after_weights=mem, free_bytes=free, rows=rows)
+    cli.write(f"{FLAGS.preset}: {timing.gib(mem['bytes_in_use']) if mem else '-'} in use after the weights, "
+              f"{timing.gib(free)} free")
+    work = [(int(c), m) for c in FLAGS.contexts for m in FLAGS.modes]
+    bar = cli.bar(work, "cells", unit="cell")
+    for ctx, mode in bar:
+        bar.set_postfix_str(f"ctx={ctx} {mode}")
+        r = cell(target, draft, ctx, mode, free)
+        rows.append(r)
+        tried = ",".join(f"{t['batch']}{'' if t['ok'] else 'x'}" for t in r["trials"])
+        step = f"{r['seconds_at_max'] * 1e3:.2f} ms/step" if r["seconds_at_max"] is not None else "-"
+        cli.write(f"ctx={ctx:<7} {mode:<9} max B {r['max_batch']:<5} peak {timing.gib(r['peak_bytes'])}  {step}  "
+                  f"failed {r['failed_batch'] if r['failed_batch'] is not None else '-'}  "
+                  f"predicted {r['predicted_batch'] if r['predicted_batch'] is not None else '-'}  "
+                  f"{r['note']}  trials {tried}"
+                  + (f"\n  {r['failed_error']}" if r["failed_error"] else ""))
+        timing.write_json(FLAGS.out, result)  # after every cell: a run cut short keeps what it found
+    timing.write_json(FLAGS.out, result)
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,122 @@
+"""The benchmark harness's memory: a timed loop holds the caller's carry once (donated, never copied),
+a timed function closing over a large array is refused, and the scripts report memory
+(experiments/capacity.py's search, bench.py's per-row "memory")."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+
+from lib import step_timing
+
+
+def script(name, *args):
+    """Runs experiments/<name> on CPU from experiments/ (as its README shows); returns stdout."""
+    r = subprocess.run([sys.executable, name, *args], check=False, capture_output=True, text=True, timeout=300,
+                       cwd=os.path.join(ROOT, "experiments"), env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def live_bytes():
+    return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
+
+
+def test_loop_time_takes_over_its_carry_and_copies_nothing():
+    graphdef, params = nnx.split(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+    zero = jnp.zeros((), jnp.int32)  # one array at two leaves, as Counters.zeros makes them
+    cache = jnp.zeros((4, 1 << 18), jnp.float32)  # 4 MiB
+    carry = dict(cache=cache, a=zero, b=zero)
+
+    def fn(m, c, bias):
+        return dict(cache=c["cache"] + bias, a=c["a"] + 1, b=c["b"])
+
+    bias = jnp.ones((1 << 18,), jnp.float32)
+    before = live_bytes()
+    memory = {}
+    seconds, kernels = step_timing.loop_time(graphdef, params, fn, carry, 2, memory=memory, args=(bias,))
+    assert math.isfinite(seconds) and kernels == {}  # noise on CPU may make it <= 0
+    assert cache.is_deleted() and zero.is_deleted() and not bias.is_deleted()
+    assert live_bytes() <= before - cache.nbytes + 1024  # the loop's carry went with it; nothing kept
+    p = memory["program"]
+    assert p["alias"] >= cache.nbytes  # the cache is updated in the donated buffer ...
+    assert p["temp"] < cache.nbytes and p["peak"] < 2 * cache.nbytes  # ... with no copy of it beside
+    assert memory["device"] is None or memory["device"]["bytes_in_use"] > 0
+    del carry
+
+
+def test_closed_over_array_is_refused():
+    graphdef, params = nnx.split(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+    big = jnp.ones((1 << 19,), jnp.float32)  # 2 MiB, above MAX_CAPTURED_BYTES
+
+    with pytest.raises(RuntimeError, match=r"closes over arrays float32\[524288\] \(2097152 bytes\): pass them"):
+        step_timing.loop_time(graphdef, params, lambda m, c: c + big[:4].sum(), jnp.zeros((4,)), 1)
+    x = jnp.zeros((4,))
+    step_timing.loop_time(graphdef, params, lambda m, c, big: c + big[:4].sum(), x, 1, args=(big,))  # as argument
+    assert x.is_deleted() and not big.is_deleted()
+
+
+def test_capacity_search_doubles_then_bisects():
+    # the search alone (capacity.py imported in its own process: its flags would clash with other scripts')
+    code = """
+import capacity
+fits = lambda B: dict(batch=B, ok=B <= 37)
+for start in (1, 30, 100):
+    best, bad, trials, note = capacity.search(fits, start, 1, 1000, 20)
+    print(best, bad, [t["batch"] for t in trials], note)
+print(capacity.search(fits, 1, 1, 16, 20)[::3], capacity.search(fits, 50, 40, 99, 20)[::3])
+print(capacity.search(fits, 1, 1, 1000, 3)[:2])
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
+                         cwd=os.path.join(ROOT, "experiments"), env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == [
+        "37 38 [1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37] exact",
+        "37 38 [30, 60, 45, 37, 41, 39, 38] exact",
+        "37 38 [100, 50, 25, 37, 43, 40, 38] exact",
+        "(16, 'cap reached') (0, 'min_batch failed')",
+        "(4, None)",
+    ]
+
+
+def test_capacity_writes_rows(tmp_path):
+    path = tmp_path / "cap.json"
+    out = script("capacity.py", "--preset", "tiny", "--contexts", "64", "--modes", "baseline,chain3", "--max_batch",
+                 "4", "--max_trials", "3", "--out", str(path), "--noprogress")
+    r = json.loads(path.read_text())
+    for k in ("command", "device", "jax_version", "date", "preset", "memory_after_weights", "rows"):
+        assert k in r
+    assert [(x["context"], x["mode"]) for x in r["rows"]] == [(64, "baseline"), (64, "chain3")]
+    for x in r["rows"]:  # no out-of-memory on CPU: the cap ends the search
+        assert (x["max_batch"], x["note"], x["failed_batch"], x["failed_error"]) == (4, "cap reached", None, None)
+        assert [t["batch"] for t in x["trials"]] == [1, 2, 4] and all(t["ok"] for t in x["trials"])
+        assert x["peak_bytes"] == x["trials"][-1]["memory"]["program"]["peak"] > x["sequence_bytes"] * 4
+        assert all(math.isfinite(t["seconds"]) for t in x["trials"])
+    assert x["sequence_bytes"] > r["rows"][0]["sequence_bytes"]  # chain3 adds the draft's cache
+    assert out.count("max B 4 ") == 2 and "cap reached" in out
+
+
+def test_bench_rows_report_memory(tmp_path):
+    path = tmp_path / "b.json"
+    out = script("bench.py", "--preset", "tiny", "--scenarios", "single", "--short_context", "64", "--iters", "1",
+                 "--copy_bytes", "1000000", "--out", str(path), "--noprogress")
+    (row,) = json.loads(path.read_text())["scenarios"]
+    m = row["memory"]
+    assert set(m) == {"baseline", "step", "parts", "device"} and set(m["parts"]) == {"draft", "verify", "accept",
+                                                                                   "extend"}
+    for loop in (m["baseline"], m["step"], *m["parts"].values()):
+        p = loop["program"]
+        assert set(p) == {"argument", "output", "alias", "temp", "code", "peak"}
+        assert p["peak"] == p["argument"] + p["output"] - p["alias"] + p["temp"] > 0
+    assert m["step"]["program"]["alias"] > 0  # the state is updated in place
+    assert m["device"] is None  # CPU keeps no allocator figures
+    assert " peak 0.00 GiB" in out
