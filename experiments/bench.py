@@ -27,7 +27,9 @@ import json
 import numpy as np
 from absl import flags
 
-from eagle3_jax.models import GptOssConfig
+import jax
+
+from eagle3_jax.models import GptOssConfig, gpt_oss
 from eagle3_jax.spec import decode
 from lib import cli, roofline, timing
 from lib.step_timing import parse_shape, random_pair, time_baseline, time_step, validate_shape_flags
@@ -42,6 +44,8 @@ flags.DEFINE_list("sweep_shapes", ["chain1", "chain2", "chain3", "chain4", "chai
 flags.DEFINE_integer("short_context", 1024, "context of the single and batch scenarios")
 flags.DEFINE_integer("iters", 8, "steps per timed loop")
 flags.DEFINE_integer("copy_bytes", 4 << 30, "buffer size of the copy-bandwidth measurement")
+flags.DEFINE_list("dense_rows", [], "rows (by name) also timed with full-length sliding-layer caches, in the same "
+                  "process (baseline and step; the library keeps rings)")
 flags.DEFINE_float("tau_trained", None, "tau measured on a trained pair (projected alongside)")
 flags.DEFINE_string("out", None, "JSON output path")
 flags.DEFINE_string("plot", None, "PNG output path (needs matplotlib)")
@@ -98,6 +102,14 @@ def measure(target, draft, bw, name, B, ctx, shape_name, base_cache):
                                      verify=sb["verify"] / bw, extend=sb["extend"] / bw),
                projected_speedup={f"{t:g}": t * t_base / sec["step"] for t in taus},
                roofline_speedup={f"{t:g}": t * base_bytes / sb["total"] for t in taus}, memory=memory)
+    if name in FLAGS.dense_rows:  # the same row with full-length sliding-layer caches
+        dense_mem = {}
+        t_dense = time_baseline(target, B, ctx, FLAGS.iters, memory=dense_mem, sliding="dense")
+        rd = time_step(target, draft, B, shape, ctx, FLAGS.iters, parts=False, sliding="dense")
+        row["dense_sliding"] = dict(baseline_seconds_per_token=t_dense, step_seconds=rd["seconds"]["step"],
+                                    memory=dict(baseline=dense_mem, step=rd["memory"]["step"]))
+        cli.write(f"{name:<12} dense sliding caches: base {t_dense * 1e3:7.2f} ms  step "
+                  f"{rd['seconds']['step'] * 1e3:7.2f} ms  {peak_text(row['dense_sliding']['memory'])}")
     row["baseline_roofline_fraction"] = row["roofline_seconds"]["baseline"] / t_base
     row["step_roofline_fraction"] = row["roofline_seconds"]["step"] / sec["step"]
     cli.write(f"{name:<12} B={B:<2} ctx={ctx:<6} {shape_name:<10} base {t_base * 1e3:7.2f} ms "
@@ -106,6 +118,15 @@ def measure(target, draft, bw, name, B, ctx, shape_name, base_cache):
           f"  proj@3.22 {row['projected_speedup']['3.22']:.2f}x roof@3.22 {row['roofline_speedup']['3.22']:.2f}x"
           f"  {peak_text(memory)}")
     return row
+
+
+def kv_bytes_per_token(target):
+    """The target cache's bytes per token of context, one sequence: {"ring": the library's caches,
+    "dense": every layer full length, "ring_fixed": the rings' own bytes, whatever the context}."""
+    size = lambda n, m: jax.eval_shape(lambda: gpt_oss.init_cache(target, 1, n, max_step_tokens=m)).nbytes  # noqa: E731
+    a, b = 1 << 16, 1 << 17
+    per = (size(b, 128) - size(a, 128)) / (b - a)
+    return dict(ring=per, dense=(size(b, b) - size(a, a)) / (b - a), ring_fixed=size(a, 128) - per * a)
 
 
 def stress(target, draft):
@@ -163,6 +184,7 @@ def main(argv):
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, base_cache = [], {}
     result = dict(timing.device_info(), preset=FLAGS.preset, copy_bandwidth=bw, iters=FLAGS.iters,
+                  kv_bytes_per_token=kv_bytes_per_token(target),
                   tau_published=PUBLISHED_TAU, tau_trained=FLAGS.tau_trained, scenarios=rows)
     work = [args for sc in FLAGS.scenarios for args in (["stress"] if sc == "stress" else rows_for(sc))]
     bar = cli.bar(work, "scenarios", unit="row")

@@ -85,13 +85,16 @@ def test_bench_and_gates(tmp_path):
     # gates and stress: the sweep / large / single rows go through the same `measure` as the gate rows
     # (tree shapes through step_timing: test_bench_step_writes_json), so they are left out for time
     run("bench.py", "--preset", "tiny", "--scenarios", "gates,stress", "--iters", "1", "--copy_bytes", "1000000",
-        "--out", str(path))
+        "--dense_rows", "single-32k", "--out", str(path))
     r = json.loads(path.read_text())
     names = [x["name"] for x in r["scenarios"]]
     assert names == ["single-32k", "batch4-16k", "stress"]
     gate = next(x for x in r["scenarios"] if x["name"] == "single-32k")
     assert set(gate["step_seconds"]) == {"step", "draft", "verify", "accept_rewind", "extend"}
     assert gate["bytes"]["step"] > gate["bytes"]["baseline"] > 0 and "3.22" in gate["projected_speedup"]
+    assert "memory" in gate and gate["dense_sliding"]["step_seconds"] > 0  # the same row, full-length sliding caches
+    kv = r["kv_bytes_per_token"]  # tiny: 2 full and 2 sliding layers (window 8) of 2 kv heads of 16, bf16
+    assert kv["dense"] == 2 * kv["ring"] == 4 * 2 * 2 * 16 * 2 and kv["ring_fixed"] == (8 + 128) * kv["ring"]
     stress = next(x for x in r["scenarios"] if x["name"] == "stress")
     assert len(stress["lengths"]) == 16 and min(stress["lengths"]) < 64  # early eos ended some slots
     g = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "gates.py"), "--results", str(path)],

@@ -207,14 +207,23 @@ def _add_noise(tree, key):
     return jax.tree.map(one, tree)
 
 
-def noisy_state(target, draft, B, ctx, plan):
-    """A `DecodeState` at context `ctx` (caches of plan.cache_len slots filled with noise), no slot done,
-    no budget or eos that could end it. The same arrays every call (seed 0). Peak memory: the state's
-    own bytes (the caches are filled in place)."""
+SLIDING = ("ring", "dense")  # sliding layers' caches: rings (the library's) or full-length buffers
+
+
+def noisy_state(target, draft, B, ctx, plan, sliding="ring"):
+    """A `DecodeState` at context `ctx` (caches of plan.cache_len positions filled with noise), no slot
+    done, no budget or eos that could end it. The same arrays every call (seed 0). sliding "ring": the
+    caches `decode` builds (rings of window + plan.step_tokens slots on sliding layers); "dense":
+    sliding layers with full-length buffers too, for comparison. Peak memory: the state's own bytes
+    (the caches are filled in place)."""
+    if sliding not in SLIDING:
+        raise ValueError(f"sliding: {sliding!r}, expected one of {SLIDING}")
     key = jax.random.key(0)
+    step_tokens = plan.step_tokens if sliding == "ring" else plan.cache_len
     return DecodeState(
-        target_cache=_add_noise(gpt_oss.init_cache(target, B, plan.cache_len), key),
-        draft_cache=_add_noise(eagle3.init_cache(draft, B, plan.cache_len), key) if plan.depth else None,
+        target_cache=_add_noise(gpt_oss.init_cache(target, B, plan.cache_len, max_step_tokens=step_tokens), key),
+        draft_cache=_add_noise(eagle3.init_cache(draft, B, plan.cache_len, max_step_tokens=step_tokens), key)
+        if plan.depth else None,
         lengths=jnp.full((B,), ctx, jnp.int32), root=jnp.arange(B, dtype=jnp.int32) + 7,
         h_root=jax.random.normal(key, (B, draft.config.hidden_size), draft.dtype) if plan.depth else None,
         out=jnp.zeros((B, plan.out_len), jnp.int32), n_out=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
@@ -222,10 +231,10 @@ def noisy_state(target, draft, B, ctx, plan):
         steps=jnp.zeros((), jnp.int32), counters=Counters.zeros(plan.depth))
 
 
-def state_bytes(target, draft, B, ctx, plan):
-    """Bytes of `noisy_state(target, draft, B, ctx, plan)`'s arrays (caches first of all), from its
-    shapes alone: nothing is allocated."""
-    shapes = jax.eval_shape(lambda: noisy_state(target, draft, B, ctx, plan))
+def state_bytes(target, draft, B, ctx, plan, sliding="ring"):
+    """Bytes of `noisy_state(target, draft, B, ctx, plan, sliding)`'s arrays (caches first of all),
+    from its shapes alone: nothing is allocated."""
+    shapes = jax.eval_shape(lambda: noisy_state(target, draft, B, ctx, plan, sliding))
     return sum(int(np.prod(a.shape)) * getattr(a.dtype, "itemsize", 0) for a in jax.tree.leaves(shapes))
 
 
@@ -248,7 +257,8 @@ def same_context(new, old):
     return new.replace(lengths=old.lengths, n_out=old.n_out, done=old.done)
 
 
-def time_step(target, draft, B, shape, ctx, iters=10, parts=True, profile=False, proposal="deterministic"):
+def time_step(target, draft, B, shape, ctx, iters=10, parts=True, profile=False, proposal="deterministic",
+              sliding="ring"):
     """Seconds of one speculative step (`eagle3_jax.spec.step.step`) over B sequences at context `ctx`
     (caches filled with noise), and with `parts` each of its parts alone: draft (`propose`), verify
     (`verify` + `choose`), accept (`accept` + `path_tokens`), rewind (trees), extend. Returns a dict:
@@ -256,9 +266,9 @@ def time_step(target, draft, B, shape, ctx, iters=10, parts=True, profile=False,
     {name: loop_time's memory dict}; with `parts` also sum_of_parts and step_over_parts; with
     `profile`, "kernels" {name: device kernel seconds per iteration by kernel family}.
     proposal "deterministic" runs greedy (argmax choices); "sample" draws the drafts at temperature 1
-    and its accept part is `accept_sampled` (the target's softmax + `accept_sample`).
-    Every timing gets a fresh state (its loop takes the arrays over), built after the previous one
-    is freed: one state is live at a time."""
+    and its accept part is `accept_sampled` (the target's softmax + `accept_sample`). sliding: the
+    caches' layout (`noisy_state`). Every timing gets a fresh state (its loop takes the arrays over),
+    built after the previous one is freed: one state is live at a time."""
     topk = shape["topk"]
     sample = proposal == "sample"
     plan = step_plan(draft, shape, ctx, proposal)
@@ -266,7 +276,7 @@ def time_step(target, draft, B, shape, ctx, iters=10, parts=True, profile=False,
     times, kernels, memory = {}, {}, {}
 
     def fresh():
-        return noisy_state(target, draft, B, ctx, plan)
+        return noisy_state(target, draft, B, ctx, plan, sliding)
 
     def timed(name, fn, carry, *args):
         memory[name] = {}
@@ -355,16 +365,18 @@ def time_step(target, draft, B, shape, ctx, iters=10, parts=True, profile=False,
     return out
 
 
-def time_baseline(target, B, ctx, iters=10, memory=None):
+def time_baseline(target, B, ctx, iters=10, memory=None, sliding="ring"):
     """Seconds of one baseline decode step (`step` with no draft: one token per sequence, the target's
-    argmax, the commit) at context `ctx`. With `memory` (a dict): filled as `loop_time` fills it."""
+    argmax, the commit) at context `ctx`, caches laid out as `sliding` says (`noisy_state`). With
+    `memory` (a dict): filled as `loop_time` fills it."""
     plan = baseline_plan(ctx)
     graphdef, params = nnx.split((target, None))
 
     def base(m, st):
         return same_context(spec_step.step(m, st, plan), st)
 
-    return loop_time(graphdef, params, base, noisy_state(target, None, B, ctx, plan), iters, memory=memory)[0]
+    return loop_time(graphdef, params, base, noisy_state(target, None, B, ctx, plan, sliding), iters,
+                     memory=memory)[0]
 
 
 def random_pair(tcfg):
