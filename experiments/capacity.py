@@ -81,9 +81,17 @@ def free_device() -> None:
     gc.collect()
 
 
-def trial(target, draft, B, ctx, mode):
+def trial(target, draft, B, ctx, mode, plan):
     """One batch size: {batch, ok, seconds (per step), memory (loop_time's: program and device)} or
-    {batch, ok False, error (first line)} when the device ran out of memory. Other errors propagate."""
+    {batch, ok False, error (first line)} when the device ran out of memory, or {batch, ok False,
+    error, ran False} without running when the state alone is larger than the device's free memory
+    (an allocation that cannot succeed would otherwise still compile the step first). Other errors
+    propagate."""
+    mem = timing.memory_stats()
+    need = state_bytes(target, None if mode == "baseline" else draft, B, ctx, plan)
+    if mem and "bytes_limit" in mem and need > mem["bytes_limit"] - mem["bytes_in_use"]:
+        return dict(batch=B, ok=False, ran=False, error=f"state {timing.gib(need)} > "
+                    f"{timing.gib(mem['bytes_limit'] - mem['bytes_in_use'])} free (not run)")
     try:
         if mode == "baseline":
             memory = {}
@@ -141,7 +149,7 @@ def cell(target, draft, ctx, mode, free_bytes):
     seq_bytes = state_bytes(target, None if mode == "baseline" else draft, 1, ctx, plan)
     predicted = predict(free_bytes, seq_bytes)
     start = predicted if predicted else FLAGS.min_batch
-    best, bad, trials, note = search(lambda B: trial(target, draft, B, ctx, mode), start, FLAGS.min_batch,
+    best, bad, trials, note = search(lambda B: trial(target, draft, B, ctx, mode, plan), start, FLAGS.min_batch,
                                      FLAGS.max_batch, FLAGS.max_trials)
     at_best = next((t for t in trials if t["ok"] and t["batch"] == best), None)
     program = (at_best or {}).get("memory", {}).get("program") or {}
