@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle3_jax import parallel
 from eagle3_jax.checks import ArgumentError, int_arg, is_int
 from eagle3_jax.models import eagle3, gpt_oss
 from eagle3_jax.spec import loop, metrics
@@ -159,8 +160,13 @@ def _prepare(cfg, prompts, max_new_tokens, temperature, eos_ids, seed, max_cache
 
 def _run(models, prompts, args, plan: Plan):
     """Compiles (once per plan and shapes) and runs the loop: (per-prompt token lists, steps, Counters,
-    throughput metrics)."""
+    throughput metrics). Models on a mesh of several devices (parallel.py) get the host arguments
+    on it: prompts and lengths split over "data" (where it divides the batch), the rest replicated."""
     graphdef, state = nnx.split(models)
+    mesh = loop.loop_mesh(state)
+    if mesh is not None:
+        tokens, lengths, *rest = args
+        args = (parallel.put_rows(tokens, mesh), parallel.put_rows(lengths, mesh), *parallel.replicate(rest, mesh))
     args = (state, *args)
     exe, compile_s = loop.compiled(plan, graphdef, *args)
     t0 = time.perf_counter()

@@ -1,5 +1,6 @@
 """Prefill and the `lax.while_loop` over `step`, shared by `generate` and `decode`, compiled once
-per plan and argument shapes."""
+per plan and argument shapes (and shardings: with the models' parameters on a mesh of several
+devices, the caches and the loop state are laid out over it, `layout`)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,36 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from eagle3_jax import parallel
 from eagle3_jax.models import eagle3, gpt_oss
 from eagle3_jax.spec.metrics import Counters
 from eagle3_jax.spec.state import DecodeState, Plan
 from eagle3_jax.spec.step import sample, step
 
 
-def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan: Plan) -> DecodeState:
+def layout(state: DecodeState, mesh) -> DecodeState:
+    """The state laid out over `mesh` (a jax.sharding.Mesh of parallel.py; None: unchanged): the
+    target's caches with B over "data" and the kv heads over "model", the draft's with B over "data"
+    (its weights are replicated), every per-row array over "data"; scalars left to XLA."""
+    if mesh is None:
+        return state
+    per_row = ("lengths", "root", "h_root", "out", "n_out", "done")
+    rows = {f: parallel.constrain_rows(getattr(state, f), mesh) for f in per_row}
+    return state.replace(target_cache=parallel.constrain_cache(state.target_cache, mesh),
+                         draft_cache=parallel.constrain_cache(state.draft_cache, mesh, heads=False), **rows)
+
+
+def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan: Plan, mesh=None) -> DecodeState:
     """Prefills the target (and the draft) with right-padded prompts tokens int32 [B, P] and draws
-    the first token; the state before the first step."""
+    the first token; the state before the first step, laid out over `mesh` (`layout`)."""
     target, draft = models
     B = tokens.shape[0]
+    cache = gpt_oss.init_cache(target, B, plan.cache_len, max_step_tokens=plan.step_tokens)
+    if mesh is not None:
+        tokens, prompt_lengths = parallel.constrain_rows(tokens, mesh), parallel.constrain_rows(prompt_lengths, mesh)
+        cache = parallel.constrain_cache(cache, mesh)
     with jax.named_scope("prefill"):
-        target_cache, h_last, feats = gpt_oss.prefill(target, gpt_oss.init_cache(target, B, plan.cache_len, max_step_tokens=plan.step_tokens), tokens,
+        target_cache, h_last, feats = gpt_oss.prefill(target, cache, tokens,
                                                       prompt_lengths, chunk=plan.chunk, feature_ids=plan.feature_ids)
         first = sample(gpt_oss.logits(target, h_last), jax.random.fold_in(key, 0), temperature, plan.greedy)
         draft_cache = h_root = None
@@ -29,24 +47,35 @@ def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key
             # the draft reads (x_{t+1}, f_t): the prompt shifted left, the first token after the last position
             nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], 1)
             nxt = nxt.at[jnp.arange(B), prompt_lengths - 1].set(first)
-            draft_cache, h_root = eagle3.prefill(draft, eagle3.init_cache(draft, B, plan.cache_len, max_step_tokens=plan.step_tokens), nxt, feats,
-                                                 prompt_lengths, chunk=plan.chunk)
+            draft_cache = eagle3.init_cache(draft, B, plan.cache_len, max_step_tokens=plan.step_tokens)
+            if mesh is not None:
+                draft_cache = parallel.constrain_cache(draft_cache, mesh, heads=False)
+            draft_cache, h_root = eagle3.prefill(draft, draft_cache, nxt, feats, prompt_lengths, chunk=plan.chunk)
     n_out = jnp.ones((B,), jnp.int32)
-    return DecodeState(target_cache=target_cache, draft_cache=draft_cache, lengths=prompt_lengths, root=first,
-                       h_root=h_root, out=jnp.zeros((B, plan.out_len), jnp.int32).at[:, 0].set(first), n_out=n_out,
-                       done=jnp.isin(first, eos_ids) | (n_out >= budget), budget=budget, eos_ids=eos_ids,
-                       temperature=temperature, key=key, steps=jnp.zeros((), jnp.int32),
-                       counters=Counters.zeros(plan.depth))
+    state = DecodeState(target_cache=target_cache, draft_cache=draft_cache, lengths=prompt_lengths, root=first,
+                        h_root=h_root, out=jnp.zeros((B, plan.out_len), jnp.int32).at[:, 0].set(first), n_out=n_out,
+                        done=jnp.isin(first, eos_ids) | (n_out >= budget), budget=budget, eos_ids=eos_ids,
+                        temperature=temperature, key=key, steps=jnp.zeros((), jnp.int32),
+                        counters=Counters.zeros(plan.depth))
+    return layout(state, mesh)
 
 
-def run(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan: Plan) -> DecodeState:
-    """Prefill, then `step` until every slot is done: the whole generation, traceable under jit."""
-    state = init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan)
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: step(models, s, plan), state)
+def run(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan: Plan, mesh=None) -> DecodeState:
+    """Prefill, then `step` until every slot is done: the whole generation, traceable under jit.
+    mesh: the models' parameters' mesh (several devices), or None; the state keeps `layout`."""
+    state = init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan, mesh)
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: layout(step(models, s, plan), mesh), state)
 
 
-def _program(graphdef, params, *args, plan: Plan):
-    final = run(nnx.merge(graphdef, params), *args, plan)
+def loop_mesh(params):
+    """The mesh the loop lays its state out over: that of the parameters' NamedShardings
+    (`parallel.mesh_of`) where it has more than one device, else None (one device: nothing changes)."""
+    mesh = parallel.mesh_of(params)
+    return mesh if mesh is not None and mesh.size > 1 else None
+
+
+def _program(graphdef, params, *args, plan: Plan, mesh=None):
+    final = run(nnx.merge(graphdef, params), *args, plan, mesh)
     return final.out, final.n_out, final.steps, final.counters
 
 
@@ -55,13 +84,16 @@ _COMPILED: dict = {}
 
 def compiled(plan: Plan, graphdef, *args):
     """The executable of `run` for (target, draft) = nnx.merge(graphdef, args[0]) and these argument
-    shapes and dtypes, compiled on first use: (executable taking *args, seconds spent compiling now,
-    0.0 on reuse). It returns (out [B, out_len], n_out [B], steps, Counters)."""
-    spec = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), args)
-    key = (graphdef, plan, str(jax.tree.structure(args)), str(spec))
+    shapes, dtypes and shardings (the state laid out over `loop_mesh(args[0])`), compiled on first
+    use: (executable taking *args, seconds spent compiling now, 0.0 on reuse). It returns
+    (out [B, out_len], n_out [B], steps, Counters)."""
+    mesh = loop_mesh(args[0])
+    spec = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a), getattr(a, "sharding", None)), args)
+    key = (graphdef, plan, mesh, str(jax.tree.structure(args)), str(spec))
     if key in _COMPILED:
         return _COMPILED[key], 0.0
     t0 = time.perf_counter()
-    exe = jax.jit(_program, static_argnums=0, static_argnames="plan").lower(graphdef, *args, plan=plan).compile()
+    exe = jax.jit(_program, static_argnums=0, static_argnames=("plan", "mesh")).lower(graphdef, *args, plan=plan,
+                                                                                     mesh=mesh).compile()
     _COMPILED[key] = exe
     return exe, time.perf_counter() - t0

@@ -1,0 +1,185 @@
+"""Models, caches and decode state over a `Mesh` of devices, through jax.sharding alone.
+
+A mesh has two axes: "data" splits the batch, "model" splits the weights (tensor parallel attention,
+expert parallel MoE, vocabulary-parallel embedding and head). Parameters carry `NamedSharding`s
+(`shard`); jit's sharding propagation (GSPMD) partitions every computation on them and inserts the
+collectives, so the models' code is the same on one device and on many. `generate` / `decode` read
+the mesh from the parameters (`mesh_of`) and lay the KV caches and the loop state out over it
+(`constrain_cache`, `constrain_rows`, called by spec/loop.py).
+
+Parameters are placed by one table, `GPT_OSS_SHARDING` (path -> PartitionSpec; its comments say
+why), read through `param_spec`; what it does not name is replicated. The draft (`Eagle3`) is replicated, except the
+target's embedding or head where it borrows them (they keep the target's placement, one copy).
+KV caches [B, Hkv, S, D]: B over "data", Hkv over "model" (the draft's cache: B only, as its
+weights are replicated). Per-row state ([B, ...]: lengths, outputs, ...): B over "data".
+
+The Pallas kernels (taken on GPUs: pallas/select.py; CPUs run the jnp references) are custom calls
+that XLA cannot partition; they need `shard_map` around them, which nothing here provides yet.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from eagle3_jax.checks import ArgumentError, int_arg
+from eagle3_jax.models import eagle3, gpt_oss
+from eagle3_jax.models.config import Eagle3Config, GptOssConfig
+from eagle3_jax.models.kv_cache import KVCache
+
+AXES = ("data", "model")
+
+# GptOss parameters, "/"-joined path -> PartitionSpec (axes not named: replicated). Matched in order,
+# re.fullmatch; no match: replicated (norms, o_proj bias, router).
+GPT_OSS_SHARDING = (
+    # embed, lm_head [V, H]: vocabulary rows (the embedding gather and the logits are split by id)
+    (r"embed|lm_head", P("model", None)),
+    # wqkv [H, (Hq + 2 Hkv) * D] and bqkv: columns in `model` contiguous blocks. The fused q|k|v axis
+    # does not split at head boundaries (model = 2, gpt-oss-120b: q heads 0-39 | q 40-63, k, v), so
+    # XLA moves slices of the projection's output [B, T, (Hq + 2 Hkv) * D] to the devices of their
+    # heads before attention (collective permutes of activations; a head-aligned layout would need
+    # the model's columns permuted); the weights and the GEMM's work are still split evenly, exactly.
+    (r"layers/\d+/self_attn/wqkv", P(None, "model")),
+    (r"layers/\d+/self_attn/bqkv", P("model")),
+    (r"layers/\d+/self_attn/sinks", P("model")),  # [Hq]: one per query head, with its head
+    (r"layers/\d+/self_attn/wo", P("model", None)),  # [Hq * D, H]: row parallel, rows = heads
+    # experts (packed blocks, scales and biases, or dense): the leading E axis, expert parallel
+    (r"layers/\d+/mlp/experts/\w+", P("model")),
+)
+
+
+def make_mesh(model: int = 1, data: int = 1, devices=None) -> Mesh:
+    """A Mesh of data * model devices with axes ("data", "model") (GSPMD-propagated: AxisType.Auto).
+    devices: a sequence of jax devices (default: all of `jax.devices()`); there must be exactly
+    data * model of them. Raises ValueError naming the sizes otherwise, or for a size below 1
+    (ArgumentError, also a ValueError, for a size that is no integer)."""
+    model, data = int_arg("make_mesh: model", model, 1), int_arg("make_mesh: data", data, 1)
+    given = devices is not None
+    devices = list(devices if given else jax.devices())
+    if data * model != len(devices):
+        raise ValueError(f"make_mesh: data={data} * model={model} = {data * model} devices, but "
+                         f"{len(devices)} {'given' if given else 'available (pass devices= for a subset)'}")
+    return Mesh(np.array(devices, dtype=object).reshape(data, model), AXES, axis_types=(AxisType.Auto,) * 2)
+
+
+def model_size(mesh: Mesh | AbstractMesh) -> int:
+    """The size of the mesh's "model" axis (1 without one)."""
+    return dict(mesh.shape).get("model", 1)
+
+
+def check_mesh(config, mesh: Mesh | AbstractMesh) -> None:
+    """Raises ValueError unless `mesh` (a Mesh, or an AbstractMesh: a layout planned without its
+    devices) has the axes ("data", "model") and its "model" axis divides
+    what `shard` splits over it: for a GptOssConfig num_key_value_heads, num_attention_heads,
+    num_local_experts and vocab_size; for an Eagle3Config vocab_size where it borrows the target's
+    embedding or head. The message names the axis, its size and what it must divide. A mesh
+    without those axes, or a config of another kind, raises ArgumentError (also a ValueError)."""
+    if not isinstance(mesh, (Mesh, AbstractMesh)) or tuple(mesh.axis_names) != AXES:
+        raise ArgumentError(f"mesh: expected a jax.sharding.Mesh with axes {AXES} (parallel.make_mesh), got "
+                         f"{getattr(mesh, 'axis_names', type(mesh).__name__)}")
+    m = model_size(mesh)
+    if isinstance(config, GptOssConfig):
+        names = ("num_key_value_heads", "num_attention_heads", "num_local_experts", "vocab_size")
+    elif isinstance(config, Eagle3Config):
+        names = ("vocab_size",) if not (config.own_embed and config.own_lm_head) else ()
+    else:
+        raise ArgumentError(f"check_mesh: expected a GptOssConfig or Eagle3Config, got {type(config).__name__}")
+    bad = [f"{n}={getattr(config, n)}" for n in names if getattr(config, n) % m]
+    if bad:
+        raise ValueError(f'mesh axis "model" of size {m} must divide {", ".join(bad)}')
+
+
+def path_name(path) -> str:
+    """A pytree path (jax.tree_util keys) as "/"-joined text, e.g. "layers/0/self_attn/wqkv"."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def variables(tree) -> list:
+    """[(path, leaf)] of a module (its nnx.Variables), an nnx state or any pytree; the path as
+    `path_name` text, without the Variable's own attribute."""
+    tree = nnx.state(tree) if isinstance(tree, nnx.Module) else tree
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [(path_name(path), x) for path, x in leaves]
+
+
+def param_spec(module, path) -> P:
+    """The PartitionSpec of the module's variable at `path` (a tuple of keys or "/"-joined text):
+    GptOss by `GPT_OSS_SHARDING`; Eagle3 replicated but for `embed` / `lm_head` when they are the
+    target's (config.own_embed / own_lm_head False: the target's rows over "model")."""
+    name = path if isinstance(path, str) else path_name(path)
+    if isinstance(module, gpt_oss.GptOss):
+        return next((spec for pattern, spec in GPT_OSS_SHARDING if re.fullmatch(pattern, name)), P())
+    if isinstance(module, eagle3.Eagle3):
+        c = module.config
+        borrowed = {"embed": not c.own_embed, "lm_head": not c.own_lm_head}
+        return P("model", None) if borrowed.get(name) else P()
+    raise ArgumentError(f"param_spec: expected a gpt_oss.GptOss or eagle3.Eagle3, got {type(module).__name__}")
+
+
+def shard(module, mesh: Mesh):
+    """Places every variable of `module` (gpt_oss.GptOss or eagle3.Eagle3) on `mesh` with the
+    NamedSharding of `param_spec`, in place, and returns the module. Variables shared with another
+    module (a draft borrowing the target's embedding) move for both. Checks `check_mesh` first."""
+    if not isinstance(module, (gpt_oss.GptOss, eagle3.Eagle3)):
+        raise ArgumentError(f"shard: expected a gpt_oss.GptOss or eagle3.Eagle3, got {type(module).__name__}")
+    check_mesh(module.config, mesh)
+    for path, var in variables(module):
+        var.set_value(jax.device_put(var.get_value(), NamedSharding(mesh, param_spec(module, path))))
+    return module
+
+
+def mesh_of(tree) -> Mesh | None:
+    """The mesh that the arrays of `tree` (a module, its nnx state, or any pytree) are placed on
+    through NamedShardings; None when none is. Raises ValueError when some are on a mesh and others
+    are not, or on another mesh (e.g. a target sharded and its draft not: `shard` both)."""
+    leaves = [(path, x.get_value() if isinstance(x, nnx.Variable) else x) for path, x in variables(tree)]
+    arrays = [(path, x) for path, x in leaves if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
+    meshes = {x.sharding.mesh for _, x in arrays if isinstance(x.sharding, NamedSharding)}
+    if not meshes:
+        return None
+    if len(meshes) > 1:
+        raise ValueError(f"mesh_of: arrays on {len(meshes)} different meshes: {sorted(map(str, meshes))}")
+    mesh = meshes.pop()
+    for path, x in arrays:
+        if not isinstance(x.sharding, NamedSharding):
+            raise ValueError(f"mesh_of: {path} is on {x.sharding}, not on the mesh {mesh} of the "
+                             "other arrays; place every module with parallel.shard(module, mesh)")
+    return mesh
+
+
+def cache_spec(heads: bool = True) -> P:
+    """KV buffers [B, Hkv, S, D]: B over "data", Hkv over "model" (heads False: replicated over it)."""
+    return P("data", "model" if heads else None, None, None)
+
+
+def constrain_cache(cache: KVCache | None, mesh: Mesh, heads: bool = True) -> KVCache | None:
+    """`cache` with every buffer constrained to `cache_spec(heads)` on `mesh` (inside jit); None: None."""
+    if cache is None:
+        return None
+    s = NamedSharding(mesh, cache_spec(heads))
+    wsc = jax.lax.with_sharding_constraint
+    return cache.replace(k=tuple(wsc(k, s) for k in cache.k), v=tuple(wsc(v, s) for v in cache.v))
+
+
+def constrain_rows(x, mesh: Mesh):
+    """x [B, ...] constrained to its leading (batch) axis over "data", the rest replicated (inside
+    jit; a B that "data" does not divide is padded by XLA); None: None."""
+    if x is None:
+        return None
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data")))
+
+
+def put_rows(x, mesh: Mesh):
+    """A host array [B, ...] placed on `mesh`: rows over "data" where it divides B, else replicated."""
+    n = dict(mesh.shape)["data"]
+    return jax.device_put(x, NamedSharding(mesh, P("data") if np.shape(x)[0] % n == 0 else P()))
+
+
+def replicate(x, mesh: Mesh):
+    """x (a pytree of arrays) placed whole on every device of `mesh`."""
+    return jax.device_put(x, NamedSharding(mesh, P()))

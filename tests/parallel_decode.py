@@ -1,0 +1,136 @@
+"""Run by tests/test_parallel.py in a fresh process with 4 CPU devices: generate and decode (chain,
+tree) on sharded models give the one-device tokens, and parameters, caches and state are split.
+
+Prints one line per mesh and "ok" at the end; any mismatch is an AssertionError (exit status 1)."""
+
+import os
+import re
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from eagle3_jax import parallel  # noqa: E402
+from eagle3_jax.models import Eagle3Config, GptOssConfig, eagle3, gpt_oss  # noqa: E402
+from eagle3_jax.spec import decode, generate, loop  # noqa: E402
+from eagle3_jax.spec.decode import pad_prompts  # noqa: E402
+from eagle3_jax.spec.state import Plan  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+# the tiny preset with 4 kv heads (8 query heads), so that model = 4 divides them
+CONFIG = GptOssConfig.preset("tiny").replace(num_attention_heads=8, num_key_value_heads=4)
+DRAFT = Eagle3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     vocab_size=256, draft_vocab_size=256, target_hidden_size=64, aux_layer_ids=(0, 1, 2),
+                     target_num_layers=4, own_embed=False)  # borrows the target's embedding
+RUNS = {"generate": None, "chain": dict(num_spec_tokens=3), "tree": dict(num_spec_tokens=3, topk=4, num_draft_tokens=8)}
+MESHES = [(1, 2), (2, 2), (1, 4)]  # (data, model)
+KW = dict(eos_ids=(), prefill_chunk=8)
+NEW = 14
+
+
+def pair():
+    t = gpt_oss.GptOss(CONFIG, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    return t, eagle3.random_eagle3(DRAFT, seed=1, target=t)
+
+
+def tokens(t, d, prompts):
+    return {name: (generate(t, prompts, NEW, **KW) if kw is None else decode(t, d, prompts, NEW, **kw, **KW)).tokens
+            for name, kw in RUNS.items()}
+
+
+def shard_shape(x):
+    return tuple(x.addressable_shards[0].data.shape)
+
+
+def check_params(t, d, data, model):
+    """The large parameters are split over "model" (each device holds 1/model of them), the rest whole."""
+    split = {r"embed|lm_head": 0, r".*/self_attn/wqkv": 1, r".*/self_attn/(bqkv|sinks|wo)": 0, r".*/mlp/experts/.*": 0}
+    seen = set()
+    for path, var in parallel.variables(t):
+        x = var.get_value()
+        key = next((k for k in split if re.fullmatch(k, path)), None)
+        want = list(x.shape)
+        if key is not None:
+            want[split[key]] //= model
+            seen.add(key)
+        assert shard_shape(x) == tuple(want), (path, x.shape, shard_shape(x), x.sharding)
+        assert len(x.sharding.device_set) == data * model, (path, x.sharding)
+    assert seen == set(split), seen
+    assert d.embed is t.embed and shard_shape(d.embed.get_value())[0] == CONFIG.vocab_size // model
+    assert shard_shape(d.wqkv.get_value()) == d.wqkv.get_value().shape  # the draft's own weights: whole
+    assert parallel.mesh_of((t, d)).shape == {"data": data, "model": model}
+
+
+def check_state(t, d, prompts, data, model):
+    """The caches and per-row state that the jitted prefill leaves: split as `loop.layout` says."""
+    mesh = parallel.mesh_of((t, d))
+    toks, lengths = pad_prompts(prompts, 24)
+    plan = Plan(cache_len=64, out_len=32, chunk=8, greedy=True, depth=3, topk=1, num_nodes=4,
+                feature_ids=tuple(DRAFT.feature_layers))
+    graphdef, params = nnx.split((t, d))
+    args = (toks, lengths, np.int32(NEW), np.full(8, -1, np.int32), np.float32(1e-6), jax.random.key(0))
+    state = jax.jit(lambda p, *a: loop.init_state(nnx.merge(graphdef, p), *a, plan, mesh))(params, *args)
+    B = len(prompts)
+    for k in state.target_cache.k + state.target_cache.v:
+        assert k.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "model")), 4), k.sharding
+        assert shard_shape(k) == (B // data, CONFIG.num_key_value_heads // model) + k.shape[2:], shard_shape(k)
+    for k in state.draft_cache.k:
+        assert k.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 4), k.sharding
+    for x in (state.lengths, state.root, state.out, state.n_out, state.done, state.h_root):
+        assert x.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), x.ndim), x.sharding
+        assert shard_shape(x)[0] == B // data
+
+
+def raises(fn, match):
+    try:
+        fn()
+    except ValueError as e:
+        assert re.search(match, str(e)), str(e)
+    else:
+        raise AssertionError(f"no ValueError matching {match!r}")
+
+
+def check_errors(prompts):
+    """The tiny preset's 2 kv heads over 4 devices; a sharded target with a draft left on one device."""
+    tiny = gpt_oss.GptOss(GptOssConfig.preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    raises(lambda: parallel.shard(tiny, parallel.make_mesh(model=4)),
+           r'mesh axis "model" of size 4 must divide num_key_value_heads=2$')
+    t = parallel.shard(gpt_oss.GptOss(CONFIG, dtype=jnp.float32, rngs=nnx.Rngs(0)), parallel.make_mesh(model=4))
+    d = eagle3.Eagle3(DRAFT.replace(own_embed=True), dtype=jnp.float32, rngs=nnx.Rngs(1))
+    raises(lambda: decode(t, d, prompts, NEW, **KW), r"not on the mesh .* parallel.shard")
+
+
+def main():
+    assert jax.device_count() == 4, jax.devices()
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (5, 13, 20, 9)]
+    t0 = time.perf_counter()
+    t, d = pair()
+    want = tokens(t, d, prompts)
+    print(f"one device: {time.perf_counter() - t0:.1f} s", flush=True)
+    for data, model in MESHES:
+        t0 = time.perf_counter()
+        mesh = parallel.make_mesh(model=model, data=data, devices=jax.devices()[:data * model])
+        t, d = pair()
+        parallel.shard(t, mesh)
+        parallel.shard(d, mesh)
+        check_params(t, d, data, model)
+        got = tokens(t, d, prompts)
+        for name in RUNS:
+            assert got[name] == want[name], (data, model, name, got[name], want[name])
+        check_state(t, d, prompts, data, model)
+        print(f"mesh data={data} model={model}: tokens equal, sharded: {time.perf_counter() - t0:.1f} s", flush=True)
+    check_errors(prompts)
+    print("ok")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
