@@ -13,6 +13,10 @@ target's embedding or head where it borrows them (they keep the target's placeme
 KV caches [B, Hkv, S, D]: B over "data", Hkv over "model" (the draft's cache: B only, as its
 weights are replicated). Per-row state ([B, ...]: lengths, outputs, ...): B over "data".
 
+Several processes (after `jax.distributed.initialize`; on CPUs with the gloo collectives) run the
+same calls: every process builds the same model and passes the same prompts, `make_mesh` spans the
+devices of all of them, and every process gets all of the outputs.
+
 The Pallas kernels (taken on GPUs: pallas/select.py; CPUs run the jnp references) are custom calls
 that XLA cannot partition; they need `shard_map` around them, which nothing here provides yet.
 """
@@ -174,6 +178,11 @@ def constrain_rows(x, mesh: Mesh):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data")))
 
 
+def constrain_replicated(x, mesh: Mesh):
+    """x (a pytree of arrays) constrained whole onto every device of `mesh` (inside jit)."""
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
+
+
 def put_rows(x, mesh: Mesh):
     """A host array [B, ...] placed on `mesh`: rows over "data" where it divides B, else replicated."""
     n = dict(mesh.shape)["data"]
@@ -181,5 +190,15 @@ def put_rows(x, mesh: Mesh):
 
 
 def replicate(x, mesh: Mesh):
-    """x (a pytree of arrays) placed whole on every device of `mesh`."""
-    return jax.device_put(x, NamedSharding(mesh, P()))
+    """x (a pytree of host arrays or PRNG keys, the same on every process) placed whole on every
+    device of `mesh`. Keys go as their data (device_put takes no key array onto devices of other
+    processes)."""
+    s = NamedSharding(mesh, P())
+
+    def put(a):
+        if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(jax.device_put(np.asarray(jax.random.key_data(a)), s),
+                                            impl=jax.random.key_impl(a))
+        return jax.device_put(a, s)
+
+    return jax.tree.map(put, x)

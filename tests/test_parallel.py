@@ -1,7 +1,9 @@
 """eagle3_jax.parallel: sharded generate / decode give the one-device tokens (a subprocess with 4 CPU
-devices, tests/parallel_decode.py), the sharding table, and every promised error."""
+devices, tests/parallel_decode.py; two processes of 2 CPU devices each through jax.distributed,
+tests/parallel_multiprocess.py), the sharding table, and every promised error."""
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -29,6 +31,24 @@ def test_sharded_generate_and_decode_match_one_device():
     assert r.returncode == 0 and r.stdout.rstrip().endswith("ok"), (r.stdout, r.stderr[-4000:])
     for data, model in [(1, 2), (2, 2), (1, 4)]:
         assert f"mesh data={data} model={model}: tokens equal" in r.stdout, r.stdout
+
+
+def test_two_processes_match_one_device():
+    with socket.socket() as s:  # a free port for the coordinator
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "parallel_multiprocess.py"), str(i), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=HERE)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and out.rstrip().endswith("ok"), (out, err[-4000:])
 
 
 @pytest.mark.parametrize("experts", ["mxfp4", "dense"])

@@ -76,7 +76,9 @@ def loop_mesh(params):
 
 def _program(graphdef, params, *args, plan: Plan, mesh=None):
     final = run(nnx.merge(graphdef, params), *args, plan, mesh)
-    return final.out, final.n_out, final.steps, final.counters
+    results = final.out, final.n_out, final.steps, final.counters
+    # whole on every device: each process reads them (several processes: jax.distributed)
+    return results if mesh is None else parallel.constrain_replicated(results, mesh)
 
 
 _COMPILED: dict = {}

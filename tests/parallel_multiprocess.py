@@ -1,0 +1,47 @@
+"""One of two processes that tests/test_parallel.py starts on localhost: `python parallel_multiprocess.py
+PROCESS_ID PORT`. Each has 2 CPU devices; through jax.distributed (CPU collectives: gloo) they form
+one (data 2, model 2) mesh, data across the processes. generate and the tree decode on the sharded
+pair must give the tokens this process computes alone on one device (the chain is left to
+parallel_decode.py, for time). Prints "ok"."""
+
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import numpy as np  # noqa: E402
+
+from eagle3_jax import parallel  # noqa: E402
+from eagle3_jax.spec import decode, generate  # noqa: E402
+
+from parallel_decode import KW, NEW, RUNS, pair  # noqa: E402
+
+
+def tokens(t, d, prompts):
+    return {"generate": generate(t, prompts, NEW, **KW).tokens,
+            "tree": decode(t, d, prompts, NEW, **RUNS["tree"], **KW).tokens}
+
+
+def main(process_id: int, port: int):
+    jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id, initialization_timeout=60)
+    assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2, jax.devices()
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (5, 13, 20, 9)]
+    want = tokens(*pair(), prompts)  # this process alone, on its first device
+    mesh = parallel.make_mesh(model=2, data=2)
+    assert {d.process_index for d in mesh.devices[0]} == {0} and {d.process_index for d in mesh.devices[1]} == {1}
+    t, d = pair()
+    parallel.shard(t, mesh)
+    parallel.shard(d, mesh)
+    assert not t.lm_head.get_value().is_fully_addressable  # the mesh spans both processes
+    got = tokens(t, d, prompts)
+    for name in want:
+        assert got[name] == want[name], (process_id, name, got[name], want[name])
+    print("ok", flush=True)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
