@@ -4,6 +4,7 @@
   python experiments/decode.py --prompt "def fibonacci(n):" --max_new_tokens 128
   python experiments/decode.py --target /ckpt/gpt-oss-120b --draft /ckpt/gpt-oss-120b-eagle3 \
       --prompt "Write a haiku" --num_spec_tokens 3 --max_new_tokens 128 --baseline
+  python experiments/decode.py --mesh model=2,data=1           # over two devices (eagle3_jax.parallel)
 
 The embedded pair (eagle3_jax/assets/stdlib-gpt-oss) is a small GPT-OSS trained on the Python
 standard library and its EAGLE-3 draft; without --prompt it continues two held-out stdlib snippets
@@ -23,7 +24,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax import assets
+from eagle3_jax import assets, parallel
 from eagle3_jax.convert import load_eagle3, load_gpt_oss
 from eagle3_jax.spec import decode, generate
 from lib import cli
@@ -46,6 +47,7 @@ flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "weights / activations
                   "GPUs, float32 on CPUs, where it is faster and decode == generate holds bit for bit)")
 flags.DEFINE_string("json_out", None, "write tokens and metrics here")
 cli.progress_flag()
+cli.mesh_flags()
 FLAGS = flags.FLAGS
 
 CPU_NOTE = ("note: on a CPU expect speculative decoding to be slower than generate (measured on a 2-core "
@@ -55,7 +57,8 @@ CPU_NOTE = ("note: on a CPU expect speculative decoding to be slower than genera
 
 
 def _say(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    if jax.process_index() == 0:  # several processes (--coordinator_address) share one output
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def _tokenizer(path):
@@ -75,7 +78,9 @@ def _encode(p, tok):
 
 
 def _show(prompts, outputs, tok):
-    """Each prompt and its continuation, each from the start of its own lines."""
+    """Each prompt and its continuation, each from the start of its own lines (process 0 only)."""
+    if jax.process_index():
+        return
     for i, (p, t) in enumerate(zip(prompts, outputs)):
         print(f"--- prompt {i + 1} ({len(p)} tokens) ---")
         print(tok.decode(p) if tok else ",".join(map(str, p)))
@@ -91,6 +96,7 @@ def _rate(m):
 
 def main(argv):
     del argv
+    mesh = cli.setup_devices()
     tok = _tokenizer(FLAGS.target)
     if FLAGS.prompt:
         prompts = FLAGS.prompt
@@ -109,6 +115,11 @@ def main(argv):
     if FLAGS.draft.lower() != "none":
         _say(f"loading draft {os.path.abspath(FLAGS.draft)}")
         draft = load_eagle3(FLAGS.draft, target=target, **load)
+    if mesh is not None:
+        parallel.check_mesh(target.config, mesh)
+        _say(f"sharding over {dict(mesh.shape)} ({mesh.size} devices, {jax.process_count()} processes)")
+        target = parallel.shard(target, mesh)
+        draft = None if draft is None else parallel.shard(draft, mesh)
     kw = dict(temperature=FLAGS.temperature, seed=FLAGS.seed)
     result = {}
     if draft is not None:
@@ -139,9 +150,11 @@ def main(argv):
                      "(--dtype float32) must match exactly.")
             elif FLAGS.temperature > 0:
                 _say("(sampling: outputs are independent exact draws, not expected to match)")
-    if draft is not None and jax.default_backend() == "cpu":
+    if draft is not None and jax.default_backend() == "cpu" and jax.process_index() == 0:
         print(textwrap.fill(CPU_NOTE, 100), flush=True)
-    if FLAGS.json_out:
+    if FLAGS.json_out and jax.process_index() == 0:
+        if mesh is not None:
+            result["mesh"] = dict(mesh.shape, processes=jax.process_count())
         with open(FLAGS.json_out, "w") as f:
             json.dump(result, f, indent=1)
 

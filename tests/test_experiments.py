@@ -12,9 +12,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))  # the scripts, and their shared modules in experiments/lib
 
 
-def run(script, *args):
+def run(script, *args, env=()):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *args], capture_output=True,
-                       text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                       text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu", **dict(env)})
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
@@ -40,6 +40,14 @@ def test_decode_main_job_on_embedded_default(tmp_path):
     r = json.loads(path.read_text())
     assert r["decode"]["tokens"] == r["baseline"]["tokens"] and all(len(t) == 5 for t in r["decode"]["tokens"])
     assert r["decode"]["metrics"]["mean_accept_length"] >= 1.0
+    # over 4 (fake CPU) devices: the same tokens
+    mesh_path = tmp_path / "m.json"
+    out = run("decode.py", "--prompt", "def f(x):\n    return", "--prompt", "import", "--max_new_tokens", "5",
+              "--mesh", "model=2,data=2", "--nobaseline", "--json_out", str(mesh_path),
+              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    assert "sharding over {'data': 2, 'model': 2} (4 devices, 1 processes)" in out
+    m = json.loads(mesh_path.read_text())
+    assert m["decode"]["tokens"] == r["decode"]["tokens"] and m["mesh"] == {"data": 2, "model": 2, "processes": 1}
 
 
 def test_bench_baseline_writes_json(tmp_path):
@@ -123,6 +131,10 @@ def test_bad_flags_stop_at_parse():
     assert "flag --speed_shapes=['tree3x4']: draft shape 'tree3x4': expected chainK or treeDxKnN" in err
     err = fails("fr_spec.py", "--corpus", "/nonexistent/corpus.npy")
     assert "flag --corpus=/nonexistent/corpus.npy: expected a readable file" in err
+    err = fails("decode.py", "--mesh", "model=x")
+    assert err.strip().endswith("error: --mesh: 'model=x', expected model=M,data=D with integers >= 1 (each at most once)")
+    err = fails("decode.py", "--mesh", "model=2")  # one CPU device here
+    assert err.count("\n") == 1 and err.startswith("error: make_mesh: ") and "2" in err
 
 
 def test_gates_names_file_and_missing_key(tmp_path):

@@ -104,3 +104,44 @@ def write(msg: str) -> None:
 
     tqdm.write(msg, file=sys.stdout)
     sys.stdout.flush()
+
+
+# -- devices ---------------------------------------------------------------------------------------
+
+def mesh_flags() -> None:
+    """Defines --mesh and the jax.distributed flags (idempotent)."""
+    if "mesh" in FLAGS:
+        return
+    flags.DEFINE_string("mesh", None, "devices as model=M,data=D: a (data, model) mesh (eagle3_jax.parallel) over "
+                        "every device of every process; default: one device")
+    flags.DEFINE_string("coordinator_address", None, "host:port of process 0: run as one of --num_processes "
+                        "processes through jax.distributed.initialize (e.g. one a host, or one a GPU)")
+    flags.DEFINE_integer("num_processes", None, "processes of the run (with --coordinator_address)")
+    flags.DEFINE_integer("process_id", None, "this process's index in [0, num_processes)")
+
+
+def parse_mesh(text: str) -> dict:
+    """'model=2,data=1' -> {"model": 2, "data": 1} (either may be left out: 1)."""
+    sizes = {}
+    for part in text.split(","):
+        key, eq, value = part.strip().partition("=")
+        if key not in ("model", "data") or not eq or not value.strip().isdigit() or int(value) < 1 or key in sizes:
+            raise ValueError(f"--mesh: {text!r}, expected model=M,data=D with integers >= 1 (each at most once)")
+        sizes[key] = int(value)
+    return sizes
+
+
+def setup_devices():
+    """jax.distributed.initialize where --coordinator_address is given, then the mesh --mesh names
+    (None without --mesh)."""
+    import jax
+
+    if FLAGS.coordinator_address:
+        if FLAGS.num_processes is None or FLAGS.process_id is None:
+            raise ValueError("--coordinator_address needs --num_processes and --process_id")
+        jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    if not FLAGS.mesh:
+        return None
+    from eagle3_jax import parallel
+
+    return parallel.make_mesh(**parse_mesh(FLAGS.mesh))
