@@ -8,7 +8,9 @@ the mesh from the parameters (`mesh_of`) and lay the KV caches and the loop stat
 (`constrain_cache`, `constrain_rows`, called by spec/loop.py).
 
 Parameters are placed by one table, `GPT_OSS_SHARDING` (path -> PartitionSpec; its comments say
-why), read through `param_spec`; what it does not name is replicated. The draft (`Eagle3`) is replicated, except the
+why), read through `param_spec` / `param_sharding`; what it does not name is replicated. The
+loaders (convert: `load_gpt_oss(..., mesh=)` and the others) place each parameter by the same table
+as they read it, shard by shard. The draft (`Eagle3`) is replicated, except the
 target's embedding or head where it borrows them (they keep the target's placement, one copy).
 KV caches [B, Hkv, S, D]: B over "data", Hkv over "model" (the draft's cache: B only, as its
 weights are replicated). Per-row state ([B, ...]: lengths, outputs, ...): B over "data".
@@ -111,13 +113,26 @@ def variables(tree) -> list:
     return [(path_name(path), x) for path, x in leaves]
 
 
+def gpt_oss_spec(path: str) -> P:
+    """The PartitionSpec `GPT_OSS_SHARDING` gives the GptOss variable at "/"-joined `path` (no
+    match: P(), replicated)."""
+    return next((spec for pattern, spec in GPT_OSS_SHARDING if re.fullmatch(pattern, path)), P())
+
+
+def param_sharding(module, mesh: Mesh, path) -> NamedSharding:
+    """NamedSharding(mesh, param_spec(module, path)): where `shard` places the module's variable at
+    `path`; `module` may be abstract (nnx.eval_shape), so loaders can place each parameter as
+    they build it."""
+    return NamedSharding(mesh, param_spec(module, path))
+
+
 def param_spec(module, path) -> P:
     """The PartitionSpec of the module's variable at `path` (a tuple of keys or "/"-joined text):
     GptOss by `GPT_OSS_SHARDING`; Eagle3 replicated but for `embed` / `lm_head` when they are the
     target's (config.own_embed / own_lm_head False: the target's rows over "model")."""
     name = path if isinstance(path, str) else path_name(path)
     if isinstance(module, gpt_oss.GptOss):
-        return next((spec for pattern, spec in GPT_OSS_SHARDING if re.fullmatch(pattern, name)), P())
+        return gpt_oss_spec(name)
     if isinstance(module, eagle3.Eagle3):
         c = module.config
         borrowed = {"embed": not c.own_embed, "lm_head": not c.own_lm_head}
@@ -133,7 +148,7 @@ def shard(module, mesh: Mesh):
         raise ArgumentError(f"shard: expected a gpt_oss.GptOss or eagle3.Eagle3, got {type(module).__name__}")
     check_mesh(module.config, mesh)
     for path, var in variables(module):
-        var.set_value(jax.device_put(var.get_value(), NamedSharding(mesh, param_spec(module, path))))
+        var.set_value(jax.device_put(var.get_value(), param_sharding(module, mesh, path)))
     return module
 
 

@@ -4,7 +4,9 @@ Reads the layouts published drafts use: SpecForge / lmsys (draft vocab with `d2t
 nvidia (no `lm_head`: the target's head serves; v3 with `norm_before_fc` and aux ids read as
 hidden-state boundaries), with or without `embed_tokens` (absent: the target's embedding is
 shared, not copied), keys under `midlayer.` or `layers.0.` (optionally below `model.`).
-`save_eagle3` writes the SpecForge layout back, which SGLang and vLLM load.
+`save_eagle3` writes the SpecForge layout back, which SGLang and vLLM load. With `mesh=`, the
+draft is placed as `parallel.shard` places it (replicated; a borrowed embedding or head keeps the
+target's placement), each parameter built on the mesh from the file (`params.place`).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import json
 import os
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 from flax import nnx
 
+from eagle3_jax import parallel
 from eagle3_jax.convert import params
 from eagle3_jax.convert import safetensors_io as stio
 from eagle3_jax.models.config import Eagle3Config, GptOssConfig, rope_from_hf, rope_to_hf
@@ -141,8 +145,8 @@ def check_d2t(d2t: np.ndarray, vocab_size: int, where: str) -> None:
 
 def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = None, *, target=None,
                 dtype=None, aux_layer_ids=None, aux_convention: str | None = None,
-                sliding_window: int | None = None, progress: bool | None = None) -> Eagle3:
-    """HF EAGLE-3 draft folder -> Eagle3 on the default device.
+                sliding_window: int | None = None, mesh=None, progress: bool | None = None) -> Eagle3:
+    """HF EAGLE-3 draft folder -> Eagle3 on the default device, or on `mesh`.
 
     target_config: the target's GptOssConfig (or pass `target=`, the GptOss module, which is
     required when the checkpoint has no `embed_tokens` or no `lm_head`: those are shared with the
@@ -150,6 +154,11 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
     one dtype to run together), else bfloat16. aux_layer_ids / aux_convention override the
     checkpoint's; sliding_window bounds the draft's attention (None: full). progress: a tqdm bar over
     the checkpoint's bytes (None: only past 1 GiB or several files; True always, False never).
+    mesh: a parallel.make_mesh Mesh: every variable gets `parallel.param_sharding` (the values and
+    placement of `parallel.shard(load_eagle3(...), mesh)`: the draft's own weights replicated, each
+    read once per process, through jax.make_array_from_callback; a borrowed embedding or head is
+    moved onto the mesh for target and draft alike, as `shard` does). A mesh that does not divide
+    the vocabulary a borrowed embedding or head needs raises before any tensor is read.
     Raises ValueError naming the problem.
     """
     path = os.fspath(path)
@@ -189,6 +198,8 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
     if tuple(fc.shape) != (cfg.hidden_size, 3 * cfg.target_hidden_size):
         raise ValueError(f"{fc.file}: fc.weight: expected shape {[cfg.hidden_size, 3 * cfg.target_hidden_size]} "
                          f"(3 x the target's hidden size {target_config.hidden_size}), found {list(fc.shape)}")
+    if mesh is not None:
+        parallel.check_mesh(cfg, mesh)
     own = cfg.replace(own_embed=True, own_lm_head=True)  # abstract shell; shared Params are attached below
     abstract = nnx.eval_shape(lambda: Eagle3(own, dtype=dtype, rngs=nnx.Rngs(0)))
     abstract.config = cfg
@@ -198,16 +209,37 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
         abstract.lm_head = target.lm_head
     entries = _entries(cfg, prefix)
     stio.check_all_used(tensors, {e.key for e in entries} | {"d2t", "t2d"}, path, "EAGLE-3 draft")
-    fill = params.Filler()
     name = os.path.basename(os.path.normpath(path))
     present = {e.key: tensors[e.key] for e in entries if e.key in tensors}
+    if mesh is None:
+        fill = params.Filler()
+        with stio.load_progress(present, progress, f"loading {name}") as bar:
+            for key, attr, shape, transpose, cols in entries:
+                a = stio.get(tensors, key, shape, path)
+                fill.put(_get_attr(abstract, attr), a.T if transpose else a, cols)
+                bar.update(tensors[key].nbytes)
+        fill.finish()
+        abstract.d2t.set_value(jnp.asarray(_draft_to_target(tensors, cfg, path), jnp.int32))
+        return abstract
+    groups: dict[tuple, list] = {}
+    for key, attr, shape, transpose, cols in entries:  # every tensor checked before any is read
+        info = stio.check(tensors, key, shape, path)
+        groups.setdefault(attr, []).append((info, params.Source(info.read, transpose, cols)))
     with stio.load_progress(present, progress, f"loading {name}") as bar:
-        for key, attr, shape, transpose, cols in entries:
-            a = stio.get(tensors, key, shape, path)
-            fill.put(_get_attr(abstract, attr), a.T if transpose else a, cols)
-            bar.update(tensors[key].nbytes)
-    fill.finish()
-    abstract.d2t.set_value(jnp.asarray(_draft_to_target(tensors, cfg, path), jnp.int32))
+        for attr, group in groups.items():
+            var = _get_attr(abstract, attr)
+            want = var.get_value()
+            sharding = parallel.param_sharding(abstract, mesh, "/".join(map(str, attr)))
+            var.set_value(params.place(want.shape, want.dtype, sharding, [src for _, src in group]))
+            bar.update(sum(info.nbytes for info, _ in group))
+    d2t = _draft_to_target(tensors, cfg, path).astype(np.int32)
+    abstract.d2t.set_value(jax.make_array_from_callback(d2t.shape, parallel.param_sharding(abstract, mesh, "d2t"),
+                                                        lambda index: d2t[index]))
+    for name in ("embed", "lm_head"):  # borrowed: moved for both, as parallel.shard moves them
+        var = getattr(abstract, name)
+        sharding = parallel.param_sharding(abstract, mesh, name)
+        if var.get_value().sharding != sharding:
+            var.set_value(jax.device_put(var.get_value(), sharding))
     return abstract
 
 

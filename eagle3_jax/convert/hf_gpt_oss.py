@@ -3,6 +3,9 @@
 `load_gpt_oss(path)` reads one file or shards (`model.safetensors.index.json`), MXFP4 experts
 (`*_blocks` / `*_scales`, kept packed) or the dequantized layout (`gate_up_proj` / `down_proj`,
 [E, in, out]), norms in fp32 or bf16. Tensors stream one at a time from memory maps to the device.
+With `mesh=`, each parameter is placed by parallel.py's table as it is read, every device's shard
+from the byte ranges it covers (`params.place`): no host or device holds a whole sharded tensor.
+`random_gpt_oss(config, seed, dtype, mesh=None)`: random weights, created split on `mesh` likewise.
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ import ml_dtypes
 import numpy as np
 import safetensors.numpy
 from flax import nnx
+from jax.sharding import NamedSharding
 
+from eagle3_jax import parallel
 from eagle3_jax.convert import params
 from eagle3_jax.convert import safetensors_io as stio
+from eagle3_jax.models import gpt_oss
 from eagle3_jax.models.config import GptOssConfig, RopeConfig
 from eagle3_jax.models.gpt_oss import GptOss
 
@@ -100,12 +106,17 @@ def _param(state, path):
 
 
 def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConfig | None = None, *,
-                 progress: bool | None = None) -> GptOss:
-    """HF GPT-OSS checkpoint folder -> GptOss on the default device.
+                 mesh=None, progress: bool | None = None) -> GptOss:
+    """HF GPT-OSS checkpoint folder -> GptOss on the default device, or split over `mesh`.
 
     dtype: storage/compute dtype of the unquantized weights and activations (bf16, or f32 for
     tests); norms and sinks are kept in f32, packed experts as uint8. The expert layout follows the
     tensors present. Raises ValueError naming the file, key, expected and found shape.
+    mesh: a parallel.make_mesh Mesh: every parameter gets `parallel.param_sharding` (the same
+    placement and values as `parallel.shard(load_gpt_oss(path, dtype), mesh)`), built by
+    jax.make_array_from_callback from the byte ranges of each local device's shard only (under
+    jax.distributed every process reads just its own devices' shards). A mesh that does not divide
+    the heads, experts or vocabulary raises ValueError (parallel.check_mesh) before any tensor is read.
     progress: a tqdm bar over the checkpoint's bytes on stderr (a widget in notebooks); None shows
     it only for checkpoints worth waiting for (over 1 GiB or several shards: gpt-oss-120b is 65 GB
     in 15), True always, False never.
@@ -115,18 +126,45 @@ def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConf
     if config is None:
         config = GptOssConfig.from_hf(path)
     config = config.replace(experts_format=layout(tensors))
+    if mesh is not None:
+        parallel.check_mesh(config, mesh)
     table = entries(config)
     stio.check_all_used(tensors, {e.key for e in table}, path, "GPT-OSS config")  # e.g. biases, attention_bias false
     abstract = nnx.eval_shape(lambda: GptOss(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    fill = params.Filler()
     name = os.path.basename(os.path.normpath(path))
+    if mesh is None:
+        fill = params.Filler()
+        with stio.load_progress(tensors, progress, f"loading {name}") as bar:
+            for e in table:
+                fill.put(_param(state, e.path), e.to_param(stio.get(tensors, e.key, e.shape, path, e.kinds)), e.cols)
+                bar.update(tensors[e.key].nbytes)
+        fill.finish()
+        return nnx.merge(graphdef, state)
+    groups: dict[tuple, list] = {}
+    for e in table:  # every tensor checked before any is read
+        info = stio.check(tensors, e.key, e.shape, path, e.kinds)
+        groups.setdefault(e.path, []).append((info, params.Source(info.read, e.to_param is _t, e.cols)))
     with stio.load_progress(tensors, progress, f"loading {name}") as bar:
-        for e in table:
-            fill.put(_param(state, e.path), e.to_param(stio.get(tensors, e.key, e.shape, path, e.kinds)), e.cols)
-            bar.update(tensors[e.key].nbytes)
-    fill.finish()
+        for p, group in groups.items():
+            var = _param(state, p)
+            want = var.get_value()
+            sharding = parallel.param_sharding(abstract, mesh, "/".join(map(str, p)))
+            var.set_value(params.place(want.shape, want.dtype, sharding, [src for _, src in group]))
+            bar.update(sum(info.nbytes for info, _ in group))
     return nnx.merge(graphdef, state)
+
+
+def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16, mesh=None) -> GptOss:
+    """`gpt_oss.random_gpt_oss` (the same values for the same seed), on the default device, or with
+    `mesh=` created already split by `parallel.param_sharding` (as `parallel.shard` would place
+    it; no device ever holds a whole sharded parameter). Raises ValueError for a mesh that does
+    not divide the config (parallel.check_mesh) before building anything."""
+    if mesh is None:
+        return gpt_oss.random_gpt_oss(config, seed, dtype)
+    parallel.check_mesh(config, mesh)
+    spec = lambda p: NamedSharding(mesh, parallel.gpt_oss_spec(p))  # noqa: E731
+    return gpt_oss.random_gpt_oss(config, seed, dtype, shardings=spec)
 
 
 def save_gpt_oss(model: GptOss, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
@@ -182,7 +220,12 @@ def save_checkpoint(model: GptOss, directory: str | os.PathLike) -> None:
         ckpt.save(os.path.join(directory, "state"), nnx.to_pure_dict(nnx.state(model)), force=True)
 
 
-def restore_checkpoint(directory: str | os.PathLike) -> GptOss:
+def restore_checkpoint(directory: str | os.PathLike, mesh=None) -> GptOss:
+    """The GptOss `save_checkpoint` wrote, on the default device, or with `mesh=` restored directly
+    into `parallel.param_sharding`'s placement (orbax reads each local device's shard; the same
+    as `parallel.shard(restore_checkpoint(directory), mesh)`). Raises ValueError for a folder that
+    is not such a checkpoint, another parameter layout, or a mesh that does not divide the config
+    (before reading any parameter)."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(os.fspath(directory))
@@ -197,9 +240,14 @@ def restore_checkpoint(directory: str | os.PathLike) -> GptOss:
     c = dict(meta["config"])
     c["rope"] = RopeConfig(**c["rope"])
     config = GptOssConfig(**c)
+    if mesh is not None:
+        parallel.check_mesh(config, mesh)
     abstract = nnx.eval_shape(lambda: GptOss(config, dtype=jnp.dtype(meta["dtype"]), rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
+    sharding = (lambda p: None) if mesh is None else (lambda p: parallel.param_sharding(abstract, mesh, p))
+    target = jax.tree_util.tree_map_with_path(
+        lambda p, v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding(parallel.path_name(p))),
+        nnx.to_pure_dict(state))
     with ocp.StandardCheckpointer() as ckpt:
         restored = ckpt.restore(os.path.join(directory, "state"), target)
     nnx.replace_by_pure_dict(state, restored)

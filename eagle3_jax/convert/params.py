@@ -1,10 +1,15 @@
 """Host arrays -> a module's parameters, including fused ones that several checkpoint tensors fill
-side by side (the q, k, v projections share one [in, (Hq + 2 Hkv) * D] matrix)."""
+side by side (the q, k, v projections share one [in, (Hq + 2 Hkv) * D] matrix): whole (`Filler`),
+or placed shard by shard on a mesh from blocks read out of the checkpoint (`place`, `Source`)."""
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import jax
 import numpy as np
+
+from eagle3_jax.convert import safetensors_io as stio
 
 
 def qkv_columns(num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, tuple[int, int]]:
@@ -45,3 +50,59 @@ class Filler:
 def columns(value, cols: tuple[int, int] | None):
     """A parameter's value, or the columns [start, stop) of its last axis, as a host numpy array."""
     return np.asarray(jax.device_get(value if cols is None else value[..., cols[0]:cols[1]]))
+
+
+class Source(NamedTuple):
+    """One checkpoint tensor that fills (part of) a parameter. read(index) -> the checkpoint
+    tensor's block `index` (a tuple of (start, stop) slices, one per axis; safetensors_io's
+    TensorInfo.read); transpose: the parameter holds it with its last two axes swapped; cols:
+    (start, stop) of the parameter's last axis it fills (fused qkv), None: all of it."""
+    read: Callable
+    transpose: bool = False
+    cols: tuple[int, int] | None = None
+
+
+def block(shape: tuple, dtype, sources, bounds: list[tuple[int, int]]) -> np.ndarray:
+    """The block `bounds` ([(start, stop)] per axis) of a parameter of `shape` / `dtype` assembled
+    from `sources` (Source): each reads only its tensor's part of the block (the columns of the
+    block inside its `cols`; axes swapped back through `transpose`), cast to `dtype` as `Filler`
+    casts, so every block equals the same slice of the whole parameter exactly."""
+    out = None
+    for src in sources:
+        b = list(bounds)
+        lo, hi, at = b[-1][0], b[-1][1], 0
+        if src.cols is not None:
+            lo, hi = max(lo, src.cols[0]), min(hi, src.cols[1])
+            if lo >= hi:
+                continue
+            at = lo - bounds[-1][0]
+            b[-1] = (lo - src.cols[0], hi - src.cols[0])
+        if src.transpose:
+            b[-2], b[-1] = b[-1], b[-2]
+        a = src.read(tuple(slice(x, y) for x, y in b))
+        a = np.swapaxes(a, -1, -2) if src.transpose else a
+        if src.cols is None:
+            return np.ascontiguousarray(a).astype(dtype, copy=False)
+        if out is None:
+            out = np.empty([y - x for x, y in bounds], dtype)
+        out[..., at:at + hi - lo] = a
+    if out is None:
+        raise RuntimeError(f"no source fills the block {bounds} of a parameter of shape {list(shape)}")
+    return out
+
+
+def place(shape: tuple, dtype, sharding: jax.sharding.Sharding, sources) -> jax.Array:
+    """A parameter of `shape` / `dtype` laid out by `sharding`, built by
+    `jax.make_array_from_callback`: each device's shard is `block` of it, read from `sources`
+    (Source); a block several local devices share (replicated axes) is read once. Only the blocks
+    of this process's devices are read (under jax.distributed, each process reads its own)."""
+    done = {}
+
+    def shard(index):
+        bounds = stio.block_bounds(shape, index)
+        key = tuple(bounds)
+        if key not in done:
+            done[key] = block(shape, dtype, sources, bounds)
+        return done[key]
+
+    return jax.make_array_from_callback(tuple(shape), sharding, shard, dtype=dtype)

@@ -1,6 +1,8 @@
 """Validated, memory-mapped reading of safetensors checkpoints (one file or sharded with an index).
 
-Tensors are memory-mapped one at a time, so host memory never holds a checkpoint twice. Every
+Tensors are memory-mapped one at a time, so host memory never holds a checkpoint twice;
+`TensorInfo.read(index)` reads one block of a tensor (the byte runs it covers, nothing else), for
+loaders that place each device's shard from the file (`jax.make_array_from_callback`). Every
 problem (missing file, truncated file, bad header, unknown dtype, missing key) raises ValueError
 naming the file and key. `load_progress` is the bar the loaders show over a big checkpoint's bytes.
 """
@@ -36,6 +38,48 @@ class TensorInfo:
             return np.zeros(self.shape, DTYPES[self.dtype])
         raw = np.memmap(self.file, dtype=np.uint8, mode="r", offset=self.offset, shape=(self.nbytes,))
         return raw.view(DTYPES[self.dtype]).reshape(self.shape)
+
+    def read(self, index=()) -> np.ndarray:
+        """The block `index` of the tensor as a new array, read from the file: `index` is a tuple of
+        slices of step 1 (or None), one per leading axis (missing axes: whole). Only the bytes of
+        the block are read: one read per contiguous run (the block's rows when it cuts the leading
+        axis, one run per outer position when it cuts an inner axis). Raises ValueError for a
+        step other than 1 or more slices than axes."""
+        bounds = block_bounds(self.shape, index, f"{self.file}: {self.key}")
+        dtype = np.dtype(DTYPES[self.dtype])
+        out = np.empty([b - a for a, b in bounds], dtype)
+        if out.size == 0:
+            return out
+        cut = [i for i, (a, b) in enumerate(bounds) if (a, b) != (0, self.shape[i])]
+        k = cut[-1] if cut else 0  # axes after k are whole: each run is bounds[k] x the rest
+        strides = [int(np.prod(self.shape[i + 1:], dtype=np.int64)) for i in range(len(self.shape))]
+        run = (bounds[k][1] - bounds[k][0]) * strides[k] * dtype.itemsize if self.shape else dtype.itemsize
+        flat = out.reshape(-1).view(np.uint8)
+        with open(self.file, "rb") as f:
+            fd = f.fileno()
+            for n, outer in enumerate(np.ndindex(*[b - a for a, b in bounds[:k]])):
+                start = sum((bounds[i][0] + j) * strides[i] for i, j in enumerate(outer))
+                start = (start + (bounds[k][0] * strides[k] if self.shape else 0)) * dtype.itemsize
+                got = os.pread(fd, run, self.offset + start)
+                if len(got) != run:
+                    raise ValueError(f"{self.file}: {self.key}: truncated while reading")
+                flat[n * run:(n + 1) * run] = np.frombuffer(got, np.uint8)
+        return out
+
+
+def block_bounds(shape: tuple, index, where: str = "index") -> list[tuple[int, int]]:
+    """[(start, stop)] per axis of `shape` for `index` (a tuple of step-1 slices or None, one per
+    leading axis; missing axes whole), as `jax.make_array_from_callback` passes them."""
+    index = tuple(index or ())
+    if len(index) > len(shape):
+        raise ValueError(f"{where}: {len(index)} slices for shape {list(shape)}")
+    out = []
+    for n, s in zip(shape, index + (slice(None),) * (len(shape) - len(index))):
+        a, b, step = (s if s is not None else slice(None)).indices(n)
+        if step != 1:
+            raise ValueError(f"{where}: slice step {step}, only 1 is read")
+        out.append((a, max(a, b)))
+    return out
 
 
 def read_header(file: str) -> dict[str, TensorInfo]:
@@ -137,6 +181,11 @@ def load_progress(tensors: dict[str, TensorInfo], progress: bool | None, desc: s
 def get(tensors: dict[str, TensorInfo], key: str, shape: tuple, where: str, kinds: str = "f") -> np.ndarray:
     """The memory-mapped tensor `key`, checked against the expected shape and dtype kind
     ('f' floating, 'u' uint8, 'i' integer, 'b' bool; several letters allow several)."""
+    return check(tensors, key, shape, where, kinds).load()
+
+
+def check(tensors: dict[str, TensorInfo], key: str, shape: tuple, where: str, kinds: str = "f") -> TensorInfo:
+    """The TensorInfo of `key` once checked as `get` checks it (nothing of the tensor is read)."""
     if key not in tensors:
         raise ValueError(f"{where}: missing tensor {key} (expected shape {list(shape)})")
     info = tensors[key]
@@ -145,7 +194,7 @@ def get(tensors: dict[str, TensorInfo], key: str, shape: tuple, where: str, kind
     kind = {"BF16": "f", "F16": "f", "F32": "f", "F64": "f", "U8": "u", "BOOL": "b"}.get(info.dtype, "i")
     if kind not in kinds:
         raise ValueError(f"{info.file}: {key}: unexpected dtype {info.dtype}")
-    return info.load()
+    return info
 
 
 def check_all_used(tensors: dict[str, TensorInfo], used, where: str, what: str) -> None:

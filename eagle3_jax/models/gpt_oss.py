@@ -553,19 +553,50 @@ def prefill(model: GptOss, cache: kvc.KVCache, tokens, prompt_lengths, *, chunk:
     return over_chunks(body, prompt_lengths, chunk, (cache, jnp.zeros((B, H), model.dtype), feats))
 
 
-def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16) -> GptOss:
+def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16, shardings=None) -> GptOss:
     """Random weights of any size (experts packed when config.experts_format == 'mxfp4'), created
-    directly on the default device (the host never holds them). Blocks are built one at a time by a
-    jitted constructor compiled once per layer type, so gpt-oss-120b builds in seconds."""
+    directly on the device (the host never holds them). Blocks are built one at a time by a
+    jitted constructor compiled once per layer type, so gpt-oss-120b builds in seconds.
+
+    shardings: None (the default device), or a function of a variable's "/"-joined path (e.g.
+    "layers/0/self_attn/wqkv") returning its jax.sharding.Sharding: each block is then created
+    already split (jit's out_shardings), so no device holds more than its shards
+    (`convert.random_gpt_oss(..., mesh=)` passes parallel.py's table). The values do not depend
+    on `shardings`."""
     key = jax.random.key(seed)
     model = nnx.eval_shape(lambda: GptOss(config, dtype=dtype, rngs=nnx.Rngs(0)))
     one = config.replace(num_hidden_layers=1, layer_types=config.layer_types[:1])
-    top = nnx.jit(lambda k: GptOss(one, dtype=dtype, rngs=nnx.Rngs(k)))(key)
+    make_top = lambda k: GptOss(one, dtype=dtype, rngs=nnx.Rngs(k))  # noqa: E731
+    if shardings is None:
+        top = nnx.jit(make_top)(key)
+        make_block = nnx.jit(lambda layer, k: Block(config, layer, dtype, nnx.Rngs(k)), static_argnums=0)
+    else:
+        compiled = {}
+
+        def placed(name, make, prefix, k):
+            """make(k) -> module, built by jit with each variable's sharding as out_shardings
+            (compiled once per `name` and shardings)."""
+            graphdef, state = nnx.split(nnx.eval_shape(lambda: make(k)))
+            out = jax.tree_util.tree_map_with_path(
+                lambda p, _: shardings(prefix + "/".join(str(getattr(x, "key", x)) for x in p)),
+                nnx.to_pure_dict(state))
+            fn = (name, tuple(jax.tree.leaves(out)))
+            if fn not in compiled:  # the key goes as host data: an input every process holds whole
+                compiled[fn] = jax.jit(lambda kd: nnx.to_pure_dict(nnx.state(make(jax.random.wrap_key_data(kd)))),
+                                       out_shardings=out)
+            nnx.replace_by_pure_dict(state, compiled[fn](np.asarray(jax.random.key_data(k))))
+            return nnx.merge(graphdef, state)
+
+        top = placed("top", make_top, "", key)
     model.embed, model.lm_head, model.norm = top.embed, top.lm_head, top.norm
     del top
-    make_block = nnx.jit(lambda layer, k: Block(config, layer, dtype, nnx.Rngs(k)), static_argnums=0)
     for i, kind in enumerate(config.layer_types):
-        model.layers[i] = make_block(config.layer_types.index(kind), jax.random.fold_in(key, i + 1))
+        layer, k = config.layer_types.index(kind), jax.random.fold_in(key, i + 1)
+        if shardings is None:
+            model.layers[i] = make_block(layer, k)
+        else:
+            make = lambda kk, layer=layer: Block(config, layer, dtype, nnx.Rngs(kk))  # noqa: E731
+            model.layers[i] = placed(layer, make, f"layers/{i}/", k)
     return model
 
 
