@@ -55,7 +55,7 @@ def _add_cpu_xla_flag():
 # name missing here only loses that balance. A worker is handed its next file when it has two tests
 # of its current one left, so the files after these (each under ~6 s) even out the end. Seconds of
 # each, run alone on the 2-core machine (other work on it): 105, 41, 25, 25, 20, 18, 17, 17, 16, 14, 11, 8, 7, 6.
-SLOW_FILES = ("test_experiments.py", "test_parallel.py", "test_decode.py", "test_notebooks.py", "test_pallas_moe.py", "test_train.py",
+SLOW_FILES = ("test_experiments.py", "test_parallel.py", "test_parallel_load.py", "test_decode.py", "test_notebooks.py", "test_pallas_moe.py", "test_train.py",
               "test_pair.py", "test_gpt_oss.py", "test_readme.py", "test_generate.py", "test_pallas_attention.py",
               "test_sample_proposal.py", "test_eagle3.py", "test_pallas_moe_route.py", "test_transformers_parity.py")
 
