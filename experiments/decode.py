@@ -24,7 +24,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax import assets, parallel
+from eagle3_jax import assets
 from eagle3_jax.convert import load_eagle3, load_gpt_oss
 from eagle3_jax.spec import decode, generate
 from lib import cli
@@ -108,7 +108,7 @@ def main(argv):
     prompts = [_encode(p, tok) for p in prompts]
     B = len(prompts)
     dtype = jnp.dtype(FLAGS.dtype) if FLAGS.dtype else assets.default_dtype()
-    load = dict(dtype=dtype, progress=cli.load_progress())
+    load = dict(dtype=dtype, progress=cli.load_progress(), mesh=mesh)  # with a mesh: each process reads its shards
     _say(f"loading target {os.path.abspath(FLAGS.target)} ({dtype.name}, {jax.devices()[0].device_kind})")
     target = load_gpt_oss(FLAGS.target, **load)
     draft = None
@@ -116,10 +116,7 @@ def main(argv):
         _say(f"loading draft {os.path.abspath(FLAGS.draft)}")
         draft = load_eagle3(FLAGS.draft, target=target, **load)
     if mesh is not None:
-        parallel.check_mesh(target.config, mesh)
-        _say(f"sharding over {dict(mesh.shape)} ({mesh.size} devices, {jax.process_count()} processes)")
-        target = parallel.shard(target, mesh)
-        draft = None if draft is None else parallel.shard(draft, mesh)
+        _say(f"sharded over {dict(mesh.shape)} ({mesh.size} devices, {jax.process_count()} processes)")
     kw = dict(temperature=FLAGS.temperature, seed=FLAGS.seed)
     result = {}
     if draft is not None:

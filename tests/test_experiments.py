@@ -45,7 +45,7 @@ def test_decode_main_job_on_embedded_default(tmp_path):
     out = run("decode.py", "--prompt", "def f(x):\n    return", "--prompt", "import", "--max_new_tokens", "5",
               "--mesh", "model=2,data=2", "--nobaseline", "--json_out", str(mesh_path),
               env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
-    assert "sharding over {'data': 2, 'model': 2} (4 devices, 1 processes)" in out
+    assert "sharded over {'data': 2, 'model': 2} (4 devices, 1 processes)" in out
     m = json.loads(mesh_path.read_text())
     assert m["decode"]["tokens"] == r["decode"]["tokens"] and m["mesh"] == {"data": 2, "model": 2, "processes": 1}
 
