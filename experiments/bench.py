@@ -51,6 +51,7 @@ flags.DEFINE_string("out", None, "JSON output path")
 flags.DEFINE_string("plot", None, "PNG output path (needs matplotlib)")
 flags.DEFINE_list("plot_from", None, "only draw --plot from these results JSONs (no benchmark)")
 cli.progress_flag()
+cli.mesh_flags()
 FLAGS = flags.FLAGS
 flags.register_validator("scenarios", lambda names: set(names) <= set(SCENARIOS),
                          "expected names of " + ",".join(SCENARIOS))
@@ -178,13 +179,15 @@ def main(argv):
                 rows += [r for r in json.load(f)["scenarios"] if "step_seconds" in r]
         plot(rows, FLAGS.plot)
         return
+    mesh = cli.setup_devices()
     cfg = GptOssConfig.preset(FLAGS.preset)
-    target, draft = random_pair(cfg)
+    target, draft = random_pair(cfg, mesh)
     bw = timing.copy_bandwidth(FLAGS.copy_bytes)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, base_cache = [], {}
     result = dict(timing.device_info(), preset=FLAGS.preset, copy_bandwidth=bw, iters=FLAGS.iters,
-                  kv_bytes_per_token=kv_bytes_per_token(target),
+                  kv_bytes_per_token=kv_bytes_per_token(target), num_devices=1 if mesh is None else mesh.size,
+                  mesh=None if mesh is None else dict(mesh.shape), num_processes=jax.process_count(),
                   tau_published=PUBLISHED_TAU, tau_trained=FLAGS.tau_trained, scenarios=rows)
     work = [args for sc in FLAGS.scenarios for args in (["stress"] if sc == "stress" else rows_for(sc))]
     bar = cli.bar(work, "scenarios", unit="row")

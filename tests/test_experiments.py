@@ -50,6 +50,15 @@ def test_decode_main_job_on_embedded_default(tmp_path):
     assert m["decode"]["tokens"] == r["decode"]["tokens"] and m["mesh"] == {"data": 2, "model": 2, "processes": 1}
 
 
+def test_bench_on_a_mesh(tmp_path):
+    # two fake CPU devices: the target created split over them, the timed states laid out as decode's
+    path = tmp_path / "m.json"
+    run("bench.py", "--preset", "tiny", "--mesh", "model=2", "--scenarios", "single", "--iters", "1",
+        "--copy_bytes", "1000000", "--out", str(path), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    r = json.loads(path.read_text())
+    assert r["num_devices"] == 2 and r["mesh"] == {"data": 1, "model": 2} and r["scenarios"][0]["step_seconds"]["step"] > 0
+
+
 def test_bench_baseline_writes_json(tmp_path):
     path = tmp_path / "r.json"
     run("bench_baseline.py", "--preset", "tiny", "--prompt_len", "20", "--new_tokens", "96", "--prefill_chunk", "8",

@@ -29,7 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle3_jax import convert, parallel
 from eagle3_jax.models import Eagle3Config, eagle3, gpt_oss
+from eagle3_jax.spec import loop as spec_loop
 from eagle3_jax.spec import step as spec_step
 from eagle3_jax.spec.metrics import Counters
 from eagle3_jax.spec.state import DecodeState, Plan
@@ -215,9 +217,17 @@ def noisy_state(target, draft, B, ctx, plan, sliding="ring"):
     done, no budget or eos that could end it. The same arrays every call (seed 0). sliding "ring": the
     caches `decode` builds (rings of window + plan.step_tokens slots on sliding layers); "dense":
     sliding layers with full-length buffers too, for comparison. Peak memory: the state's own bytes
-    (the caches are filled in place)."""
+    (the caches are filled in place). A target on a mesh of several devices (eagle3_jax.parallel):
+    the state is built already laid out as `decode` lays it out (`spec.loop.layout`)."""
     if sliding not in SLIDING:
         raise ValueError(f"sliding: {sliding!r}, expected one of {SLIDING}")
+    mesh = spec_loop.loop_mesh(nnx.state(target))
+    if mesh is not None:
+        return jax.jit(lambda: spec_loop.layout(_noisy_state(target, draft, B, ctx, plan, sliding), mesh))()
+    return _noisy_state(target, draft, B, ctx, plan, sliding)
+
+
+def _noisy_state(target, draft, B, ctx, plan, sliding):
     key = jax.random.key(0)
     step_tokens = plan.step_tokens if sliding == "ring" else plan.cache_len
     return DecodeState(
@@ -379,13 +389,18 @@ def time_baseline(target, B, ctx, iters=10, memory=None, sliding="ring"):
                      memory=memory)[0]
 
 
-def random_pair(tcfg):
+def random_pair(tcfg, mesh=None):
     """Random packed target of `tcfg` and a random draft of the published gpt-oss-120b EAGLE-3 shape
-    scaled to it (hidden = target hidden, MLP 6x, draft vocab 32000 or the whole vocab if smaller)."""
+    scaled to it (hidden = target hidden, MLP 6x, draft vocab 32000 or the whole vocab if smaller).
+    mesh: the target created split over it (`convert.random_gpt_oss`), the draft placed by
+    `parallel.shard`."""
     dcfg = Eagle3Config(
         hidden_size=tcfg.hidden_size, intermediate_size=6 * tcfg.hidden_size,
         num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
         head_dim=tcfg.head_dim, vocab_size=tcfg.vocab_size, draft_vocab_size=min(32000, tcfg.vocab_size),
         target_hidden_size=tcfg.hidden_size, aux_layer_ids=tcfg.default_aux_layer_ids(),
         target_num_layers=tcfg.num_hidden_layers, max_position_embeddings=tcfg.max_position_embeddings)
-    return gpt_oss.random_gpt_oss(tcfg, seed=0), eagle3.random_eagle3(dcfg, seed=1)
+    if mesh is None:
+        return gpt_oss.random_gpt_oss(tcfg, seed=0), eagle3.random_eagle3(dcfg, seed=1)
+    target = convert.random_gpt_oss(tcfg, seed=0, mesh=mesh)
+    return target, parallel.shard(eagle3.random_eagle3(dcfg, seed=1), mesh)
