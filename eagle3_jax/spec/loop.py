@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax import parallel
+from eagle3_jax.checks import ArgumentError
 from eagle3_jax.models import eagle3, gpt_oss
 from eagle3_jax.spec.metrics import Counters
 from eagle3_jax.spec.state import DecodeState, Plan
@@ -69,9 +70,18 @@ def run(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan:
 
 def loop_mesh(params):
     """The mesh the loop lays its state out over: that of the parameters' NamedShardings
-    (`parallel.mesh_of`) where it has more than one device, else None (one device: nothing changes)."""
+    (`parallel.mesh_of`) where it has more than one device, else None (one device: nothing changes).
+    Raises ArgumentError for a mesh of several GPUs: the Pallas kernels the models take there are
+    custom calls that XLA cannot partition, and running them under `shard_map` is not built yet
+    (CPU devices run the jnp references, which it partitions)."""
     mesh = parallel.mesh_of(params)
-    return mesh if mesh is not None and mesh.size > 1 else None
+    if mesh is None or mesh.size == 1:
+        return None
+    if any(d.platform == "gpu" for d in mesh.devices.flat):
+        raise ArgumentError(f"a model sharded over {mesh.size} GPUs: its Pallas kernels do not run under a "
+                            "mesh yet (they need shard_map; docs/architecture.md, 'Not yet built'); run on one "
+                            "GPU, or on CPU devices")
+    return mesh
 
 
 def _program(graphdef, params, *args, plan: Plan, mesh=None):
