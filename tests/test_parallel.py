@@ -119,3 +119,21 @@ def test_bad_meshes():
         parallel.check_mesh(GptOssConfig.preset("tiny"), AbstractMesh((1, 1), ("batch", "model")))
     with pytest.raises(ValueError, match="GptOss"):
         parallel.shard(object(), parallel.make_mesh(devices=jax.devices()[:1]))
+
+
+def test_loop_refuses_a_mesh_of_gpus(monkeypatch):
+    """generate / decode on a mesh of GPUs: a clear ArgumentError until the kernels run under shard_map."""
+    import types
+
+    import numpy as np
+
+    from eagle3_jax.checks import ArgumentError
+    from eagle3_jax.spec import loop
+
+    gpus = types.SimpleNamespace(size=2, devices=np.array([types.SimpleNamespace(platform="gpu")] * 2))
+    monkeypatch.setattr(loop.parallel, "mesh_of", lambda params: gpus)
+    with pytest.raises(ArgumentError, match="sharded over 2 GPUs: its Pallas kernels do not run under a mesh yet"):
+        loop.loop_mesh({})
+    cpus = types.SimpleNamespace(size=2, devices=np.array([types.SimpleNamespace(platform="cpu")] * 2))
+    monkeypatch.setattr(loop.parallel, "mesh_of", lambda params: cpus)
+    assert loop.loop_mesh({}) is cpus
