@@ -14,6 +14,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from parallel_util import raises  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -87,15 +88,6 @@ def check_state(t, d, prompts, data, model):
     for x in (state.lengths, state.root, state.out, state.n_out, state.done, state.h_root):
         assert x.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), x.ndim), x.sharding
         assert shard_shape(x)[0] == B // data
-
-
-def raises(fn, match):
-    try:
-        fn()
-    except ValueError as e:
-        assert re.search(match, str(e)), str(e)
-    else:
-        raise AssertionError(f"no ValueError matching {match!r}")
 
 
 def check_errors(prompts):

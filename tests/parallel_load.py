@@ -19,6 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from eagle3_reference_np import random_draft_weights, tiny_draft_config, write_draft_checkpoint  # noqa: E402
 from hf_fixtures import dense_from_mxfp4, random_hf_weights, tiny_hf_config, write_hf_checkpoint  # noqa: E402
+from parallel_util import raises  # noqa: E402
 
 from eagle3_jax import parallel  # noqa: E402
 from eagle3_jax.convert import (load_eagle3, load_gpt_oss, random_gpt_oss, restore_checkpoint,  # noqa: E402
@@ -98,15 +99,6 @@ def check_reads(log, tensors, model, what):
             assert nbytes <= param // model, (what, key, nbytes, param)
     assert total == {k: t.nbytes for k, t in tensors.items()}, (what, {k: (v, tensors[k].nbytes) for k, v in
                                                                        total.items() if v != tensors[k].nbytes})
-
-
-def raises(fn, match):
-    try:
-        fn()
-    except ValueError as e:
-        assert re.search(match, str(e)), str(e)
-    else:
-        raise AssertionError(f"no ValueError matching {match!r}")
 
 
 def check_gpt_oss(root):

@@ -226,12 +226,8 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
         info = stio.check(tensors, key, shape, path)
         groups.setdefault(attr, []).append((info, params.Source(info.read, transpose, cols)))
     with stio.load_progress(present, progress, f"loading {name}") as bar:
-        for attr, group in groups.items():
-            var = _get_attr(abstract, attr)
-            want = var.get_value()
-            sharding = parallel.param_sharding(abstract, mesh, "/".join(map(str, attr)))
-            var.set_value(params.place(want.shape, want.dtype, sharding, [src for _, src in group]))
-            bar.update(sum(info.nbytes for info, _ in group))
+        params.place_all(groups, lambda attr: _get_attr(abstract, attr),
+                         lambda attr: parallel.param_sharding(abstract, mesh, "/".join(map(str, attr))), bar)
     d2t = _draft_to_target(tensors, cfg, path).astype(np.int32)
     abstract.d2t.set_value(jax.make_array_from_callback(d2t.shape, parallel.param_sharding(abstract, mesh, "d2t"),
                                                         lambda index: d2t[index]))

@@ -146,12 +146,8 @@ def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConf
         info = stio.check(tensors, e.key, e.shape, path, e.kinds)
         groups.setdefault(e.path, []).append((info, params.Source(info.read, e.to_param is _t, e.cols)))
     with stio.load_progress(tensors, progress, f"loading {name}") as bar:
-        for p, group in groups.items():
-            var = _param(state, p)
-            want = var.get_value()
-            sharding = parallel.param_sharding(abstract, mesh, "/".join(map(str, p)))
-            var.set_value(params.place(want.shape, want.dtype, sharding, [src for _, src in group]))
-            bar.update(sum(info.nbytes for info, _ in group))
+        params.place_all(groups, lambda p: _param(state, p),
+                         lambda p: parallel.param_sharding(abstract, mesh, "/".join(map(str, p))), bar)
     return nnx.merge(graphdef, state)
 
 

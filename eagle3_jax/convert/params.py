@@ -106,3 +106,14 @@ def place(shape: tuple, dtype, sharding: jax.sharding.Sharding, sources) -> jax.
         return done[key]
 
     return jax.make_array_from_callback(tuple(shape), sharding, shard, dtype=dtype)
+
+
+def place_all(groups: dict, variable, sharding, bar) -> None:
+    """Sets each parameter of `groups` ({path tuple: [(TensorInfo, Source), ...]}, its sources) to
+    `place` of them: `variable(path)` is the nnx variable to set (its value gives shape and dtype),
+    `sharding(path)` its sharding; `bar` (a progress bar) advances by the bytes of each group."""
+    for path, group in groups.items():
+        var = variable(path)
+        want = var.get_value()
+        var.set_value(place(want.shape, want.dtype, sharding(path), [src for _, src in group]))
+        bar.update(sum(info.nbytes for info, _ in group))

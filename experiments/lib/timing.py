@@ -71,7 +71,7 @@ def program_memory(compiled) -> dict | None:
     where the backend reports nothing."""
     try:
         m = compiled.memory_analysis()
-    except (NotImplementedError, jax.errors.JaxRuntimeError):
+    except (NotImplementedError, jax.errors.JaxRuntimeError):  # a backend without buffer-assignment stats
         return None
     if m is None:
         return None
