@@ -138,8 +138,7 @@ def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache
     kw = dict(window=c.sliding_window, scale=D ** -0.5, ring=ring)
     if ring and n_write is not None:  # a prefill chunk may be longer than the ring's spare slots
         o = attention(q, k, v, kc, vc, lengths, positions, mask, sinks, **kw)
-        kc = kvc.write(kc, k, lengths, ring=True, count=n_write)
-        vc = kvc.write(vc, v, lengths, ring=True, count=n_write)
+        kc, vc = kvc.write_after_read(kc, vc, k, v, lengths, n_write)
     else:
         kc, vc = kvc.write_before_read(kc, vc, k, v, lengths, ring=ring)
         o = attention(q, k, v, kc, vc, lengths, positions, mask, sinks, **kw)

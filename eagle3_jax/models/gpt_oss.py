@@ -133,8 +133,7 @@ class Attention(nnx.Module):
             q, k, v = qkv_rope(qkv, bqkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
             if read_first:  # a prefill chunk may be longer than the ring's spare slots
                 o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, self.sinks[...], **kw)
-                k_cache = kvc.write(k_cache, k, lengths, ring=True, count=n_write)
-                v_cache = kvc.write(v_cache, v, lengths, ring=True, count=n_write)
+                k_cache, v_cache = kvc.write_after_read(k_cache, v_cache, k, v, lengths, n_write)
             else:
                 k_cache, v_cache = kvc.write_before_read(k_cache, v_cache, k, v, lengths, ring=ring)
                 o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, self.sinks[...], **kw)

@@ -74,6 +74,13 @@ def write_before_read(k_cache, v_cache, k, v, lengths, *, ring: bool = False):
     return write(k_cache, k, lengths, ring=ring), write(v_cache, v, lengths, ring=ring)
 
 
+def write_after_read(k_cache, v_cache, k, v, lengths, n_write):
+    """A ring's update for a prefill chunk, made after its attention has read the ring: k, v [B, T, Hkv, D]
+    at positions lengths .. lengths + T - 1 mod S, only the first n_write[b] tokens (int32 [B]) of each row."""
+    return (write(k_cache, k, lengths, ring=True, count=n_write),
+            write(v_cache, v, lengths, ring=True, count=n_write))
+
+
 def write(buf: jax.Array, new: jax.Array, start: jax.Array, *, ring: bool = False, count=None) -> jax.Array:
     """buf [B, H, S, D] <- new [B, T, H, D] at positions start[b] .. start[b] + T - 1: slots of the
     same numbers (start must be <= S - T), or with `ring` those mod S. count int32 [B] (ring only):
