@@ -12,9 +12,11 @@ error) fails, and everything it held is freed before the next one. The search st
 prediction: device memory free after the weights, less --margin of it for the program's
 temporaries, over the bytes of one sequence's state (`step_timing.state_bytes`, caches first of
 all); then it doubles B until a trial fails and bisects between the largest B that ran and the
-smallest that failed, at most --max_trials trials a cell, within [--min_batch, --max_batch]. Where
-the device reports no memory (CPU), the search starts at --min_batch; reaching --max_batch ends it
-("cap reached").
+smallest that failed, at most --max_trials trials a cell, within [--min_batch, --max_batch] and below
+the largest batch whose state alone fits the free memory (reaching that one ends the cell: "state
+bound"). Where the device reports no memory (CPU), the search starts at --min_batch; reaching
+--max_batch ends it ("cap reached"). A cell that fails with an error other than running out of
+memory is reported with that error (a row with "error") and the next cell runs.
 
 JSON: device_info (command included), the preset, the memory after the weights, and a row per
 (context, mode): max_batch (0 if none ran), peak_bytes (the compiled step's peak at max_batch:
@@ -144,16 +146,38 @@ def search(run, start, lo_bound, hi_bound, max_trials):
     return ok, bad, trials, "trials exhausted"
 
 
+def state_bound(fits, hi):
+    """The largest B in [1, hi] with fits(B) (fits monotone: the state's bytes grow with B), or 0."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
 def cell(target, draft, ctx, mode, free_bytes):
+    """One (context, mode) row. Where the device reports its free memory, the search's upper end is the
+    largest batch whose state alone fits it (no trial above it could allocate its caches): reaching it
+    ends the cell with note "state bound" and that batch + 1 as failed_batch (not run)."""
     plan = baseline_plan(ctx) if mode == "baseline" else step_plan(draft, parse_shape(mode), ctx)
-    seq_bytes = state_bytes(target, None if mode == "baseline" else draft, 1, ctx, plan)
+    dr = None if mode == "baseline" else draft
+    seq_bytes = state_bytes(target, dr, 1, ctx, plan)
     predicted = predict(free_bytes, seq_bytes)
     start = predicted if predicted else FLAGS.min_batch
+    hi, bound_error = FLAGS.max_batch, None
+    if free_bytes is not None:
+        fit = state_bound(lambda B: state_bytes(target, dr, B, ctx, plan) <= free_bytes, FLAGS.max_batch)
+        if fit < FLAGS.max_batch:
+            hi = max(fit, FLAGS.min_batch)
+            need = state_bytes(target, dr, hi + 1, ctx, plan)
+            bound_error = f"state {timing.gib(need)} > {timing.gib(free_bytes)} free (not run)"
     best, bad, trials, note = search(lambda B: trial(target, draft, B, ctx, mode, plan), start, FLAGS.min_batch,
-                                     FLAGS.max_batch, FLAGS.max_trials)
+                                     hi, FLAGS.max_trials)
+    failed = next((t for t in trials if not t["ok"] and t["batch"] == bad), None)
+    if note == "cap reached" and bound_error:
+        note, bad, failed = "state bound", hi + 1, dict(error=bound_error)
     at_best = next((t for t in trials if t["ok"] and t["batch"] == best), None)
     program = (at_best or {}).get("memory", {}).get("program") or {}
-    failed = next((t for t in trials if not t["ok"] and t["batch"] == bad), None)
     return dict(context=ctx, mode=mode, max_batch=best, peak_bytes=program.get("peak"),
                 seconds_at_max=at_best["seconds"] if at_best else None, failed_batch=bad,
                 failed_error=failed["error"] if failed else None, predicted_batch=predicted,
@@ -178,7 +202,14 @@ def main(argv):
     bar = cli.bar(work, "cells", unit="cell")
     for ctx, mode in bar:
         bar.set_postfix_str(f"ctx={ctx} {mode}")
-        r = cell(target, draft, ctx, mode, free)
+        try:
+            r = cell(target, draft, ctx, mode, free)
+        except Exception as e:  # noqa: BLE001 -- a cell that cannot run at all is reported; the others still run
+            rows.append(dict(context=ctx, mode=mode, error=f"{type(e).__name__}: {first_line(e)}"))
+            cli.write(f"ctx={ctx:<7} {mode:<9} error: {rows[-1]['error']}")
+            timing.write_json(FLAGS.out, result)
+            free_device()
+            continue
         rows.append(r)
         tried = ",".join(f"{t['batch']}{'' if t['ok'] else 'x'}" for t in r["trials"])
         step = f"{r['seconds_at_max'] * 1e3:.2f} ms/step" if r["seconds_at_max"] is not None else "-"

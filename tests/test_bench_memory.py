@@ -75,6 +75,8 @@ for start in (1, 30, 100):
     print(best, bad, [t["batch"] for t in trials], note)
 print(capacity.search(fits, 1, 1, 16, 20)[::3], capacity.search(fits, 50, 40, 99, 20)[::3])
 print(capacity.search(fits, 1, 1, 1000, 3)[:2])
+print(capacity.state_bound(lambda B: 3 * B <= 100, 1000), capacity.state_bound(lambda B: False, 10),
+      capacity.state_bound(lambda B: True, 10))
 """
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
                          cwd=os.path.join(ROOT, "experiments"), env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -85,6 +87,7 @@ print(capacity.search(fits, 1, 1, 1000, 3)[:2])
         "37 38 [100, 50, 25, 37, 43, 40, 38] exact",
         "(16, 'cap reached') (0, 'min_batch failed')",
         "(4, None)",
+        "33 0 10",
     ]
 
 
