@@ -117,12 +117,13 @@ def predict(free_bytes, seq_bytes):
     return int(free_bytes * (1 - FLAGS.margin) // seq_bytes)
 
 
-def search(run, start, lo_bound, hi_bound, max_trials):
+def search(run, start, lo_bound, hi_bound, max_trials, known_bad=None):
     """The largest B in [lo_bound, hi_bound] for which run(B)["ok"], by trials: start (clamped), then
     doubling while trials run (up to hi_bound), halving while they fail (down to lo_bound), and
     bisection between the largest B that ran and the smallest that failed; at most max_trials calls.
+    known_bad: a B known to fail without a trial (bisection starts below it at once).
     Returns (largest ok B or 0, smallest failed B or None, trials in order, note)."""
-    trials, ok, bad = [], 0, None
+    trials, ok, bad = [], 0, known_bad
     B = min(max(start, lo_bound), hi_bound)
     while len(trials) < max_trials:
         t = run(B)
@@ -164,18 +165,19 @@ def cell(target, draft, ctx, mode, free_bytes):
     seq_bytes = state_bytes(target, dr, 1, ctx, plan)
     predicted = predict(free_bytes, seq_bytes)
     start = predicted if predicted else FLAGS.min_batch
-    hi, bound_error = FLAGS.max_batch, None
+    hi, known_bad, bound_error = FLAGS.max_batch, None, None
     if free_bytes is not None:
         fit = state_bound(lambda B: state_bytes(target, dr, B, ctx, plan) <= free_bytes, FLAGS.max_batch)
         if fit < FLAGS.max_batch:
-            hi = max(fit, FLAGS.min_batch)
-            need = state_bytes(target, dr, hi + 1, ctx, plan)
+            hi, known_bad = max(fit, FLAGS.min_batch), max(fit, FLAGS.min_batch) + 1
+            need = state_bytes(target, dr, known_bad, ctx, plan)
             bound_error = f"state {timing.gib(need)} > {timing.gib(free_bytes)} free (not run)"
     best, bad, trials, note = search(lambda B: trial(target, draft, B, ctx, mode, plan), start, FLAGS.min_batch,
-                                     hi, FLAGS.max_trials)
+                                     hi, FLAGS.max_trials, known_bad)
     failed = next((t for t in trials if not t["ok"] and t["batch"] == bad), None)
-    if note == "cap reached" and bound_error:
-        note, bad, failed = "state bound", hi + 1, dict(error=bound_error)
+    if bad is not None and bad == known_bad:
+        failed = dict(error=bound_error)
+        note = "state bound" if best == hi else note
     at_best = next((t for t in trials if t["ok"] and t["batch"] == best), None)
     program = (at_best or {}).get("memory", {}).get("program") or {}
     return dict(context=ctx, mode=mode, max_batch=best, peak_bytes=program.get("peak"),

@@ -75,6 +75,7 @@ for start in (1, 30, 100):
     print(best, bad, [t["batch"] for t in trials], note)
 print(capacity.search(fits, 1, 1, 16, 20)[::3], capacity.search(fits, 50, 40, 99, 20)[::3])
 print(capacity.search(fits, 1, 1, 1000, 3)[:2])
+print(capacity.search(fits, 30, 1, 40, 20, known_bad=41)[::3], capacity.search(fits, 20, 1, 35, 20, 36)[:2])
 print(capacity.state_bound(lambda B: 3 * B <= 100, 1000), capacity.state_bound(lambda B: False, 10),
       capacity.state_bound(lambda B: True, 10))
 """
@@ -87,6 +88,7 @@ print(capacity.state_bound(lambda B: 3 * B <= 100, 1000), capacity.state_bound(l
         "37 38 [100, 50, 25, 37, 43, 40, 38] exact",
         "(16, 'cap reached') (0, 'min_batch failed')",
         "(4, None)",
+        "(37, 'exact') (35, 36)",
         "33 0 10",
     ]
 
