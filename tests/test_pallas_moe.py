@@ -222,6 +222,28 @@ def test_interpret_fresh_inputs_same_executable():
     assert max(errs) < 2e-3
 
 
+def _skipping(args, seed):
+    """args with about half the pairs' ids set to -1 (experts held by other devices), and the same
+    call with those pairs' true ids and zero weights: what the skipping call must equal."""
+    x, ids, w, *experts = args
+    skip = np.random.default_rng(seed).random(ids.shape) < 0.5
+    skip[0] = len(skip) > 1  # a token with no pair at all (where another token is left to compare)
+    skip[-1, 0] = False
+    return (x, jnp.where(skip, -1, ids), w, *experts), (x, ids, jnp.where(skip, 0.0, w), *experts)
+
+
+@pytest.mark.parametrize("fma", [0, 64])
+def test_interpret_negative_ids_skip_pairs(fma):
+    # both paths (fma 0: tensor cores only; 64: the FMA path) drop pairs whose id is negative
+    skipping, zeroed = _skipping(_case(21, 6, E=8, H=64, I=64), 3)
+    cfg = moe.MoeConfig(block_i=32, block_h=32, groups=2, fma_tokens=fma, fma_groups=2)
+    out = moe.mxfp4_moe(*skipping, limit=LIMIT, alpha=ALPHA, config=cfg, interpret=True)
+    ref = moe.mxfp4_moe_reference(*zeroed, limit=LIMIT, alpha=ALPHA)
+    assert np.isfinite(np.asarray(out)).all() and _rel(out, ref) < 2e-3
+    np.testing.assert_array_equal(np.asarray(out)[0], 0.0)
+    np.testing.assert_allclose(moe.mxfp4_moe_reference(*skipping, limit=LIMIT, alpha=ALPHA), ref, rtol=1e-6)
+
+
 @pytest.mark.parametrize("tiles", [dict(fma_block_i=16, fma_block_h=16), dict(fma_block_i=32, fma_block_h=32, fma_groups=4)])
 def test_interpret_fma_tiles(tiles):
     # other FMA tilings: 16 or 32 act columns a gate_up program (two or four 8-column blocks of the
@@ -335,6 +357,17 @@ def test_gpu_matches_reference(decode, T):
     cfg = moe.MoeConfig(decode=dec, fma_tokens=int(variant[3:]) if variant.startswith("fma") else 2)
     for seed in (T, T + 100):  # fresh inputs through the same executable
         _check(_case(seed, T, E=16, H=2880, I=2880), cfg, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16])
+def test_gpu_negative_ids_skip_pairs(T):
+    skipping, zeroed = _skipping(_case(T + 7, T, E=16, H=2880, I=2880), T)
+    out = moe.mxfp4_moe(*skipping, limit=LIMIT, alpha=ALPHA)
+    ref = moe.mxfp4_moe_reference(*zeroed, limit=LIMIT, alpha=ALPHA)
+    assert np.isfinite(np.asarray(out)).all() and _rel(out, ref) < 2e-3
+    if T > 1:
+        np.testing.assert_array_equal(np.asarray(out)[0], 0.0)
 
 
 @pytest.mark.gpu

@@ -463,7 +463,8 @@ def _gate_up_kernel(ids_ref, x_ref, wq_ref, sc_ref, b_ref, act_ref, *out_ref, T,
     i_ok = u < I
     row_sets = [(pl.ds(j * BI, BI), jnp.int32(_GATE)), (pl.ds(j * BI, BI), jnp.int32(_LIN))]
 
-    @pl.when(first & (jnp.sum(is_e.astype(jnp.int32)) > fma_tokens) & (jnp.sum(member.astype(jnp.int32)) > 0))
+    @pl.when((e >= 0) & first & (jnp.sum(is_e.astype(jnp.int32)) > fma_tokens)
+             & (jnp.sum(member.astype(jnp.int32)) > 0))
     def _mma():
         hg, hl = _expert_rows(x_ref, (), wq_ref, sc_ref, e, row_sets, i_ok, c, K=H, BG=BG,
                               decode=decode, x_rows=T, depth=depth)
@@ -487,7 +488,7 @@ def _fma_gate_up_kernel(ids_ref, xq_ref, wq_ref, sc_ref, b_ref, actq_ref, out_re
         pl.when(s == 0)(lambda: _zero_out(out_ref, j, zero_cols))
     e, is_e, _ = _pair_expert(ids_ref, s, T * k)
 
-    @pl.when(jnp.sum(is_e.astype(jnp.int32)) <= fma.tokens)
+    @pl.when((e >= 0) & (jnp.sum(is_e.astype(jnp.int32)) <= fma.tokens))
     def _fma():
         m = lax.broadcasted_iota(jnp.int32, (BF // 2,), 0)
         blk, kk = j * (BF // 8) + m // 4, m % 4  # 8-column block and pair of each word
@@ -524,7 +525,8 @@ def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, out
     cols = j * BN + lax.broadcasted_iota(jnp.int32, (BN,), 0)
     n_ok = cols < H
 
-    @pl.when(first & (jnp.sum(is_e.astype(jnp.int32)) > fma_tokens) & (jnp.sum(member.astype(jnp.int32)) > 0))
+    @pl.when((e >= 0) & first & (jnp.sum(is_e.astype(jnp.int32)) > fma_tokens)
+             & (jnp.sum(member.astype(jnp.int32)) > 0))
     def _mma():
         [y] = _expert_rows(act_ref, (s,), wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, c,
                            K=I, BG=BG, decode=decode, x_rows=act_ref.shape[1], depth=depth)
@@ -546,7 +548,7 @@ def _fma_down_kernel(ids_ref, w_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref
     cols = j * BN + lax.broadcasted_iota(jnp.int32, (BN,), 0)
     n_ok = cols < H
 
-    @pl.when(jnp.sum(is_e.astype(jnp.int32)) <= fma.tokens)
+    @pl.when((e >= 0) & (jnp.sum(is_e.astype(jnp.int32)) <= fma.tokens))
     def _fma():
         [[y]] = _fma_rows(actq_ref, (), [s], wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, K=I, BG=fma.groups,
                           decoder=fma.decoder, depth=fma.prefetch, per_word=True)
@@ -602,7 +604,8 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     out[t] = sum_j weights[t, j] * (W2 act(W1 x[t] + b1) + b2) of expert ids[t, j], act(h) =
     g * sigmoid(alpha * g) * (l + 1), g = min(h[0::2], limit), l = clip(h[1::2], -limit, limit);
     act is rounded to x.dtype before the down projection (as the jnp model does). Each token's k
-    expert ids must be distinct (top-k routing)."""
+    expert ids must be distinct (top-k routing); a negative id skips its pair (expert parallel: an
+    expert held by another device), which then reads no weights."""
     cfg = config or DEFAULT_CONFIG
     T, H = x.shape
     k = ids.shape[1]
@@ -818,11 +821,13 @@ def mxfp4_moe_reference(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up
                         down_bias, *, limit: float, alpha: float, config: MoeConfig | None = None,
                         interpret: bool = False):
     """Plain-jnp `mxfp4_moe`: dequantize each (token, expert) pair's expert (tokens four at a time,
-    so that full-size experts fit in memory). f32 [T, H]."""
+    so that full-size experts fit in memory); pairs with negative ids add nothing. f32 [T, H]."""
     del config, interpret
 
     def one_token(args):
         xt, it, wt = args  # [H], [k], [k]
+        wt = jnp.where(it >= 0, wt, 0)  # negative ids: skipped pairs
+        it = jnp.maximum(it, 0)
         w1 = dequantize(gate_up_blocks[it], gate_up_scales[it], x.dtype)  # [k, 2I, H]
         w2 = dequantize(down_blocks[it], down_scales[it], x.dtype)  # [k, H, I]
         h = jnp.einsum("h,koh->ko", xt, w1, preferred_element_type=F32) + gate_up_bias[it].astype(F32)
