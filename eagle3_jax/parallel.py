@@ -20,7 +20,8 @@ same calls: every process builds the same model and passes the same prompts, `ma
 devices of all of them, and every process gets all of the outputs.
 
 The Pallas kernels (taken on GPUs: pallas/select.py; CPUs run the jnp references) are custom calls
-that XLA cannot partition; they need `shard_map` around them, which nothing here provides yet.
+that XLA can only replicate: `generate` / `decode` trace under the mesh (`spec/loop.on_mesh`), where
+the models run attention, the MoE experts and the rewind on local shards (`models/shards.py`).
 """
 
 from __future__ import annotations
@@ -45,13 +46,13 @@ AXES = ("data", "model")
 GPT_OSS_SHARDING = (
     # embed, lm_head [V, H]: vocabulary rows (the embedding gather and the logits are split by id)
     (r"embed|lm_head", P("model", None)),
-    # wqkv [H, (Hq + 2 Hkv) * D] and bqkv: columns in `model` contiguous blocks. The fused q|k|v axis
-    # does not split at head boundaries (model = 2, gpt-oss-120b: q heads 0-39 | q 40-63, k, v), so
-    # XLA moves slices of the projection's output [B, T, (Hq + 2 Hkv) * D] to the devices of their
-    # heads before attention (collective permutes of activations; a head-aligned layout would need
-    # the model's columns permuted); the weights and the GEMM's work are still split evenly, exactly.
+    # wqkv [H, (Hq + 2 Hkv) * D]: columns in `model` contiguous blocks. The fused q|k|v axis does not
+    # split at head boundaries (model = 2, gpt-oss-120b: q heads 0-39 | q 40-63, k, v), so the
+    # projection's output [B, T, (Hq + 2 Hkv) * D] is gathered whole (one all-gather a layer) and each
+    # device takes its heads' columns (gpt_oss.Attention under a mesh; a head-aligned layout would
+    # need the model's columns permuted); the weights and the GEMM's work are split evenly, exactly.
+    # bqkv [(Hq + 2 Hkv) * D] stays whole (10 KB a layer): the devices slice it as they slice q|k|v.
     (r"layers/\d+/self_attn/wqkv", P(None, "model")),
-    (r"layers/\d+/self_attn/bqkv", P("model")),
     (r"layers/\d+/self_attn/sinks", P("model")),  # [Hq]: one per query head, with its head
     (r"layers/\d+/self_attn/wo", P("model", None)),  # [Hq * D, H]: row parallel, rows = heads
     # experts (packed blocks, scales and biases, or dense): the leading E axis, expert parallel

@@ -53,7 +53,7 @@ def shard_shape(x):
 
 def check_params(t, d, data, model):
     """The large parameters are split over "model" (each device holds 1/model of them), the rest whole."""
-    split = {r"embed|lm_head": 0, r".*/self_attn/wqkv": 1, r".*/self_attn/(bqkv|sinks|wo)": 0, r".*/mlp/experts/.*": 0}
+    split = {r"embed|lm_head": 0, r".*/self_attn/wqkv": 1, r".*/self_attn/(sinks|wo)": 0, r".*/mlp/experts/.*": 0}
     seen = set()
     for path, var in parallel.variables(t):
         x = var.get_value()
@@ -90,6 +90,45 @@ def check_state(t, d, prompts, data, model):
         assert shard_shape(x)[0] == B // data
 
 
+def check_local(t, d, prompts):
+    """Under the mesh the loop traces every layer's attention and MoE, the draft's attention and the
+    tree rewind as shard_maps (models/shards.py: the kernels' local shards)."""
+    mesh = parallel.mesh_of((t, d))
+    toks, lengths = pad_prompts(prompts, 24)
+    plan = Plan(cache_len=64, out_len=32, chunk=8, greedy=True, depth=3, topk=4, num_nodes=8,
+                feature_ids=tuple(DRAFT.feature_layers))
+    graphdef, params = nnx.split((t, d))
+    args = (toks, lengths, np.int32(NEW), np.full(8, -1, np.int32), np.float32(1e-6), jax.random.key(0))
+    with loop.on_mesh(mesh):
+        text = str(jax.make_jaxpr(lambda p, *a: loop.run(nnx.merge(graphdef, p), *a, plan, mesh))(params, *args))
+    # prefill and step: 2 per target layer each; the draft's prefill, tree levels and extend; one rewind
+    n = text.count("shard_map[")
+    assert n >= 4 * CONFIG.num_hidden_layers + 4, n
+    return n
+
+
+def check_moe_paths(mesh):
+    """Each MoE path, expert parallel over the mesh (models/shards.py), equals the one-device module:
+    gathered (few pairs), dense and grouped (many), packed and dense experts."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(4, 24, CONFIG.hidden_size)), jnp.float32)
+    for experts in ("mxfp4", "dense"):
+        cfg = CONFIG.replace(experts_format=experts)
+        one = gpt_oss.GptOss(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3)).layers[0].mlp
+        split = parallel.shard(gpt_oss.GptOss(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3)), mesh).layers[0].mlp
+        assert shard_shape(split.experts.gate_up_bias.get_value())[0] == cfg.num_local_experts // mesh.shape["model"]
+        for path, rows in (("gathered", x[:, :2]), ("dense", x), ("grouped", x)):
+            want = np.asarray(one(rows, path=path))
+
+            @jax.jit
+            def run(rows, path=path, split=split):
+                with loop.on_mesh(mesh):
+                    return split(rows, path=path)
+
+            got = np.asarray(run(jax.device_put(rows, NamedSharding(mesh, P("data")))))
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{experts} {path}")
+
+
 def check_errors(prompts):
     """The tiny preset's 2 kv heads over 4 devices; a sharded target with a draft left on one device."""
     tiny = gpt_oss.GptOss(GptOssConfig.preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
@@ -115,11 +154,14 @@ def main():
         parallel.shard(t, mesh)
         parallel.shard(d, mesh)
         check_params(t, d, data, model)
+        n_local = check_local(t, d, prompts)
         got = tokens(t, d, prompts)
         for name in RUNS:
             assert got[name] == want[name], (data, model, name, got[name], want[name])
         check_state(t, d, prompts, data, model)
-        print(f"mesh data={data} model={model}: tokens equal, sharded: {time.perf_counter() - t0:.1f} s", flush=True)
+        check_moe_paths(mesh)
+        print(f"mesh data={data} model={model}: tokens equal, sharded, {n_local} shard_maps: "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
     check_errors(prompts)
     print("ok")
 

@@ -30,7 +30,7 @@ from eagle3_jax.models import GptOssConfig  # noqa: E402
 MESHES = [(1, 2), (2, 2), (1, 4)]  # (data, model)
 # 8 query / 4 kv heads, so that model = 4 divides them; vocab 256 as the draft's
 HF = tiny_hf_config(num_attention_heads=8, num_key_value_heads=4, vocab_size=256)
-SHARDED_KEYS = r"model\.embed_tokens\.weight|lm_head\.weight|.*self_attn\.([qkv]_proj\.(weight|bias)|o_proj\.weight)|" \
+SHARDED_KEYS = r"model\.embed_tokens\.weight|lm_head\.weight|.*self_attn\.([qkv]_proj\.weight|o_proj\.weight)|" \
                r".*self_attn\.sinks|.*mlp\.experts\..*"
 
 

@@ -21,10 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as Spec
 
 from eagle3_jax.checks import int_arg
 from eagle3_jax.models import kv_cache as kvc
-from eagle3_jax.models import rope
+from eagle3_jax.models import rope, shards
 from eagle3_jax.models.config import Eagle3Config
 from eagle3_jax.models.gpt_oss import RMSNorm, check_step_inputs, check_step_tokens, check_tokens, qkv_rope
 from eagle3_jax.models.layers import F32, keep_position, normal, over_chunks, shape_of
@@ -136,12 +137,20 @@ def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache
         kc, vc = cache.k[0], cache.v[0]
     sinks = jnp.full((Hq,), NO_SINK, F32)
     kw = dict(window=c.sliding_window, scale=D ** -0.5, ring=ring)
-    if ring and n_write is not None:  # a prefill chunk may be longer than the ring's spare slots
-        o = attention(q, k, v, kc, vc, lengths, positions, mask, sinks, **kw)
-        kc, vc = kvc.write_after_read(kc, vc, k, v, lengths, n_write)
-    else:
-        kc, vc = kvc.write_before_read(kc, vc, k, v, lengths, ring=ring)
-        o = attention(q, k, v, kc, vc, lengths, positions, mask, sinks, **kw)
+
+    def attend(q, k, v, kc, vc, lengths, positions, mask, n_write, sinks):
+        if ring and n_write is not None:  # a prefill chunk may be longer than the ring's spare slots
+            o = attention(q, k, v, kc, vc, lengths, positions, mask, sinks, **kw)
+            kc, vc = kvc.write_after_read(kc, vc, k, v, lengths, n_write)
+        else:
+            kc, vc = kvc.write_before_read(kc, vc, k, v, lengths, ring=ring)
+            o = attention(q, k, v, kc, vc, lengths, positions, mask, sinks, **kw)
+        return o, kc, vc
+
+    # under a mesh (models/shards.py) each device attends with its rows; the draft's heads are not split
+    rows = shards.ROWS
+    o, kc, vc = shards.local(attend, (rows,) * 9 + (Spec(),), (rows, rows, rows))(
+        q, k, v, kc, vc, lengths, positions, mask, n_write, sinks)
     if cache is not None:
         cache = cache.replace(k=(kc,), v=(vc,))
     return layer_outputs(draft, residual, o), cache

@@ -19,15 +19,18 @@ Entry points (all take the module itself and are traceable under `jax.jit`):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as Spec
 
 from eagle3_jax.checks import int_arg
 from eagle3_jax.formats import mxfp4
 from eagle3_jax.models import kv_cache as kvc
-from eagle3_jax.models import rope
+from eagle3_jax.models import rope, shards
 from eagle3_jax.models.config import GptOssConfig
 from eagle3_jax.models.layers import F32, keep_position, normal, over_chunks, shape_of
 from eagle3_jax.pallas import moe as moe_kernel
@@ -118,26 +121,61 @@ class Attention(nnx.Module):
         """x [B, T, H] -> (out [B, T, H], k_cache, v_cache with the new tokens' K/V written at positions
         lengths .. lengths + T - 1; caches of length 0 (no cache) are returned as they are).
         ring: the caches are this sliding layer's ring (models/kv_cache.py). n_write int32 [B] (prefill
-        chunks): on a ring, only the first n_write[b] tokens are written, after attention has read it."""
+        chunks): on a ring, only the first n_write[b] tokens are written, after attention has read it.
+        Under a mesh (models/shards.py) each device attends with its rows and heads: the projection's
+        column blocks are gathered (one all-gather of [B, T, (Hq + 2 Hkv) D]; the contiguous blocks of
+        wqkv do not fall on head boundaries), each device takes its heads' q, k and v columns, and
+        o_proj's row-parallel GEMM sums the heads (XLA's all-reduce)."""
         B, T, _ = x.shape
         bqkv = None if self.bqkv is None else self.bqkv[...]
         qkv = x @ self.wqkv[...]
+        kernel = select.target_attention(x, k_cache) == "rope_kernel"
+        attend = functools.partial(self._attend, kernel=kernel, ring=ring)
+        if shards.mesh() is None:
+            o, k_cache, v_cache = attend(qkv, bqkv, self.sinks[...], cos, sin, k_cache, v_cache, lengths, positions,
+                                         mask, n_write, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
+        else:
+            M, D = shards.model_size(), self.head_dim
+            hq, hkv = self.num_heads // M, self.num_kv_heads // M
+            nq, nk = self.num_heads * D, self.num_kv_heads * D
+
+            def mine(a):
+                """[..., (Hq + 2 Hkv) D] -> this device's [q | k | v] columns: its hq query and hkv kv heads."""
+                m = jax.lax.axis_index(shards.MODEL)
+                return jnp.concatenate([jax.lax.dynamic_slice_in_dim(a, start, n, axis=-1) for start, n in
+                                        ((m * hq * D, hq * D), (nq + m * hkv * D, hkv * D),
+                                         (nq + nk + m * hkv * D, hkv * D))], axis=-1)
+
+            def body(qkv, bqkv, *args):
+                return attend(mine(qkv), None if bqkv is None else mine(bqkv), *args, num_heads=hq, num_kv_heads=hkv)
+
+            rows = shards.ROWS
+            # qkv whole on each device of a row (one all-gather of the projection's column blocks)
+            o, k_cache, v_cache = shards.local(
+                body, (rows, Spec(), Spec(shards.MODEL), rows, rows, shards.HEADS, shards.HEADS, rows, rows, rows, rows),
+                (Spec(shards.DATA, None, shards.MODEL), shards.HEADS, shards.HEADS),
+            )(qkv, bqkv, self.sinks[...], cos, sin, k_cache, v_cache, lengths, positions, mask, n_write)
+        return self._proj(o.reshape(B, T, -1), self.wo, self.bo), k_cache, v_cache
+
+    def _attend(self, qkv, bqkv, sinks, cos, sin, k_cache, v_cache, lengths, positions, mask, n_write, *,
+                num_heads, num_kv_heads, kernel, ring):
+        """The attention of `__call__` after the projection, over num_heads / num_kv_heads heads (all,
+        or one device's): qkv [B, T, (num_heads + 2 num_kv_heads) * D] -> (o [B, T, num_heads, D],
+        k_cache, v_cache). kernel: the fused rope + write + attention kernel where select says so."""
         kw = dict(window=self.window, scale=self.head_dim ** -0.5, ring=ring)
         read_first = ring and n_write is not None
-        if not read_first and select.target_attention(x, k_cache) == "rope_kernel":
+        if not read_first and kernel:
             # bias, RoPE, the cache write and attention in one kernel
-            o, k_cache, v_cache = rope_attention(qkv, bqkv, cos, sin, k_cache, v_cache, lengths, positions, mask,
-                                                 self.sinks[...], num_heads=self.num_heads,
-                                                 num_kv_heads=self.num_kv_heads, **kw)
+            return rope_attention(qkv, bqkv, cos, sin, k_cache, v_cache, lengths, positions, mask, sinks,
+                                  num_heads=num_heads, num_kv_heads=num_kv_heads, **kw)
+        q, k, v = qkv_rope(qkv, bqkv, cos, sin, num_heads, num_kv_heads, self.head_dim)
+        if read_first:  # a prefill chunk may be longer than the ring's spare slots
+            o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, **kw)
+            k_cache, v_cache = kvc.write_after_read(k_cache, v_cache, k, v, lengths, n_write)
         else:
-            q, k, v = qkv_rope(qkv, bqkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
-            if read_first:  # a prefill chunk may be longer than the ring's spare slots
-                o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, self.sinks[...], **kw)
-                k_cache, v_cache = kvc.write_after_read(k_cache, v_cache, k, v, lengths, n_write)
-            else:
-                k_cache, v_cache = kvc.write_before_read(k_cache, v_cache, k, v, lengths, ring=ring)
-                o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, self.sinks[...], **kw)
-        return self._proj(o.reshape(B, T, -1), self.wo, self.bo), k_cache, v_cache
+            k_cache, v_cache = kvc.write_before_read(k_cache, v_cache, k, v, lengths, ring=ring)
+            o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, **kw)
+        return o, k_cache, v_cache
 
 
 class Mxfp4Experts(nnx.Module):
@@ -231,15 +269,55 @@ class MoE(nnx.Module):
         else dense for few experts, else grouped)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        if shards.mesh() is None:
+            out = self._run(x, path, norm)
+        else:
+            out = self._on_shards(x, path, norm)
+        return out.astype(dtype or x.dtype).reshape(shape)
+
+    def _run(self, x, path, norm, first_expert=None):
+        """x [N, H] -> f32 [N, H] through the experts this module holds: all of them, or (first_expert
+        int32, under a mesh) those numbered first_expert .. first_expert + held - 1, the other pairs
+        adding nothing."""
         path = path or self.path or self._path_for(x)
         if path not in self.PATHS:
             raise ValueError(f"MoE path: {path!r} not in {self.PATHS}")
         if path == "kernel":
-            out = self._kernel(x, norm)
-        else:
-            x = x if norm is None else norm(x)
-            out = getattr(self, "_" + path)(x, *self.route(x))
-        return out.astype(dtype or x.dtype).reshape(shape)
+            return self._kernel(x, norm, first_expert)
+        x = x if norm is None else norm(x)
+        ids, w = self.route(x)
+        if first_expert is not None:
+            ids, held = self._held(ids, first_expert)
+            ids, w = jnp.clip(ids, 0, self.num_held - 1), jnp.where(held, w, 0.0)
+        return getattr(self, "_" + path)(x, ids, w)
+
+    @property
+    def num_held(self) -> int:
+        """Experts this module's arrays hold (all of them, or one device's share under shard_map)."""
+        return self.experts.gate_up_bias.shape[0]
+
+    def _held(self, ids, first_expert):
+        """Global expert ids -> (ids among the held experts, whether each is held)."""
+        ids = ids - first_expert
+        return ids, (ids >= 0) & (ids < self.num_held)
+
+    def _on_shards(self, x, path, norm):
+        """Expert parallel over the mesh in context (models/shards.py): each device routes its rows
+        (router replicated), runs the pairs of the experts it holds (E / model of them, numbered from
+        its index times that) and the partial outputs are summed over "model". f32 [N, H]."""
+        graphdef, state = nnx.split(self)
+        norm_def, norm_state = nnx.split(norm) if norm is not None else (None, None)
+        expert = lambda p, _: Spec(shards.MODEL) if getattr(p[0], "key", None) == "experts" else Spec()  # noqa: E731
+        held = self.num_held // shards.model_size()
+
+        def body(state, norm_state, x):
+            local = nnx.merge(graphdef, state)
+            n = None if norm_def is None else nnx.merge(norm_def, norm_state)
+            out = local._run(x, path, n, jax.lax.axis_index(shards.MODEL) * held)
+            return jax.lax.psum(out, shards.MODEL)
+
+        specs = jax.tree_util.tree_map_with_path(expert, state)
+        return shards.local(body, (specs, Spec(), shards.ROWS), shards.ROWS)(state, norm_state, x)
 
     def _path_for(self, x):
         """The path `select.moe` picks for x [N, H]."""
@@ -248,17 +326,22 @@ class MoE(nnx.Module):
 
     def _dense(self, x, ids, w):
         """Every expert on every token, combined with the top-k weights (zero elsewhere). f32 [N, H]."""
-        (N, H), E = x.shape, self.router_w.shape[1]
-        combine = jnp.zeros((N, E), F32).at[jnp.arange(N)[:, None], ids].set(w)
+        (N, H), E = x.shape, self.num_held
+        # add, not set: under expert parallelism pairs not held are clipped onto a held expert, weight 0
+        combine = jnp.zeros((N, E), F32).at[jnp.arange(N)[:, None], ids].add(w)
         y = self._ffn(jnp.broadcast_to(x[:, None], (N, E, H)), *self.experts.weights(jnp.arange(E)), "neh,eoh->neo")
         return jnp.einsum("neo,ne->no", y, combine)
 
-    def _kernel(self, x, norm):
+    def _kernel(self, x, norm, first_expert=None):
         """Few tokens on a GPU: norm, router and top k in two kernels (pallas/moe_route.py), then each
         (token, expert) pair's packed expert weights streamed from HBM or, for experts shared by tokens,
-        mostly from L2 (pallas/moe.py). f32 [N, H]."""
+        mostly from L2 (pallas/moe.py); pairs of experts not held (first_expert: `_run`) get id -1, which
+        the kernel skips. f32 [N, H]."""
         scale, eps = (None, 0.0) if norm is None else (norm.scale[...], norm.eps)
         x, xq, ids, w = moe_route.route(x, scale, self.router_w[...], self.router_b[...], eps=eps, k=self.top_k)
+        if first_expert is not None:
+            ids, held = self._held(ids, first_expert)
+            ids = jnp.where(held, ids, -1)
         ex = self.experts
         return moe_kernel.mxfp4_moe(x, ids, w, ex.gate_up_blocks[...], ex.gate_up_scales[...], ex.gate_up_bias[...],
                                     ex.down_blocks[...], ex.down_scales[...], ex.down_bias[...],
@@ -278,7 +361,7 @@ class MoE(nnx.Module):
         otherwise (or with kernel=False) a scan over the tiles dequantizes each tile's expert and skips
         empty tiles. No per-token copy of expert weights. Returns f32 [N, H]."""
         N, H = x.shape
-        E, P = self.router_w[...].shape[1], ids.size
+        E, P = self.num_held, ids.size
         ex = self.experts
         fits = isinstance(ex, Mxfp4Experts) and x.dtype == jnp.bfloat16
         if kernel and not fits:

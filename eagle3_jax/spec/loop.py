@@ -1,9 +1,11 @@
 """Prefill and the `lax.while_loop` over `step`, shared by `generate` and `decode`, compiled once
 per plan and argument shapes (and shardings: with the models' parameters on a mesh of several
-devices, the caches and the loop state are laid out over it, `layout`)."""
+devices, the caches and the loop state are laid out over it, `layout`, and the program is traced
+`on_mesh`, so that the kernels run on local shards)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import jax
@@ -11,7 +13,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax import parallel
-from eagle3_jax.checks import ArgumentError
 from eagle3_jax.models import eagle3, gpt_oss
 from eagle3_jax.spec.metrics import Counters
 from eagle3_jax.spec.state import DecodeState, Plan
@@ -70,22 +71,20 @@ def run(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan:
 
 def loop_mesh(params):
     """The mesh the loop lays its state out over: that of the parameters' NamedShardings
-    (`parallel.mesh_of`) where it has more than one device, else None (one device: nothing changes).
-    Raises ArgumentError for a mesh of several GPUs: the Pallas kernels the models take there are
-    custom calls that XLA cannot partition, and running them under `shard_map` is not built yet
-    (CPU devices run the jnp references, which it partitions)."""
+    (`parallel.mesh_of`) where it has more than one device, else None (one device: nothing changes)."""
     mesh = parallel.mesh_of(params)
-    if mesh is None or mesh.size == 1:
-        return None
-    if any(d.platform == "gpu" for d in mesh.devices.flat):
-        raise ArgumentError(f"a model sharded over {mesh.size} GPUs: its Pallas kernels do not run under a "
-                            "mesh yet (they need shard_map; docs/architecture.md, 'Not yet built'); run on one "
-                            "GPU, or on CPU devices")
-    return mesh
+    return None if mesh is None or mesh.size == 1 else mesh
+
+
+def on_mesh(mesh):
+    """The context `run` is traced in: the mesh's abstract mesh, under which the models run their
+    kernels on local shards (models/shards.py); nothing for mesh None."""
+    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 def _program(graphdef, params, *args, plan: Plan, mesh=None):
-    final = run(nnx.merge(graphdef, params), *args, plan, mesh)
+    with on_mesh(mesh):
+        final = run(nnx.merge(graphdef, params), *args, plan, mesh)
     results = final.out, final.n_out, final.steps, final.counters
     # whole on every device: each process reads them (several processes: jax.distributed)
     return results if mesh is None else parallel.constrain_replicated(results, mesh)

@@ -21,11 +21,14 @@ Each part is a public function so that benchmarks time the library's own parts.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from eagle3_jax.models import eagle3, gpt_oss
 from eagle3_jax.models import kv_cache as kvc
+from eagle3_jax.models import shards
 from eagle3_jax.pallas.accept import accept_greedy, accept_sample
 from eagle3_jax.pallas.kv_rewind import kv_rewind
 from eagle3_jax.pallas.tree_mask import tree_mask
@@ -102,10 +105,13 @@ def accept_sampled(draft, logits, tokens, parents, q, key, temperature, plan: Pl
 
 
 def rewind(cache: kvc.KVCache, lengths, path, acc, plan: Plan) -> kvc.KVCache:
-    """Moves the accepted nodes' K/V to slots lengths .. lengths + acc (a chain's already are)."""
+    """Moves the accepted nodes' K/V of the target's cache to slots lengths .. lengths + acc (a
+    chain's already are). Under a mesh (models/shards.py) each device moves its rows and heads."""
     if plan.topk == 1:
         return cache
-    k, v = kv_rewind(cache.k, cache.v, lengths, path, acc, cache.rings)
+    heads, rows = shards.HEADS, shards.ROWS
+    k, v = shards.local(functools.partial(kv_rewind, rings=cache.rings), (heads, heads, rows, rows, rows),
+                        (heads, heads))(cache.k, cache.v, lengths, path, acc)
     return cache.replace(k=tuple(k), v=tuple(v))
 
 

@@ -87,8 +87,10 @@ def compile_call(fn, *args, donate_argnums=()):
     it with arguments of the same shapes; donated ones are deleted for the caller). A function that
     closes over an array (jax or numpy) of more than MAX_CAPTURED_BYTES raises RuntimeError naming its
     shapes: XLA would copy it into the program as a constant (host and device memory beside the
-    array itself); pass it as an argument instead."""
-    traced = jax.jit(fn, donate_argnums=donate_argnums).trace(*args)
+    array itself); pass it as an argument instead. A first argument (the parameters) on a mesh of
+    several devices: traced `on_mesh` as decode's loop is (the models' kernels on local shards)."""
+    with spec_loop.on_mesh(spec_loop.loop_mesh(args[0]) if args else None):
+        traced = jax.jit(fn, donate_argnums=donate_argnums).trace(*args)
     big = [c for c in traced.jaxpr.consts if getattr(c, "nbytes", 0) > MAX_CAPTURED_BYTES]
     if big:
         raise RuntimeError(f"{getattr(fn, '__name__', fn)} closes over arrays "
