@@ -42,6 +42,7 @@ flags.DEFINE_integer("sweep_context", 4096, "context of the sweep scenario")
 flags.DEFINE_list("sweep_shapes", ["chain1", "chain2", "chain3", "chain4", "chain5", "tree3x4n8", "tree4x4n16"],
                   "shapes of the sweep")
 flags.DEFINE_integer("short_context", 1024, "context of the single and batch scenarios")
+flags.DEFINE_list("batch_sizes", ["4"], "batch sizes of the batch scenario (rows batch<B>)")
 flags.DEFINE_integer("iters", 8, "steps per timed loop")
 flags.DEFINE_integer("copy_bytes", 4 << 30, "buffer size of the copy-bandwidth measurement")
 flags.DEFINE_list("dense_rows", [], "rows (by name) also timed with full-length sliding-layer caches, in the same "
@@ -53,6 +54,8 @@ flags.DEFINE_list("plot_from", None, "only draw --plot from these results JSONs 
 cli.progress_flag()
 cli.mesh_flags()
 FLAGS = flags.FLAGS
+flags.register_validator("batch_sizes", lambda bs: all(b.isdigit() and int(b) > 0 for b in bs),
+                         "expected positive integers")
 flags.register_validator("scenarios", lambda names: set(names) <= set(SCENARIOS),
                          "expected names of " + ",".join(SCENARIOS))
 validate_shape_flags("sweep_shapes")
@@ -64,7 +67,7 @@ def rows_for(name):
     s = FLAGS.short_context
     return {"single": [("single", 1, s, "chain3")],
             "gates": [("single-32k", 1, 32768, "chain3"), ("batch4-16k", 4, 16384, "chain3")],
-            "batch": [("batch4", 4, s, "chain3")],
+            "batch": [(f"batch{int(b)}", int(b), s, "chain3") for b in FLAGS.batch_sizes],
             "large": [(f"large-{int(c) // 1024}k", 1, int(c), "chain3") for c in FLAGS.large_contexts],
             "sweep": [("sweep", 1, FLAGS.sweep_context, sh) for sh in FLAGS.sweep_shapes]}.get(name, [])
 
