@@ -18,10 +18,17 @@ bound"). Where the device reports no memory (CPU), the search starts at --min_ba
 --max_batch ends it ("cap reached"). A cell that fails with an error other than running out of
 memory is reported with that error (a row with "error") and the next cell runs.
 
-JSON: device_info (command included), the preset, the memory after the weights, and a row per
+`--mesh model=M,data=D` (and the jax.distributed flags, as bench.py's): the target created split
+over the devices (`random_pair(cfg, mesh)`), the states laid out as decode's; batches are multiples
+of D, and memory is per device (each device's share of the state against the first local device's
+free memory).
+
+JSON: device_info (command included), num_devices and mesh, the preset, the memory after the
+weights, and a row per
 (context, mode): max_batch (0 if none ran), peak_bytes (the compiled step's peak at max_batch:
 parameters, state and temporaries), failed_batch and failed_error (the smallest B that failed and
-its error's first line, or None), predicted_batch, sequence_bytes, note, and trials (each: batch,
+its error's first line, or None), predicted_batch, sequence_bytes (a sequence's state on one
+device), note, and trials (each: batch,
 ok, seconds per step, memory or error).
 """
 
@@ -46,6 +53,7 @@ flags.DEFINE_integer("max_batch", 1024, "largest batch tried (reached: the cell 
 flags.DEFINE_float("margin", 0.1, "fraction of the free device memory the prediction leaves to temporaries")
 flags.DEFINE_string("out", None, "JSON output path")
 cli.progress_flag()
+cli.mesh_flags()
 FLAGS = flags.FLAGS
 
 
@@ -83,14 +91,14 @@ def free_device() -> None:
     gc.collect()
 
 
-def trial(target, draft, B, ctx, mode, plan):
+def trial(target, draft, B, ctx, mode, plan, mesh=None):
     """One batch size: {batch, ok, seconds (per step), memory (loop_time's: program and device)} or
     {batch, ok False, error (first line)} when the device ran out of memory, or {batch, ok False,
     error, ran False} without running when the state alone is larger than the device's free memory
     (an allocation that cannot succeed would otherwise still compile the step first). Other errors
     propagate."""
     mem = timing.memory_stats()
-    need = state_bytes(target, None if mode == "baseline" else draft, B, ctx, plan)
+    need = state_bytes(target, None if mode == "baseline" else draft, B, ctx, plan, mesh=mesh)
     if mem and "bytes_limit" in mem and need > mem["bytes_limit"] - mem["bytes_in_use"]:
         return dict(batch=B, ok=False, ran=False, error=f"state {timing.gib(need)} > "
                     f"{timing.gib(mem['bytes_limit'] - mem['bytes_in_use'])} free (not run)")
@@ -156,46 +164,53 @@ def state_bound(fits, hi):
     return lo
 
 
-def cell(target, draft, ctx, mode, free_bytes):
+def cell(target, draft, ctx, mode, free_bytes, mesh=None):
     """One (context, mode) row. Where the device reports its free memory, the search's upper end is the
     largest batch whose state alone fits it (no trial above it could allocate its caches): reaching it
-    ends the cell with note "state bound" and that batch + 1 as failed_batch (not run)."""
+    ends the cell with note "state bound" and the next batch as failed_batch (not run). On a mesh
+    (--mesh) batches are multiples of its data axis (the search counts in those units), and memory
+    is per device: the first local device's free memory against each device's share of the state."""
     plan = baseline_plan(ctx) if mode == "baseline" else step_plan(draft, parse_shape(mode), ctx)
     dr = None if mode == "baseline" else draft
-    seq_bytes = state_bytes(target, dr, 1, ctx, plan)
-    predicted = predict(free_bytes, seq_bytes)
-    start = predicted if predicted else FLAGS.min_batch
-    hi, known_bad, bound_error = FLAGS.max_batch, None, None
+    unit = 1 if mesh is None else mesh.shape["data"]
+    state = lambda n: state_bytes(target, dr, n * unit, ctx, plan, mesh=mesh)  # noqa: E731  n units
+    seq_bytes = state(1) / unit
+    predicted = predict(free_bytes, state(1))
+    start = predicted if predicted else -(-FLAGS.min_batch // unit)
+    lo, hi, known_bad, bound_error = -(-FLAGS.min_batch // unit), FLAGS.max_batch // unit, None, None
     if free_bytes is not None:
-        fit = state_bound(lambda B: state_bytes(target, dr, B, ctx, plan) <= free_bytes, FLAGS.max_batch)
-        if fit < FLAGS.max_batch:
-            hi, known_bad = max(fit, FLAGS.min_batch), max(fit, FLAGS.min_batch) + 1
-            need = state_bytes(target, dr, known_bad, ctx, plan)
-            bound_error = f"state {timing.gib(need)} > {timing.gib(free_bytes)} free (not run)"
-    best, bad, trials, note = search(lambda B: trial(target, draft, B, ctx, mode, plan), start, FLAGS.min_batch,
-                                     hi, FLAGS.max_trials, known_bad)
-    failed = next((t for t in trials if not t["ok"] and t["batch"] == bad), None)
+        fit = state_bound(lambda n: state(n) <= free_bytes, hi)
+        if fit < hi:
+            hi = known_bad = max(fit, lo)
+            known_bad += 1
+            bound_error = f"state {timing.gib(state(known_bad))} > {timing.gib(free_bytes)} free (not run)"
+    best, bad, trials, note = search(lambda n: trial(target, draft, n * unit, ctx, mode, plan, mesh), start, lo, hi,
+                                     FLAGS.max_trials, known_bad)
+    failed = next((t for t in trials if not t["ok"] and t["batch"] == (bad or 0) * unit), None)
     if bad is not None and bad == known_bad:
         failed = dict(error=bound_error)
         note = "state bound" if best == hi else note
-    at_best = next((t for t in trials if t["ok"] and t["batch"] == best), None)
+    at_best = next((t for t in trials if t["ok"] and t["batch"] == best * unit), None)
     program = (at_best or {}).get("memory", {}).get("program") or {}
-    return dict(context=ctx, mode=mode, max_batch=best, peak_bytes=program.get("peak"),
-                seconds_at_max=at_best["seconds"] if at_best else None, failed_batch=bad,
-                failed_error=failed["error"] if failed else None, predicted_batch=predicted,
-                sequence_bytes=seq_bytes, note=note, trials=trials)
+    return dict(context=ctx, mode=mode, max_batch=best * unit, peak_bytes=program.get("peak"),
+                seconds_at_max=at_best["seconds"] if at_best else None,
+                failed_batch=None if bad is None else bad * unit, failed_error=failed["error"] if failed else None,
+                predicted_batch=None if predicted is None else predicted * unit, sequence_bytes=seq_bytes, note=note,
+                trials=trials)
 
 
 def main(argv):
     del argv
     if FLAGS.max_batch < FLAGS.min_batch:
         raise ValueError(f"--max_batch {FLAGS.max_batch} is below --min_batch {FLAGS.min_batch}")
-    target, draft = random_pair(GptOssConfig.preset(FLAGS.preset))
+    mesh = cli.setup_devices()
+    target, draft = random_pair(GptOssConfig.preset(FLAGS.preset), mesh)
     jax.block_until_ready((jax.tree.leaves(target), jax.tree.leaves(draft)))
     mem = timing.memory_stats()
     free = mem["bytes_limit"] - mem["bytes_in_use"] if mem and "bytes_limit" in mem else None
     rows = []
-    result = dict(timing.device_info(), preset=FLAGS.preset, iters=FLAGS.iters, margin=FLAGS.margin,
+    result = dict(timing.device_info(), num_devices=1 if mesh is None else mesh.size,
+                  mesh=None if mesh is None else dict(mesh.shape), preset=FLAGS.preset, iters=FLAGS.iters, margin=FLAGS.margin,
                   min_batch=FLAGS.min_batch, max_batch_bound=FLAGS.max_batch, max_trials=FLAGS.max_trials,
                   memory_after_weights=mem, free_bytes=free, rows=rows)
     cli.write(f"{FLAGS.preset}: {timing.gib(mem['bytes_in_use']) if mem else '-'} in use after the weights, "
@@ -205,7 +220,7 @@ def main(argv):
     for ctx, mode in bar:
         bar.set_postfix_str(f"ctx={ctx} {mode}")
         try:
-            r = cell(target, draft, ctx, mode, free)
+            r = cell(target, draft, ctx, mode, free, mesh)
         except Exception as e:  # noqa: BLE001 -- a cell that cannot run at all is reported; the others still run
             rows.append(dict(context=ctx, mode=mode, error=f"{type(e).__name__}: {first_line(e)}"))
             cli.write(f"ctx={ctx:<7} {mode:<9} error: {rows[-1]['error']}")

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from flax import nnx
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
+from eagle3_jax.models import GptOssConfig
 from lib import step_timing
 
 
@@ -108,6 +110,29 @@ def test_capacity_writes_rows(tmp_path):
         assert all(math.isfinite(t["seconds"]) for t in x["trials"])
     assert x["sequence_bytes"] > r["rows"][0]["sequence_bytes"]  # chain3 adds the draft's cache
     assert out.count("max B 4 ") == 2 and "cap reached" in out
+
+
+def test_capacity_on_a_mesh(tmp_path):
+    # four fake CPU devices, data=2: batches in multiples of 2, the state's bytes per device
+    path = tmp_path / "cap.json"
+    r = subprocess.run([sys.executable, "capacity.py", "--preset", "tiny", "--contexts", "64", "--modes", "chain3",
+                        "--mesh", "model=2,data=2", "--max_batch", "4", "--max_trials", "3", "--out", str(path),
+                        "--noprogress"], check=False, capture_output=True, text=True, timeout=300,
+                       cwd=os.path.join(ROOT, "experiments"),
+                       env={**os.environ, "JAX_PLATFORMS": "cpu",
+                            "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(path.read_text())
+    assert out["num_devices"] == 4 and out["mesh"] == {"data": 2, "model": 2}
+    (row,) = out["rows"]
+    assert (row["max_batch"], row["note"]) == (4, "cap reached")
+    assert [t["batch"] for t in row["trials"]] == [2, 4] and all(t["ok"] for t in row["trials"])
+    # a device's share: the target's caches over 4 devices, the draft's and the rows' over 2
+    t, d = step_timing.random_pair(GptOssConfig.preset("tiny"))
+    plan = step_timing.step_plan(d, step_timing.parse_shape("chain3"), 64)
+    whole = step_timing.state_bytes(t, d, 2, 64, plan)
+    per = step_timing.state_bytes(t, d, 2, 64, plan, mesh=types.SimpleNamespace(shape={"data": 2, "model": 2}))
+    assert row["sequence_bytes"] == per / 2 and whole / 4 < per < whole / 2
 
 
 def test_bench_rows_report_memory(tmp_path):

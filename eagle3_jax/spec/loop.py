@@ -19,14 +19,16 @@ from eagle3_jax.spec.state import DecodeState, Plan
 from eagle3_jax.spec.step import sample, step
 
 
+PER_ROW = ("lengths", "root", "h_root", "out", "n_out", "done")  # DecodeState's [B, ...] fields besides the caches
+
+
 def layout(state: DecodeState, mesh) -> DecodeState:
     """The state laid out over `mesh` (a jax.sharding.Mesh of parallel.py; None: unchanged): the
     target's caches with B over "data" and the kv heads over "model", the draft's with B over "data"
     (its weights are replicated), every per-row array over "data"; scalars left to XLA."""
     if mesh is None:
         return state
-    per_row = ("lengths", "root", "h_root", "out", "n_out", "done")
-    rows = {f: parallel.constrain_rows(getattr(state, f), mesh) for f in per_row}
+    rows = {f: parallel.constrain_rows(getattr(state, f), mesh) for f in PER_ROW}
     return state.replace(target_cache=parallel.constrain_cache(state.target_cache, mesh),
                          draft_cache=parallel.constrain_cache(state.draft_cache, mesh, heads=False), **rows)
 

@@ -17,6 +17,7 @@ program as a constant). `loop_time` and `time_step` report each executable's buf
 (`timing.program_memory`); `state_bytes` is a state's size without building it.
 """
 
+import dataclasses
 import functools
 import re
 import statistics
@@ -243,11 +244,22 @@ def _noisy_state(target, draft, B, ctx, plan, sliding):
         steps=jnp.zeros((), jnp.int32), counters=Counters.zeros(plan.depth))
 
 
-def state_bytes(target, draft, B, ctx, plan, sliding="ring"):
+def state_bytes(target, draft, B, ctx, plan, sliding="ring", mesh=None):
     """Bytes of `noisy_state(target, draft, B, ctx, plan, sliding)`'s arrays (caches first of all),
-    from its shapes alone: nothing is allocated."""
-    shapes = jax.eval_shape(lambda: noisy_state(target, draft, B, ctx, plan, sliding))
-    return sum(int(np.prod(a.shape)) * getattr(a.dtype, "itemsize", 0) for a in jax.tree.leaves(shapes))
+    from its shapes alone: nothing is allocated. With `mesh`: the bytes each device holds, laid out
+    as `spec.loop.layout` lays the state out (the target's caches over data x model, the draft's
+    caches and the per-row fields over data, the rest whole; B a multiple of the data axis)."""
+    shapes = jax.eval_shape(lambda: _noisy_state(target, draft, B, ctx, plan, sliding))
+
+    def nbytes(tree):
+        return sum(int(np.prod(a.shape)) * getattr(a.dtype, "itemsize", 0) for a in jax.tree.leaves(tree))
+
+    if mesh is None:
+        return nbytes(shapes)
+    data, model = mesh.shape["data"], mesh.shape["model"]
+    split = {"target_cache": data * model, "draft_cache": data, **{f: data for f in spec_loop.PER_ROW}}
+    fields = {f.name: getattr(shapes, f.name) for f in dataclasses.fields(shapes)}
+    return sum(nbytes(v) // split.get(name, 1) for name, v in fields.items())
 
 
 def step_plan(draft, shape, ctx, proposal="deterministic"):
