@@ -6,12 +6,13 @@
 Random packed gpt-oss-120b and a random draft of the published EAGLE-3 shape (hidden 2880, MLP
 17280, draft vocab 32000): acceptance is meaningless, so each scenario reports the baseline time
 per token, the speculative step split into draft / verify / accept+rewind / extend, the byte
-roofline of each (experiments/lib/roofline.py, at the copy bandwidth measured in this run), and the
+roofline of each (experiments/lib/roofline.py, at the copy bandwidth measured in this run; with
+--mesh the bytes one device reads, at one device's bandwidth), and the
 projected speedup tau * T_base / T_step for the published gpt-oss-120b tau (2.29, 2.68, 3.22 at 3
 draft tokens) and, with --tau_trained, a measured one.
 
-Scenarios: single (B=1, 1K), gates (B=1 32K and B=4 16K, chain3: what gates.py reads), batch (B=4,
-1K), large (B=1 at --large_contexts), sweep (B=1 at --sweep_context over chains 1..5 and trees),
+Scenarios: single (B=1, 1K), gates (B=1 32K and B=4 16K, chain3: what gates.py reads), batch (B in
+--batch_sizes, default 4, at 1K), large (B=1 at --large_contexts), sweep (B=1 at --sweep_context over chains 1..5 and trees),
 stress (decode() end to end, B=16 ragged prompts, early eos).
 
 Memory: each row's "memory" holds, for the baseline and the step loop (and each part's loop), the
@@ -28,7 +29,9 @@ import numpy as np
 from absl import flags
 
 import jax
+from flax import nnx
 
+from eagle3_jax import parallel
 from eagle3_jax.models import GptOssConfig, gpt_oss
 from eagle3_jax.spec import decode
 from lib import cli, roofline, timing
@@ -93,8 +96,9 @@ def measure(target, draft, bw, name, B, ctx, shape_name, base_cache):
     sec = r["seconds"]
     split = dict(draft=sec["draft"], verify=sec["verify"], accept_rewind=sec["accept"] + sec.get("rewind", 0.0),
                  extend=sec["extend"])
-    sb = roofline.step_bytes(target.config, draft.config, B, ctx, shape["depth"], shape["num_nodes"])
-    base_bytes = roofline.target_bytes(target.config, B, 1, ctx)["total"]
+    per_device = mesh_axes(target)  # on a mesh: the bytes one device reads
+    sb = roofline.step_bytes(target.config, draft.config, B, ctx, shape["depth"], shape["num_nodes"], **per_device)
+    base_bytes = roofline.target_bytes(target.config, B, 1, ctx, **per_device)["total"]
     taus = list(PUBLISHED_TAU) + ([FLAGS.tau_trained] if FLAGS.tau_trained else [])
     memory = dict(baseline=base_mem, step=r["memory"]["step"],
                   parts={k: v for k, v in r["memory"].items() if k != "step"}, device=timing.memory_stats())
@@ -122,6 +126,12 @@ def measure(target, draft, bw, name, B, ctx, shape_name, base_cache):
           f"  proj@3.22 {row['projected_speedup']['3.22']:.2f}x roof@3.22 {row['roofline_speedup']['3.22']:.2f}x"
           f"  {peak_text(memory)}")
     return row
+
+
+def mesh_axes(target) -> dict:
+    """{"data": D, "model": M} of the target's mesh (parallel.mesh_of), {} on one device."""
+    mesh = parallel.mesh_of(nnx.state(target))
+    return {} if mesh is None else dict(data=mesh.shape["data"], model=mesh.shape["model"])
 
 
 def kv_bytes_per_token(target):

@@ -56,7 +56,14 @@ def test_bench_on_a_mesh(tmp_path):
     run("bench.py", "--preset", "tiny", "--mesh", "model=2", "--scenarios", "single", "--iters", "1",
         "--copy_bytes", "1000000", "--out", str(path), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     r = json.loads(path.read_text())
-    assert r["num_devices"] == 2 and r["mesh"] == {"data": 1, "model": 2} and r["scenarios"][0]["step_seconds"]["step"] > 0
+    row = r["scenarios"][0]
+    assert r["num_devices"] == 2 and r["mesh"] == {"data": 1, "model": 2} and row["step_seconds"]["step"] > 0
+    from eagle3_jax.models import GptOssConfig
+    from lib import roofline  # the roofline of one device: its half of the split weights and K/V
+
+    cfg = GptOssConfig.preset("tiny")
+    assert row["bytes"]["baseline"] == roofline.target_bytes(cfg, 1, 1, row["context"], model=2)["total"] < \
+        roofline.target_bytes(cfg, 1, 1, row["context"])["total"]
 
 
 def test_bench_baseline_writes_json(tmp_path):

@@ -5,6 +5,11 @@ once, the packed bytes of each distinct routed expert once per layer, the lm_hea
 sequence's K/V (full layers: C positions; sliding layers: at most the window). Distinct experts
 are the expectation under uniform top-k routing of B*T tokens unless measured counts are given.
 The draft reads its weights once per forward and its one layer's K/V.
+
+On a (data D, model M) mesh (`eagle3_jax.parallel`: bench.py --mesh) each function gives the bytes
+one device reads: B/D of the rows; the attention projections, lm_head and K/V heads split M ways;
+1/M of the distinct experts (expert parallel, the expectation under uniform routing: the device
+holding the most routed experts reads more); the router, norms, biases and the draft whole.
 """
 
 from __future__ import annotations
@@ -28,33 +33,36 @@ def expected_distinct(c: GptOssConfig, tokens: int) -> float:
     return E * (1 - (1 - k / E) ** tokens)
 
 
-def target_bytes(c: GptOssConfig, batch: int, tokens: int, context: int, distinct_experts=None) -> dict:
-    """Bytes of one target pass: dict of parts and 'total'."""
+def target_bytes(c: GptOssConfig, batch: int, tokens: int, context: int, distinct_experts=None, *, data: int = 1,
+                 model: int = 1) -> dict:
+    """Bytes of one target pass: dict of parts and 'total' (on a mesh: one device's, module docstring)."""
     H, D, Hq, Hkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
     L = c.num_hidden_layers
-    attn_w = (H * Hq * D * 2 + 2 * H * Hkv * D + (Hq + 2 * Hkv) * D + H) * BF16 + Hq * BF16
+    rows = batch / data
+    attn_w = (H * Hq * D * 2 + 2 * H * Hkv * D) * BF16 / model + ((Hq + 2 * Hkv) * D + H) * BF16 + Hq * BF16 / model
     router = (H + 1) * c.num_local_experts * BF16
-    d = expected_distinct(c, batch * tokens) if distinct_experts is None else distinct_experts
+    d = expected_distinct(c, rows * tokens) if distinct_experts is None else distinct_experts
     kv_pos = sum(min(context, c.sliding_window) if c.is_sliding(i) else context for i in range(L))
-    parts = dict(attention_weights=L * (attn_w + router + 2 * H * 4), experts=L * d * expert_bytes(c),
-                 lm_head=c.vocab_size * H * BF16, kv_read=batch * kv_pos * 2 * Hkv * D * BF16,
-                 kv_write=batch * tokens * L * 2 * Hkv * D * BF16)
+    parts = dict(attention_weights=L * (attn_w + router + 2 * H * 4), experts=L * d * expert_bytes(c) / model,
+                 lm_head=c.vocab_size * H * BF16 / model, kv_read=rows * kv_pos * 2 * Hkv * D * BF16 / model,
+                 kv_write=rows * tokens * L * 2 * Hkv * D * BF16 / model)
     parts["total"] = sum(parts.values())
     return parts
 
 
-def draft_bytes(d: Eagle3Config, batch: int, context: int) -> float:
-    """Bytes of one draft forward (any few tokens): weights once plus the layer's K/V."""
+def draft_bytes(d: Eagle3Config, batch: int, context: int, *, data: int = 1) -> float:
+    """Bytes of one draft forward (any few tokens): weights once plus the layer's K/V (on a mesh: one
+    device's; the draft's weights are whole on each)."""
     H, D, Hq, Hkv, I = d.hidden_size, d.head_dim, d.num_attention_heads, d.num_key_value_heads, d.intermediate_size
     w = (3 * d.target_hidden_size * H + 2 * H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I
          + (d.draft_vocab_size * H if d.own_lm_head else d.vocab_size * H)) * BF16
-    kv = batch * min(context, d.sliding_window or context) * 2 * Hkv * D * BF16
+    kv = batch / data * min(context, d.sliding_window or context) * 2 * Hkv * D * BF16
     return w + kv
 
 
 def step_bytes(c: GptOssConfig, d: Eagle3Config, batch: int, context: int, depth: int, num_nodes: int,
-               distinct_experts=None) -> dict:
+               distinct_experts=None, *, data: int = 1, model: int = 1) -> dict:
     """One speculative step: `depth` draft forwards, the verify of num_nodes tokens, one extend."""
-    verify = target_bytes(c, batch, num_nodes, context, distinct_experts)["total"]
-    one = draft_bytes(d, batch, context)
+    verify = target_bytes(c, batch, num_nodes, context, distinct_experts, data=data, model=model)["total"]
+    one = draft_bytes(d, batch, context, data=data)
     return dict(draft=depth * one, verify=verify, extend=one, total=(depth + 1) * one + verify)
