@@ -43,11 +43,12 @@ def test_decode_main_job_on_embedded_default(tmp_path):
     # over 4 (fake CPU) devices: the same tokens
     mesh_path = tmp_path / "m.json"
     out = run("decode.py", "--prompt", "def f(x):\n    return", "--prompt", "import", "--max_new_tokens", "5",
-              "--mesh", "model=2,data=2", "--nobaseline", "--json_out", str(mesh_path),
+              "--mesh", "model=2,data=2", "--nobaseline", "--repeats", "2", "--json_out", str(mesh_path),
               env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
     assert "sharded over {'data': 2, 'model': 2} (4 devices, 1 processes)" in out
     m = json.loads(mesh_path.read_text())
     assert m["decode"]["tokens"] == r["decode"]["tokens"] and m["mesh"] == {"data": 2, "model": 2, "processes": 1}
+    assert m["decode"]["metrics"]["compile_seconds"] == 0.0  # the second run, reported, reused the executable
 
 
 def test_bench_on_a_mesh(tmp_path):
