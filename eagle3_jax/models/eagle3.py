@@ -17,6 +17,8 @@ Entry points (traceable under jit):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +31,6 @@ from eagle3_jax.models import rope, shards
 from eagle3_jax.models.config import Eagle3Config
 from eagle3_jax.models.gpt_oss import RMSNorm, check_step_inputs, check_step_tokens, check_tokens, qkv_rope
 from eagle3_jax.models.layers import F32, keep_position, normal, over_chunks, shape_of
-from eagle3_jax.pallas.attention import attention
 
 NO_SINK = -1e30  # the draft has no attention sinks: a sink logit that never gets weight
 
@@ -136,21 +137,11 @@ def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache
     else:
         kc, vc = cache.k[0], cache.v[0]
     sinks = jnp.full((Hq,), NO_SINK, F32)
-    kw = dict(window=c.sliding_window, scale=D ** -0.5, ring=ring)
-
-    def attend(q, k, v, kc, vc, lengths, positions, mask, n_write, sinks):
-        if ring and n_write is not None:  # a prefill chunk may be longer than the ring's spare slots
-            o = attention(q, k, v, kc, vc, lengths, positions, mask, sinks, **kw)
-            kc, vc = kvc.write_after_read(kc, vc, k, v, lengths, n_write)
-        else:
-            kc, vc = kvc.write_before_read(kc, vc, k, v, lengths, ring=ring)
-            o = attention(q, k, v, kc, vc, lengths, positions, mask, sinks, **kw)
-        return o, kc, vc
-
+    attend = functools.partial(kvc.attend, ring=ring, window=c.sliding_window, scale=D ** -0.5)
     # under a mesh (models/shards.py) each device attends with its rows; the draft's heads are not split
     rows = shards.ROWS
-    o, kc, vc = shards.local(attend, (rows,) * 9 + (Spec(),), (rows, rows, rows))(
-        q, k, v, kc, vc, lengths, positions, mask, n_write, sinks)
+    o, kc, vc = shards.local(attend, (rows,) * 8 + (Spec(), rows), (rows, rows, rows))(
+        q, k, v, kc, vc, lengths, positions, mask, sinks, n_write)
     if cache is not None:
         cache = cache.replace(k=(kc,), v=(vc,))
     return layer_outputs(draft, residual, o), cache

@@ -36,7 +36,7 @@ from eagle3_jax.models.layers import F32, keep_position, normal, over_chunks, sh
 from eagle3_jax.pallas import moe as moe_kernel
 from eagle3_jax.pallas import moe_route, select
 from eagle3_jax.pallas import norm as norm_kernel
-from eagle3_jax.pallas.attention import attention, rope_attention
+from eagle3_jax.pallas.attention import rope_attention
 
 GROUP_TILE = 64  # smallest rows of a scan tile of the grouped path (`group_tile`)
 
@@ -163,19 +163,12 @@ class Attention(nnx.Module):
         or one device's): qkv [B, T, (num_heads + 2 num_kv_heads) * D] -> (o [B, T, num_heads, D],
         k_cache, v_cache). kernel: the fused rope + write + attention kernel where select says so."""
         kw = dict(window=self.window, scale=self.head_dim ** -0.5, ring=ring)
-        read_first = ring and n_write is not None
-        if not read_first and kernel:
+        if kernel and not (ring and n_write is not None):
             # bias, RoPE, the cache write and attention in one kernel
             return rope_attention(qkv, bqkv, cos, sin, k_cache, v_cache, lengths, positions, mask, sinks,
                                   num_heads=num_heads, num_kv_heads=num_kv_heads, **kw)
         q, k, v = qkv_rope(qkv, bqkv, cos, sin, num_heads, num_kv_heads, self.head_dim)
-        if read_first:  # a prefill chunk may be longer than the ring's spare slots
-            o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, **kw)
-            k_cache, v_cache = kvc.write_after_read(k_cache, v_cache, k, v, lengths, n_write)
-        else:
-            k_cache, v_cache = kvc.write_before_read(k_cache, v_cache, k, v, lengths, ring=ring)
-            o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, **kw)
-        return o, k_cache, v_cache
+        return kvc.attend(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, n_write, **kw)
 
 
 class Mxfp4Experts(nnx.Module):

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from eagle3_jax.pallas.attention import attention
+
 DEFAULT_STEP_TOKENS = 128  # new tokens a cached step may write by default (decode 1, a verify its nodes)
 
 
@@ -79,6 +81,20 @@ def write_after_read(k_cache, v_cache, k, v, lengths, n_write):
     at positions lengths .. lengths + T - 1 mod S, only the first n_write[b] tokens (int32 [B]) of each row."""
     return (write(k_cache, k, lengths, ring=True, count=n_write),
             write(v_cache, v, lengths, ring=True, count=n_write))
+
+
+def attend(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, n_write, *, ring: bool, window, scale):
+    """A layer's cached attention (`pallas.attention.attention`, q [B, T, Hq, D], k, v [B, T, Hkv, D])
+    with its cache update in the order the layout needs: the new K/V written first
+    (`write_before_read`), or, for a ring's prefill chunk (ring and n_write given: it may be longer
+    than the ring's spare slots), after attention has read the ring (`write_after_read`).
+    Returns (o [B, T, Hq, D], k_cache, v_cache)."""
+    kw = dict(window=window, scale=scale, ring=ring)
+    if ring and n_write is not None:
+        o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, **kw)
+        return (o, *write_after_read(k_cache, v_cache, k, v, lengths, n_write))
+    k_cache, v_cache = write_before_read(k_cache, v_cache, k, v, lengths, ring=ring)
+    return attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, **kw), k_cache, v_cache
 
 
 def write(buf: jax.Array, new: jax.Array, start: jax.Array, *, ring: bool = False, count=None) -> jax.Array:
