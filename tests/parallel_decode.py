@@ -70,14 +70,19 @@ def check_params(t, d, data, model):
     assert parallel.mesh_of((t, d)).shape == {"data": data, "model": model}
 
 
-def check_state(t, d, prompts, data, model):
-    """The caches and per-row state that the jitted prefill leaves: split as `loop.layout` says."""
-    mesh = parallel.mesh_of((t, d))
+def loop_inputs(t, d, prompts, topk, num_nodes):
+    """(mesh, a greedy depth-3 Plan of topk / num_nodes, graphdef, params, the loop's other arguments)."""
     toks, lengths = pad_prompts(prompts, 24)
-    plan = Plan(cache_len=64, out_len=32, chunk=8, greedy=True, depth=3, topk=1, num_nodes=4,
+    plan = Plan(cache_len=64, out_len=32, chunk=8, greedy=True, depth=3, topk=topk, num_nodes=num_nodes,
                 feature_ids=tuple(DRAFT.feature_layers))
     graphdef, params = nnx.split((t, d))
     args = (toks, lengths, np.int32(NEW), np.full(8, -1, np.int32), np.float32(1e-6), jax.random.key(0))
+    return parallel.mesh_of((t, d)), plan, graphdef, params, args
+
+
+def check_state(t, d, prompts, data, model):
+    """The caches and per-row state that the jitted prefill leaves: split as `loop.layout` says."""
+    mesh, plan, graphdef, params, args = loop_inputs(t, d, prompts, topk=1, num_nodes=4)
     state = jax.jit(lambda p, *a: loop.init_state(nnx.merge(graphdef, p), *a, plan, mesh))(params, *args)
     B = len(prompts)
     for k in state.target_cache.k + state.target_cache.v:
@@ -93,12 +98,7 @@ def check_state(t, d, prompts, data, model):
 def check_local(t, d, prompts):
     """Under the mesh the loop traces every layer's attention and MoE, the draft's attention and the
     tree rewind as shard_maps (models/shards.py: the kernels' local shards)."""
-    mesh = parallel.mesh_of((t, d))
-    toks, lengths = pad_prompts(prompts, 24)
-    plan = Plan(cache_len=64, out_len=32, chunk=8, greedy=True, depth=3, topk=4, num_nodes=8,
-                feature_ids=tuple(DRAFT.feature_layers))
-    graphdef, params = nnx.split((t, d))
-    args = (toks, lengths, np.int32(NEW), np.full(8, -1, np.int32), np.float32(1e-6), jax.random.key(0))
+    mesh, plan, graphdef, params, args = loop_inputs(t, d, prompts, topk=4, num_nodes=8)
     with loop.on_mesh(mesh):
         text = str(jax.make_jaxpr(lambda p, *a: loop.run(nnx.merge(graphdef, p), *a, plan, mesh))(params, *args))
     # prefill and step: 2 per target layer each; the draft's prefill, tree levels and extend; one rewind
