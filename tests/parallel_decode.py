@@ -1,5 +1,6 @@
 """Run by tests/test_parallel.py in a fresh process with 4 CPU devices: generate and decode (chain,
-tree) on sharded models give the one-device tokens, and parameters, caches and state are split.
+tree) on sharded models give the one-device tokens (also for a batch the data axis does not
+divide), and parameters, caches and state are split.
 
 Prints one line per mesh and "ok" at the end; any mismatch is an AssertionError (exit status 1)."""
 
@@ -146,6 +147,7 @@ def main():
     t0 = time.perf_counter()
     t, d = pair()
     want = tokens(t, d, prompts)
+    odd = decode(t, d, prompts[:3], NEW, **RUNS["tree"], **KW)  # a batch the data axis does not divide
     print(f"one device: {time.perf_counter() - t0:.1f} s", flush=True)
     for data, model in MESHES:
         t0 = time.perf_counter()
@@ -159,6 +161,9 @@ def main():
         for name in RUNS:
             assert got[name] == want[name], (data, model, name, got[name], want[name])
         check_state(t, d, prompts, data, model)
+        if data > 1:  # padded with an empty prompt that starts done: same tokens, same counted slot steps
+            got = decode(t, d, prompts[:3], NEW, **RUNS["tree"], **KW)
+            assert (got.tokens, got.metrics["slot_steps"]) == (odd.tokens, odd.metrics["slot_steps"]), got.metrics
         check_moe_paths(mesh)
         print(f"mesh data={data} model={model}: tokens equal, sharded, {n_local} shard_maps: "
               f"{time.perf_counter() - t0:.1f} s", flush=True)

@@ -161,19 +161,24 @@ def _prepare(cfg, prompts, max_new_tokens, temperature, eos_ids, seed, max_cache
 def _run(models, prompts, args, plan: Plan):
     """Compiles (once per plan and shapes) and runs the loop: (per-prompt token lists, steps, Counters,
     throughput metrics). Models on a mesh of several devices (parallel.py) get the host arguments
-    on it: prompts and lengths split over "data" (where it divides the batch), the rest replicated."""
+    on it: prompts and lengths split over "data", the batch padded to a multiple of it with empty
+    prompts (rows that start done and are dropped from the outputs), the rest replicated."""
     graphdef, state = nnx.split(models)
     mesh = loop.loop_mesh(state)
+    B = len(prompts)
     if mesh is not None:
         tokens, lengths, *rest = args
+        pad = -B % mesh.shape["data"]  # rows the data axis lacks: empty prompts, done from the start
+        tokens = np.concatenate([tokens, np.zeros((pad, tokens.shape[1]), tokens.dtype)])
+        lengths = np.concatenate([lengths, np.zeros((pad,), lengths.dtype)])
         args = (parallel.put_rows(tokens, mesh), parallel.put_rows(lengths, mesh), *parallel.replicate(rest, mesh))
     args = (state, *args)
     exe, compile_s = loop.compiled(plan, graphdef, *args)
     t0 = time.perf_counter()
     out, n_out, steps, counters = jax.block_until_ready(exe(*args))
     seconds = time.perf_counter() - t0
-    out, n_out = np.asarray(out), np.asarray(n_out)
-    toks = [out[b, :n_out[b]].tolist() for b in range(len(prompts))]
+    out, n_out = np.asarray(out)[:B], np.asarray(n_out)[:B]
+    toks = [out[b, :n_out[b]].tolist() for b in range(B)]
     return toks, counters, metrics.throughput(int(steps), int(n_out.sum()), seconds, compile_s)
 
 

@@ -35,7 +35,8 @@ def layout(state: DecodeState, mesh) -> DecodeState:
 
 def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan: Plan, mesh=None) -> DecodeState:
     """Prefills the target (and the draft) with right-padded prompts tokens int32 [B, P] and draws
-    the first token; the state before the first step, laid out over `mesh` (`layout`)."""
+    the first token; the state before the first step, laid out over `mesh` (`layout`). Rows of
+    prompt length 0 (padding that a mesh's data axis needs: spec/decode.py) start done."""
     target, draft = models
     B = tokens.shape[0]
     cache = gpt_oss.init_cache(target, B, plan.cache_len, max_step_tokens=plan.step_tokens)
@@ -58,7 +59,8 @@ def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key
     n_out = jnp.ones((B,), jnp.int32)
     state = DecodeState(target_cache=target_cache, draft_cache=draft_cache, lengths=prompt_lengths, root=first,
                         h_root=h_root, out=jnp.zeros((B, plan.out_len), jnp.int32).at[:, 0].set(first), n_out=n_out,
-                        done=jnp.isin(first, eos_ids) | (n_out >= budget), budget=budget, eos_ids=eos_ids,
+                        done=jnp.isin(first, eos_ids) | (n_out >= budget) | (prompt_lengths == 0), budget=budget,
+                        eos_ids=eos_ids,
                         temperature=temperature, key=key, steps=jnp.zeros((), jnp.int32),
                         counters=Counters.zeros(plan.depth))
     return layout(state, mesh)

@@ -225,6 +225,9 @@ def noisy_state(target, draft, B, ctx, plan, sliding="ring"):
     if sliding not in SLIDING:
         raise ValueError(f"sliding: {sliding!r}, expected one of {SLIDING}")
     mesh = spec_loop.loop_mesh(nnx.state(target))
+    if mesh is not None and B % mesh.shape["data"]:
+        raise ValueError(f"batch {B}: not a multiple of the mesh's data axis ({mesh.shape['data']}), over which "
+                         "the timed state's rows are split")
     if mesh is not None:
         return jax.jit(lambda: spec_loop.layout(_noisy_state(target, draft, B, ctx, plan, sliding), mesh))()
     return _noisy_state(target, draft, B, ctx, plan, sliding)
