@@ -15,6 +15,11 @@ Scenarios: single (B=1, 1K), gates (B=1 32K and B=4 16K, chain3: what gates.py r
 --batch_sizes, default 4, at 1K), large (B=1 at --large_contexts), sweep (B=1 at --sweep_context over chains 1..5 and trees),
 stress (decode() end to end, B=16 ragged prompts, early eos).
 
+On a mesh (--mesh): each row's "collectives" counts the collective operations of one baseline step
+and one speculative step by kind (`timing.collectives`), and the JSON's "allreduce_seconds" gives
+one XLA all-reduce of a [rows, hidden] bf16 array over "model" (rows 1, 4, 16, 64), timed in the
+same run (`timing.allreduce_seconds`).
+
 Memory: each row's "memory" holds, for the baseline and the step loop (and each part's loop), the
 compiled program's buffers (`timing.program_memory`: argument, output, alias, temp, peak bytes) and
 the device allocator's figures after its first call (`timing.memory_stats`), and the allocator's
@@ -64,6 +69,7 @@ flags.register_validator("scenarios", lambda names: set(names) <= set(SCENARIOS)
 validate_shape_flags("sweep_shapes")
 
 PUBLISHED_TAU = (2.29, 2.68, 3.22)
+ALLREDUCE_ROWS = (1, 4, 16, 64)  # message rows of the all-reduce timed on a mesh (decode and verify sizes)
 
 
 def rows_for(name):
@@ -109,7 +115,8 @@ def measure(target, draft, bw, name, B, ctx, shape_name, base_cache):
                roofline_seconds=dict(baseline=base_bytes / bw, step=sb["total"] / bw, draft=sb["draft"] / bw,
                                      verify=sb["verify"] / bw, extend=sb["extend"] / bw),
                projected_speedup={f"{t:g}": t * t_base / sec["step"] for t in taus},
-               roofline_speedup={f"{t:g}": t * base_bytes / sb["total"] for t in taus}, memory=memory)
+               roofline_speedup={f"{t:g}": t * base_bytes / sb["total"] for t in taus}, memory=memory,
+               collectives=dict(baseline=base_mem.get("collectives"), step=r["memory"]["step"].get("collectives")))
     if name in FLAGS.dense_rows:  # the same row with full-length sliding-layer caches
         dense_mem = {}
         t_dense = time_baseline(target, B, ctx, FLAGS.iters, memory=dense_mem, sliding="dense")
@@ -124,7 +131,8 @@ def measure(target, draft, bw, name, B, ctx, shape_name, base_cache):
           f"({row['baseline_roofline_fraction']:.0%} of roofline)  step {sec['step'] * 1e3:7.2f} ms "
           f"({row['step_roofline_fraction']:.0%})  " + " ".join(f"{k} {v * 1e3:.2f}" for k, v in split.items()) +
           f"  proj@3.22 {row['projected_speedup']['3.22']:.2f}x roof@3.22 {row['roofline_speedup']['3.22']:.2f}x"
-          f"  {peak_text(memory)}")
+          f"  {peak_text(memory)}" + (f"  collectives base {sum(row['collectives']['baseline'].values())} step "
+                                     f"{sum(row['collectives']['step'].values())}" if per_device else ""))
     return row
 
 
@@ -202,6 +210,11 @@ def main(argv):
                   kv_bytes_per_token=kv_bytes_per_token(target), num_devices=1 if mesh is None else mesh.size,
                   mesh=None if mesh is None else dict(mesh.shape), num_processes=jax.process_count(),
                   tau_published=PUBLISHED_TAU, tau_trained=FLAGS.tau_trained, scenarios=rows)
+    if mesh is not None and mesh.shape["model"] > 1:  # what one all-reduce of the residual costs, in this run
+        result["allreduce_seconds"] = {str(n): timing.allreduce_seconds(mesh, n, cfg.hidden_size)
+                                       for n in ALLREDUCE_ROWS}
+        print("all-reduce of [rows, hidden] bf16 over model: " + ", ".join(
+            f"{n} rows {t * 1e6:.1f} us" for n, t in result["allreduce_seconds"].items()), flush=True)
     work = [args for sc in FLAGS.scenarios for args in (["stress"] if sc == "stress" else rows_for(sc))]
     bar = cli.bar(work, "scenarios", unit="row")
     for args in bar:

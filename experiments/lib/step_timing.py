@@ -133,8 +133,9 @@ def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3, *, a
     one copy of the caches. `args` (arrays fn reads and does not change) are not donated. A timed
     function must take every array as an argument (`compile_call` refuses a large closed-over one).
     With `memory` (a dict), fills it with "program": `timing.program_memory` of the loop's executable
-    (its argument, output, alias, temp and peak bytes) and "device": `timing.memory_stats()` after
-    its first call (the carry and parameters live; None on CPU).
+    (its argument, output, alias, temp and peak bytes), "device": `timing.memory_stats()` after
+    its first call (the carry and parameters live; None on CPU) and "collectives": the collective
+    operations an iteration makes (`timing.collectives`; zeros on one device).
     With `profile`, also the device kernel seconds per iteration by kernel family
     (`timing.kernel_group`, plus "launches": kernels per iteration; `iters` iterations); else {}."""
     def run(params, c, n, a):
@@ -160,7 +161,8 @@ def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3, *, a
 
     jax.block_until_ready(call(iters))  # warm
     if memory is not None:
-        memory.update(program=timing.program_memory(compiled), device=timing.memory_stats())
+        memory.update(program=timing.program_memory(compiled), device=timing.memory_stats(),
+                      collectives=timing.collectives(compiled))
     empty, n = best_of(0), iters
     full = best_of(n)
     while full < 2 * empty and n < 64 * iters:

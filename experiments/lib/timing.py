@@ -82,6 +82,44 @@ def program_memory(compiled) -> dict | None:
     return out
 
 
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def collectives(compiled) -> dict:
+    """Collective operations in a compiled program's HLO, by kind (COLLECTIVES; an async pair counts
+    once): for a program that is one jitted loop (`step_timing.loop_time`), the collectives one
+    iteration makes. Zeros on one device."""
+    text = compiled.as_text() or ""
+    return {op: len(re.findall(rf"\s{op}(?:-start)?\(", text)) for op in COLLECTIVES}
+
+
+def allreduce_seconds(mesh, rows: int, width: int, axis: str = "model", dtype=jnp.bfloat16, iters: int = 100,
+                      repeats: int = 3) -> float:
+    """Seconds of one XLA all-reduce (`lax.psum` over `axis` of `mesh`) of a [rows, width] array, as a
+    tensor-parallel layer makes it: n of them in one jitted fori_loop (`jax.shard_map`, the array
+    whole on each device), (best time of n - best time of none) / n, the trip count an argument."""
+    size = mesh.shape[axis]
+
+    def loop(x, n):
+        return jax.lax.fori_loop(0, n, lambda i, y: jax.lax.psum(y, axis) / size, x)
+
+    run = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec()),
+                                out_specs=jax.sharding.PartitionSpec(), check_vma=False))
+    x = jax.device_put(jnp.ones((rows, width), dtype), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+    def best(n):
+        n = jax.device_put(jnp.int32(n), x.sharding)
+        jax.block_until_ready(run(x, n))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(x, n))
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return (best(iters) - best(0)) / iters
+
+
 def gib(nbytes) -> str:
     """nbytes as 'X.XX GiB'; '-' for None."""
     return "-" if nbytes is None else f"{nbytes / 2**30:.2f} GiB"
