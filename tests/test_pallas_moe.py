@@ -323,6 +323,13 @@ def test_interpret_model_grouped_path_uses_kernel():
     got = nnx.jit(lambda m, *a: m._grouped(*a, interpret=True))(layer, x, ids, w)
     ref = nnx.jit(lambda m, *a: m._gathered(*a))(layer, x, ids, w)
     assert np.isfinite(np.asarray(got)).all() and _rel(got, ref) < 2e-3
+    # pairs with id -1 (experts held by another device) get no tile: as the same pairs with weight 0
+    skip = jnp.asarray(rng.random(ids.shape) < 0.4)
+    got = nnx.jit(lambda m, *a: m._grouped(*a, interpret=True))(layer, x, jnp.where(skip, -1, ids), w)
+    ref = nnx.jit(lambda m, *a: m._gathered(*a))(layer, x, ids, jnp.where(skip, 0.0, w))
+    assert np.isfinite(np.asarray(got)).all() and _rel(got, ref) < 2e-3
+    scan = nnx.jit(lambda m, *a: m._grouped(*a, kernel=False))(layer, x, jnp.where(skip, -1, ids), w)
+    assert _rel(scan, ref) < 2e-3
 
 
 def test_rejects_bad_input():

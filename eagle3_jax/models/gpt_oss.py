@@ -281,7 +281,10 @@ class MoE(nnx.Module):
         ids, w = self.route(x)
         if first_expert is not None:
             ids, held = self._held(ids, first_expert)
-            ids, w = jnp.clip(ids, 0, self.num_held - 1), jnp.where(held, w, 0.0)
+            if path == "grouped":  # pairs not held get no tile
+                ids = jnp.where(held, ids, -1)
+            else:  # a held expert's weights, weight 0
+                ids, w = jnp.clip(ids, 0, self.num_held - 1), jnp.where(held, w, 0.0)
         return getattr(self, "_" + path)(x, ids, w)
 
     @property
@@ -352,7 +355,8 @@ class MoE(nnx.Module):
         on bf16 activations on a GPU (or with interpret, in the Pallas interpreter) go through
         pallas.moe.mxfp4_moe_grouped: every tile at once, decoded in registers, on the tensor cores;
         otherwise (or with kernel=False) a scan over the tiles dequantizes each tile's expert and skips
-        empty tiles. No per-token copy of expert weights. Returns f32 [N, H]."""
+        empty tiles. No per-token copy of expert weights. Pairs with a negative id (expert parallel: an
+        expert held elsewhere) get no tile and add nothing. Returns f32 [N, H]."""
         N, H = x.shape
         E, P = self.num_held, ids.size
         ex = self.experts
@@ -364,17 +368,19 @@ class MoE(nnx.Module):
             kernel = select.moe_grouped(x, isinstance(ex, Mxfp4Experts), interpret) == "kernel"
         tm = group_tile(P, E, kernel)
         num_tiles = -(-P // tm) + E  # >= sum_e ceil(count_e / tm)
-        flat_e = ids.reshape(-1)
+        flat_e = jnp.where(ids < 0, E, ids).reshape(-1)  # skipped pairs: bucket E, sorted last, no tiles
         order = jnp.argsort(flat_e, stable=True)
         sorted_e = flat_e[order]
-        counts = jnp.bincount(flat_e, length=E)
+        counts = jnp.bincount(flat_e, length=E + 1)[:E]
         tiles_e = -(-counts // tm)
         tile_end = jnp.cumsum(tiles_e)
         first_tile = tile_end - tiles_e
         first_pair = jnp.cumsum(counts) - counts
-        dest = first_tile[sorted_e] * tm + jnp.arange(P) - first_pair[sorted_e]
-        rows = jnp.full((num_tiles * tm,), N, jnp.int32).at[dest].set((order // self.top_k).astype(jnp.int32))
-        row_w = jnp.zeros((num_tiles * tm,), F32).at[dest].set(w.reshape(-1)[order])
+        held_e = jnp.minimum(sorted_e, E - 1)
+        dest = jnp.where(sorted_e < E, first_tile[held_e] * tm + jnp.arange(P) - first_pair[held_e], num_tiles * tm)
+        rows = jnp.full((num_tiles * tm,), N, jnp.int32).at[dest].set((order // self.top_k).astype(jnp.int32),
+                                                                       mode="drop")
+        row_w = jnp.zeros((num_tiles * tm,), F32).at[dest].set(w.reshape(-1)[order], mode="drop")
         tile = jnp.arange(num_tiles)
         tile_expert = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right"), E - 1)
         x_pad = jnp.concatenate([x, jnp.zeros((1, H), x.dtype)])
@@ -385,7 +391,8 @@ class MoE(nnx.Module):
                 ex.down_blocks[...], ex.down_scales[...], ex.down_bias[...], limit=float(self.limit),
                 alpha=float(self.alpha), interpret=interpret)
             pos = jnp.zeros((P,), jnp.int32).at[order].set(dest.astype(jnp.int32))  # pair -> its tile row
-            return y.reshape(num_tiles * tm, H)[pos.reshape(ids.shape)].sum(axis=1)
+            y = jnp.concatenate([y.reshape(num_tiles * tm, H), jnp.zeros((1, H), y.dtype)])  # skipped pairs: 0
+            return y[pos.reshape(ids.shape)].sum(axis=1)
 
         def body(out, xs):
             r, rw, e, live = xs
