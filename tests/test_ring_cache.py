@@ -88,8 +88,9 @@ def test_rope_kernel_writes_the_ring(lengths, interpret):
     ref, kr_ref, vr_ref = rope_attention_reference(qkv, bias, cos, sin, kr, vr, L, pos, None, sinks, ring=True, **kw)
     got, kr2, vr2 = rope_attention(qkv, bias, cos, sin, jnp.copy(kr), jnp.copy(vr), L, pos, None, sinks, ring=True,
                                    interpret=interpret, **kw)
-    np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(want, np.float32), atol=2e-2)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=2e-2)
+    # bf16 outputs (|o| up to ~5, where one bf16 step is 0.03): a few steps apart at most
+    np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=2e-2, rtol=1e-2)
     np.testing.assert_array_equal(np.asarray(kr2, np.float32), np.asarray(kr_ref, np.float32))
     np.testing.assert_array_equal(np.asarray(vr2, np.float32), np.asarray(vr_ref, np.float32))
     for b, n in enumerate(lengths):  # the new tokens sit at their positions mod S, as in the dense cache
@@ -231,7 +232,7 @@ def test_kernels_on_gpt_oss_ring_shapes_gpu(B, Nq):
     kw = dict(num_heads=Hq, num_kv_heads=Hkv, window=W, scale=D ** -0.5, ring=True)
     ref, kref, vref = rope_attention_reference(qkv, bias, cos, sin, kr, vr, L, pos, mask, sinks, **kw)
     got, k2, v2 = rope_attention(qkv, bias, cos, sin, jnp.copy(kr), jnp.copy(vr), L, pos, mask, sinks, **kw)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=3e-2)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=3e-2, rtol=1e-2)
     np.testing.assert_array_equal(np.asarray(k2, np.float32), np.asarray(kref, np.float32))
     np.testing.assert_array_equal(np.asarray(v2, np.float32), np.asarray(vref, np.float32))
 
