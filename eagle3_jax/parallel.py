@@ -38,8 +38,7 @@ from eagle3_jax.checks import ArgumentError, int_arg
 from eagle3_jax.models import eagle3, gpt_oss
 from eagle3_jax.models.config import Eagle3Config, GptOssConfig
 from eagle3_jax.models.kv_cache import KVCache
-
-AXES = ("data", "model")
+from eagle3_jax.models.shards import AXES
 
 # GptOss parameters, "/"-joined path -> PartitionSpec (axes not named: replicated). Matched in order,
 # re.fullmatch; no match: replicated (norms, o_proj bias, router).
@@ -200,9 +199,9 @@ def constrain_replicated(x, mesh: Mesh):
 
 
 def put_rows(x, mesh: Mesh):
-    """A host array [B, ...] placed on `mesh`: rows over "data" where it divides B, else replicated."""
-    n = dict(mesh.shape)["data"]
-    return jax.device_put(x, NamedSharding(mesh, P("data") if np.shape(x)[0] % n == 0 else P()))
+    """A host array [B, ...] placed on `mesh` with its rows over "data" (B a multiple of it: spec/decode.py
+    pads the batch)."""
+    return jax.device_put(x, NamedSharding(mesh, P("data")))
 
 
 def replicate(x, mesh: Mesh):

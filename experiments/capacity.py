@@ -181,8 +181,8 @@ def cell(target, draft, ctx, mode, free_bytes, mesh=None):
     if free_bytes is not None:
         fit = state_bound(lambda n: state(n) <= free_bytes, hi)
         if fit < hi:
-            hi = known_bad = max(fit, lo)
-            known_bad += 1
+            hi = max(fit, lo)
+            known_bad = hi + 1
             bound_error = f"state {timing.gib(state(known_bad))} > {timing.gib(free_bytes)} free (not run)"
     best, bad, trials, note = search(lambda n: trial(target, draft, n * unit, ctx, mode, plan, mesh), start, lo, hi,
                                      FLAGS.max_trials, known_bad)

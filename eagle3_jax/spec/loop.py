@@ -60,8 +60,7 @@ def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key
     state = DecodeState(target_cache=target_cache, draft_cache=draft_cache, lengths=prompt_lengths, root=first,
                         h_root=h_root, out=jnp.zeros((B, plan.out_len), jnp.int32).at[:, 0].set(first), n_out=n_out,
                         done=jnp.isin(first, eos_ids) | (n_out >= budget) | (prompt_lengths == 0), budget=budget,
-                        eos_ids=eos_ids,
-                        temperature=temperature, key=key, steps=jnp.zeros((), jnp.int32),
+                        eos_ids=eos_ids, temperature=temperature, key=key, steps=jnp.zeros((), jnp.int32),
                         counters=Counters.zeros(plan.depth))
     return layout(state, mesh)
 
