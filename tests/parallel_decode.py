@@ -4,6 +4,9 @@ divide), and parameters, caches and state are split.
 
 Prints one line per mesh and "ok" at the end; any mismatch is an AssertionError (exit status 1)."""
 
+import collections
+import contextlib
+import functools
 import os
 import re
 import sys
@@ -21,7 +24,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from eagle3_jax import parallel  # noqa: E402
 from eagle3_jax.models import Eagle3Config, GptOssConfig, eagle3, gpt_oss  # noqa: E402
-from eagle3_jax.spec import decode, generate, loop  # noqa: E402
+from eagle3_jax.pallas import norm, select  # noqa: E402
+from eagle3_jax.spec import decode, generate, loop, step  # noqa: E402
 from eagle3_jax.spec.decode import pad_prompts  # noqa: E402
 from eagle3_jax.spec.state import Plan  # noqa: E402
 
@@ -108,6 +112,37 @@ def check_local(t, d, prompts):
     return n
 
 
+@contextlib.contextmanager
+def glue_kernels_interpreted():
+    """The GPU's glue kernels (the residual add + norm, tree_mask, accept) in the Pallas interpreter."""
+    saved = select.norm, norm.add_rms_norm, step.tree_mask, step.accept_greedy
+    select.norm = lambda x, platform=None: "kernel"
+    norm.add_rms_norm = functools.partial(saved[1], interpret=True)
+    step.tree_mask = functools.partial(saved[2], interpret=True)
+    step.accept_greedy = functools.partial(saved[3], interpret=True)
+    try:
+        yield
+    finally:
+        select.norm, norm.add_rms_norm, step.tree_mask, step.accept_greedy = saved
+
+
+def check_kernel_collectives(t, d, prompts):
+    """The Pallas glue kernels run on each device's rows: none of the compiled loop's collectives is
+    inside one (outside shard_map XLA gathers a kernel's rows: a collective per norm)."""
+    mesh, plan, graphdef, params, args = loop_inputs(t, d, prompts, topk=4, num_nodes=8)
+    with glue_kernels_interpreted(), loop.on_mesh(mesh):
+        text = jax.jit(lambda p, *a: loop.run(nnx.merge(graphdef, p), *a, plan, mesh)).trace(
+            params, *args).lower().compile().as_text()
+    seen = collections.Counter()
+    for line in text.splitlines():
+        op = re.search(r"\s(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)(?:-start)?\(", line)
+        if op:
+            name = re.search(r'op_name="([^"]*)"', line)
+            seen[name.group(1) if name else "?"] += 1
+    inside = [n for n in seen if re.search(r"/(add_rms_norm|tree_mask|accept_greedy)/", n)]
+    assert seen and not inside, inside
+
+
 def check_moe_paths(mesh):
     """Each MoE path, expert parallel over the mesh (models/shards.py), equals the one-device module:
     gathered (few pairs), dense and grouped (many), packed and dense experts."""
@@ -165,6 +200,8 @@ def main():
             got = decode(t, d, prompts[:3], NEW, **RUNS["tree"], **KW)
             assert (got.tokens, got.metrics["slot_steps"]) == (odd.tokens, odd.metrics["slot_steps"]), got.metrics
         check_moe_paths(mesh)
+        if data > 1:
+            check_kernel_collectives(t, d, prompts)
         print(f"mesh data={data} model={model}: tokens equal, sharded, {n_local} shard_maps: "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
     check_errors(prompts)

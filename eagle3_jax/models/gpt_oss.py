@@ -75,10 +75,13 @@ class RMSNorm(nnx.Module):
         return t.astype(x.dtype)
 
     def add(self, x, residual):
-        """(s, norm(s)) with s = x + residual rounded to x.dtype (residual None: s = x). One Pallas
-        kernel where `select.norm` says so (pallas/norm.py), where XLA runs up to three."""
+        """(s, norm(s)) with s = x + residual rounded to x.dtype (residual None: s = x); x [B, ...].
+        One Pallas kernel where `select.norm` says so (pallas/norm.py), where XLA runs up to three;
+        under a mesh each device runs it on its rows (XLA would gather a custom call's rows)."""
         if select.norm(x) == "kernel":
-            return norm_kernel.add_rms_norm(x, self.scale[...], residual, eps=self.eps)
+            run = functools.partial(norm_kernel.add_rms_norm, eps=self.eps)
+            rows = shards.ROWS
+            return shards.local(run, (rows, Spec(), rows), (rows, rows))(x, self.scale[...], residual)
         s = x if residual is None else x + residual.astype(x.dtype)
         return s, self(s)
 

@@ -60,7 +60,8 @@ def propose(draft, s: DecodeState, plan: Plan):
     sample = (keys(s)[1], s.temperature) if plan.proposal == "sample" else None
     tokens, parents, q = draft_tree(draft, s.draft_cache, L, s.root, s.h_root, depth=plan.depth, topk=plan.topk,
                                     num_nodes=plan.num_nodes, sample=sample)
-    bits, _, positions, _, _ = tree_mask(parents, L)
+    rows = shards.ROWS
+    bits, _, positions, _, _ = shards.local(tree_mask, (rows, rows), (rows,) * 5)(parents, L)
     return tokens, parents, bits, positions, q
 
 
@@ -83,7 +84,9 @@ def accept(tokens, parents, choice, plan: Plan):
     if not plan.depth:
         zero = jnp.zeros_like(choice[:, 0])
         return zero, zero[:, None], choice[:, 0]
-    acc, path, bonus = accept_greedy(tokens, parents, choice, max_depth=plan.depth)
+    rows = shards.ROWS
+    greedy = functools.partial(accept_greedy, max_depth=plan.depth)
+    acc, path, bonus = shards.local(greedy, (rows,) * 3, (rows,) * 3)(tokens, parents, choice)
     return acc, jnp.maximum(path, 0), bonus  # entries past acc only feed scratch slots
 
 
