@@ -201,6 +201,12 @@ def main(argv):
         plot(rows, FLAGS.plot)
         return
     mesh = cli.setup_devices()
+    work = [args for sc in FLAGS.scenarios for args in (["stress"] if sc == "stress" else rows_for(sc))]
+    data = 1 if mesh is None else mesh.shape["data"]
+    uneven = [f"{args[0]} (batch {args[1]})" for args in work if args != "stress" and args[1] % data]
+    if uneven:  # before the weights are made: the timed state's rows are split over "data"
+        raise ValueError(f"--scenarios: rows {', '.join(uneven)} have a batch that is not a multiple of the "
+                         f"mesh's data axis ({data}); choose scenarios or --batch_sizes that it divides")
     cfg = GptOssConfig.preset(FLAGS.preset)
     target, draft = random_pair(cfg, mesh)
     bw = timing.copy_bandwidth(FLAGS.copy_bytes)
@@ -215,7 +221,6 @@ def main(argv):
                                        for n in ALLREDUCE_ROWS}
         print("all-reduce of [rows, hidden] bf16 over model: " + ", ".join(
             f"{n} rows {t * 1e6:.1f} us" for n, t in result["allreduce_seconds"].items()), flush=True)
-    work = [args for sc in FLAGS.scenarios for args in (["stress"] if sc == "stress" else rows_for(sc))]
     bar = cli.bar(work, "scenarios", unit="row")
     for args in bar:
         bar.set_postfix_str(args if args == "stress" else f"{args[0]} {args[3]}")

@@ -19,10 +19,10 @@ def run(script, *args, env=()):
     return r.stdout
 
 
-def fails(script, *args, code=1):
+def fails(script, *args, code=1, env=()):
     """stderr of a script run that must exit with `code`."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *args], capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                       text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu", **dict(env)})
     assert r.returncode == code, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     return r.stderr
 
@@ -71,6 +71,11 @@ def test_bench_on_a_mesh(tmp_path):
         c = row["collectives"][loop]
         assert c["all-gather"] >= n_layers and c["all-reduce"] >= 2 * n_layers and c["collective-permute"] == 0, c
     assert set(r["allreduce_seconds"]) == {"1", "4", "16", "64"} and all(t > 0 for t in r["allreduce_seconds"].values())
+    # a batch-1 row on a data axis of 2: refused before any weights are made, in one line
+    err = fails("bench.py", "--preset", "tiny", "--mesh", "data=2", "--scenarios", "single,batch", "--batch_sizes",
+                "2,3", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert err.strip() == ("error: --scenarios: rows single (batch 1), batch3 (batch 3) have a batch that is not a "
+                           "multiple of the mesh's data axis (2); choose scenarios or --batch_sizes that it divides"), err
 
 
 def test_bench_baseline_writes_json(tmp_path):
