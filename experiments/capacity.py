@@ -92,11 +92,12 @@ def free_device() -> None:
 
 
 def trial(target, draft, B, ctx, mode, plan, mesh=None):
-    """One batch size: {batch, ok, seconds (per step), memory (loop_time's: program and device)} or
-    {batch, ok False, error (first line)} when the device ran out of memory, or {batch, ok False,
-    error, ran False} without running when the state alone is larger than the device's free memory
-    (an allocation that cannot succeed would otherwise still compile the step first). Other errors
-    propagate."""
+    """One batch size: {batch, ok, seconds (per step), memory (loop_time's: program and device), left}
+    or {batch, ok False, error (first line), left} when the device ran out of memory, or {batch, ok
+    False, error, ran False} without running when the state alone is larger than the device's free
+    memory (an allocation that cannot succeed would otherwise still compile the step first). left:
+    after the trial, the first device's bytes in use (None on CPU) and those live arrays hold. Other
+    errors propagate."""
     mem = timing.memory_stats()
     need = state_bytes(target, None if mode == "baseline" else draft, B, ctx, plan, mesh=mesh)
     if mem and "bytes_limit" in mem and need > mem["bytes_limit"] - mem["bytes_in_use"]:
@@ -115,6 +116,10 @@ def trial(target, draft, B, ctx, mode, plan, mesh=None):
             raise
         out = dict(batch=B, ok=False, error=first_line(e))
     free_device()
+    # what stays allocated for the next trial, and how much of it live arrays hold (a failed trial's
+    # state once stayed allocated on 2 H200s: docs/perf/multi_gpu.md)
+    out["left"] = dict(bytes_in_use=(timing.memory_stats() or {}).get("bytes_in_use"),
+                       live_array_bytes=timing.live_array_bytes())
     return out
 
 

@@ -108,6 +108,10 @@ def test_capacity_writes_rows(tmp_path):
         assert [t["batch"] for t in x["trials"]] == [1, 2, 4] and all(t["ok"] for t in x["trials"])
         assert x["peak_bytes"] == x["trials"][-1]["memory"]["program"]["peak"] > x["sequence_bytes"] * 4
         assert all(math.isfinite(t["seconds"]) for t in x["trials"])
+        # after each trial only the models stay: the same live bytes, whatever the batch (none in use on CPU)
+        left = [t["left"] for t in x["trials"]]
+        assert all(a == {"bytes_in_use": None, "live_array_bytes": left[0]["live_array_bytes"]} for a in left), left
+        assert left[0]["live_array_bytes"] > 0
     assert x["sequence_bytes"] > r["rows"][0]["sequence_bytes"]  # chain3 adds the draft's cache
     assert out.count("max B 4 ") == 2 and "cap reached" in out
 

@@ -63,6 +63,14 @@ def memory_stats(device=None) -> dict | None:
     return {k: int(s[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in s}
 
 
+def live_array_bytes(device=None) -> int:
+    """Bytes that live jax.Arrays (`jax.live_arrays()`) hold on `device` (default: the first local
+    device): against `memory_stats()["bytes_in_use"]`, what the allocator holds that no Python array
+    references."""
+    d = jax.local_devices()[0] if device is None else device
+    return sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards if s.device == d)
+
+
 def program_memory(compiled) -> dict | None:
     """A compiled program's buffers in bytes, from XLA's buffer assignment (`compiled.memory_analysis()`):
     "argument", "output", "alias" (outputs that reuse a donated argument's buffer), "temp" (scratch
