@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax.pallas.accept import (accept_greedy, accept_greedy_pallas, accept_greedy_reference, accept_sample,
-                                      accept_sample_pallas, accept_sample_reference)
+                                      accept_sample_pallas, accept_sample_reference, uniforms)
 
 
 def random_tree(rng, B, N, fan=3):
@@ -97,6 +97,16 @@ def test_sample_kernel_matches_reference_interpret(proposal, V, ov):
         out = accept_sample_pallas(tok, par, p, q, key, max_depth=6, proposal=proposal, interpret=True, **ov)
         for o, r in zip(out, ref):
             np.testing.assert_array_equal(np.asarray(o), np.asarray(r))
+        # the draws passed instead of the key (a device's rows of the batch's draws): the same outputs
+        u = uniforms(key, B, N)
+        for o, r in zip(accept_sample_pallas(tok, par, p, q, u, max_depth=6, proposal=proposal, interpret=True, **ov),
+                        ref):
+            np.testing.assert_array_equal(np.asarray(o), np.asarray(r))
+        first = accept_sample_reference(tok[:1], par[:1], p[:1], q[:1], u[:1], max_depth=6, proposal=proposal)
+        for o, r in zip(first, ref):
+            np.testing.assert_array_equal(np.asarray(o), np.asarray(r[:1]))
+    with pytest.raises(ValueError, match=r"uniforms of shape \(3, 12\), expected \[B, N \+ 1\] = \[3, 13\]"):
+        accept_sample_reference(tok, par, p, q, u[:, :-1], max_depth=6, proposal=proposal)
 
 
 def test_dispatch_cpu_is_reference():

@@ -17,9 +17,11 @@ the next sibling is tried; with no child left the bonus is drawn from r. The tok
 exactly as the target's whenever each draft was drawn from its q_x. proposal="sample": children are
 i.i.d. draws from q[c] (q [B, N, V]; a chain accepts with min(1, p/q), resamples from
 norm(max(p - q, 0))); proposal="deterministic": top-k children, q_x the point mass (a rejection removes
-x from r, EAGLE's evaluate_posterior; q unused). u = uniform(key, [B, N + 1]): child i's test uses
-u[:, i], the bonus (inverse CDF over r, rows taken as normalized) u[:, N]; kernel and reference draw
-the same u and agree token for token (up to float rounding of the cumulative sums at a boundary).
+x from r, EAGLE's evaluate_posterior; q unused). u = `uniforms(key, B, N)` = uniform(key, [B, N + 1]):
+child i's test uses u[:, i], the bonus (inverse CDF over r, rows taken as normalized) u[:, N]; kernel
+and reference draw the same u and agree token for token (up to float rounding of the cumulative sums
+at a boundary). `key` may also be u itself (f32 [B, N + 1]): a caller that splits the rows over
+devices draws u for the whole batch and hands each device its rows (spec/step.py).
 
 Kernels (Pallas Triton): greedy, one program a sequence on [N, N] tiles (`tree_mask.closure`);
 sampling, three launches: the walk (a sampled rejection is one pass over the vocabulary, shared by
@@ -136,15 +138,26 @@ def accept_greedy(tokens, parents, target, *, max_depth=None, interpret: bool | 
 # lossless sampling
 # ----------------------------------------------------------------------------------------------
 
-def _uniforms(key, B, N):
+def uniforms(key, B: int, N: int):
+    """The acceptance's draws for B sequences of N nodes: f32 [B, N + 1] = uniform(key, [B, N + 1])."""
     return jax.random.uniform(key, (B, N + 1), jnp.float32)
+
+
+def _uniforms(key, B, N):
+    """`uniforms(key, B, N)`, or key itself where it already is those draws (float [B, N + 1])."""
+    if not jnp.issubdtype(key.dtype, jnp.floating):
+        return uniforms(key, B, N)
+    if key.shape != (B, N + 1):
+        raise ValueError(f"accept_sample: uniforms of shape {key.shape}, expected [B, N + 1] = {[B, N + 1]}")
+    return key.astype(jnp.float32)
 
 
 def accept_sample_reference(tokens, parents, p, q, key, *, max_depth=None, proposal="sample"):
     """Plain-jnp lossless tree sampling (see the module docstring).
 
     tokens, parents int32 [B, N]; p float32 [B, N, V] target probabilities after each node; q float32
-    [B, N, V] draft probabilities at each node (None for proposal="deterministic"); key a PRNG key.
+    [B, N, V] draft probabilities at each node (None for proposal="deterministic"); key a PRNG key,
+    or the draws themselves (`uniforms`: f32 [B, N + 1]).
     Returns (accept_len [B], path [B, max_depth + 1], bonus [B]).
     """
     Dm = _check(tokens, parents, max_depth)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from eagle3_jax.models import eagle3, gpt_oss
 from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.models import shards
-from eagle3_jax.pallas.accept import accept_greedy, accept_sample
+from eagle3_jax.pallas.accept import accept_greedy, accept_sample, uniforms
 from eagle3_jax.pallas.kv_rewind import kv_rewind
 from eagle3_jax.pallas.tree_mask import tree_mask
 from eagle3_jax.spec.state import DecodeState, Plan
@@ -102,8 +102,10 @@ def accept_sampled(draft, logits, tokens, parents, q, key, temperature, plan: Pl
     """Proposal "sample": recursive rejection of drafts drawn from q with the target's p =
     softmax(logits / T); outputs as `accept`."""
     p = jax.nn.softmax(logits / temperature, axis=-1)
-    acc, path, bonus = accept_sample(tokens, parents, p, target_ids_q(draft, q), key, max_depth=plan.depth,
-                                     proposal="sample")
+    u = uniforms(key, *tokens.shape)  # the batch's draws; under a mesh each device takes its rows'
+    run = functools.partial(accept_sample, max_depth=plan.depth, proposal="sample")
+    rows = shards.ROWS
+    acc, path, bonus = shards.local(run, (rows,) * 5, (rows,) * 3)(tokens, parents, p, target_ids_q(draft, q), u)
     return acc, jnp.maximum(path, 0), bonus
 
 
