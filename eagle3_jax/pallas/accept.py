@@ -17,11 +17,9 @@ the next sibling is tried; with no child left the bonus is drawn from r. The tok
 exactly as the target's whenever each draft was drawn from its q_x. proposal="sample": children are
 i.i.d. draws from q[c] (q [B, N, V]; a chain accepts with min(1, p/q), resamples from
 norm(max(p - q, 0))); proposal="deterministic": top-k children, q_x the point mass (a rejection removes
-x from r, EAGLE's evaluate_posterior; q unused). u = `uniforms(key, B, N)` = uniform(key, [B, N + 1]):
-child i's test uses u[:, i], the bonus (inverse CDF over r, rows taken as normalized) u[:, N]; kernel
-and reference draw the same u and agree token for token (up to float rounding of the cumulative sums
-at a boundary). `key` may also be u itself (f32 [B, N + 1]): a caller that splits the rows over
-devices draws u for the whole batch and hands each device its rows (spec/step.py).
+x from r, EAGLE's evaluate_posterior; q unused). u = `uniforms(key, B, N)` (or `key` given as u, as
+spec/step.py hands each device its rows): child i's test uses u[:, i], the bonus (inverse CDF over r)
+u[:, N]; kernel and reference agree token for token (up to float rounding of sums at a boundary).
 
 Kernels (Pallas Triton): greedy, one program a sequence on [N, N] tiles (`tree_mask.closure`);
 sampling, three launches: the walk (a sampled rejection is one pass over the vocabulary, shared by
