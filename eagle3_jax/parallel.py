@@ -10,7 +10,8 @@ the mesh from the parameters (`mesh_of`) and lay the KV caches and the loop stat
 Parameters are placed by one table, `GPT_OSS_SHARDING` (path -> PartitionSpec; its comments say
 why), read through `param_spec` / `param_sharding`; what it does not name is replicated. The
 loaders (convert: `load_gpt_oss(..., mesh=)` and the others) place each parameter by the same table
-as they read it, shard by shard. The draft (`Eagle3`) is replicated, except the
+as they read it, shard by shard; `shard` and they end with `align_heads` (wqkv's columns in
+head-aligned blocks, so each device projects its own heads' q, k, v). The draft (`Eagle3`) is replicated, except the
 target's embedding or head where it borrows them (they keep the target's placement, one copy).
 KV caches [B, Hkv, S, D]: B over "data", Hkv over "model" (the draft's cache: B only, as its
 weights are replicated). Per-row state ([B, ...]: lengths, outputs, ...): B over "data".
@@ -29,6 +30,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
@@ -45,13 +47,12 @@ from eagle3_jax.models.shards import AXES
 GPT_OSS_SHARDING = (
     # embed, lm_head [V, H]: vocabulary rows (the embedding gather and the logits are split by id)
     (r"embed|lm_head", P("model", None)),
-    # wqkv [H, (Hq + 2 Hkv) * D]: columns in `model` contiguous blocks. The fused q|k|v axis does not
-    # split at head boundaries (model = 2, gpt-oss-120b: q heads 0-39 | q 40-63, k, v), so the
-    # projection's output [B, T, (Hq + 2 Hkv) * D] is gathered whole (one all-gather a layer) and each
-    # device takes its heads' columns (gpt_oss.Attention under a mesh; a head-aligned layout would
-    # need the model's columns permuted); the weights and the GEMM's work are split evenly, exactly.
-    # bqkv [(Hq + 2 Hkv) * D] stays whole (10 KB a layer): the devices slice it as they slice q|k|v.
+    # wqkv [H, (Hq + 2 Hkv) * D], bqkv: columns in `model` contiguous blocks, each one device's heads'
+    # q | k | v once `align_heads` has reordered them (in q|k|v order a block would not fall on head
+    # boundaries: model = 2, gpt-oss-120b: q heads 0-39 | q 40-63, k, v, and the projection's output
+    # would have to be gathered every layer). Each device's projection is then its own heads' q, k, v.
     (r"layers/\d+/self_attn/wqkv", P(None, "model")),
+    (r"layers/\d+/self_attn/bqkv", P("model")),
     (r"layers/\d+/self_attn/sinks", P("model")),  # [Hq]: one per query head, with its head
     (r"layers/\d+/self_attn/wo", P("model", None)),  # [Hq * D, H]: row parallel, rows = heads
     # experts (packed blocks, scales and biases, or dense): the leading E axis, expert parallel
@@ -149,7 +150,35 @@ def shard(module, mesh: Mesh):
     check_mesh(module.config, mesh)
     for path, var in variables(module):
         var.set_value(jax.device_put(var.get_value(), param_sharding(module, mesh, path)))
+    if isinstance(module, gpt_oss.GptOss):
+        align_heads(module, mesh)
     return module
+
+
+def align_heads(model: gpt_oss.GptOss, mesh: Mesh) -> gpt_oss.GptOss:
+    """Reorders each layer's wqkv / bqkv columns (placed by the table) into model-size head-aligned
+    blocks (`gpt_oss.qkv_order`: each device's contiguous block is its heads' q | k | v) and records
+    it (`Attention.qkv_blocks`), in place; a layer already in that order is left as it is. The
+    reorder runs on the devices (jit, the table's sharding out): no host or device holds a whole
+    matrix it would not hold anyway. `shard` and the loaders with mesh= end with it."""
+    M = model_size(mesh)
+    moves = {}
+    for i, layer in enumerate(model.layers):
+        att = layer.self_attn
+        if att.qkv_blocks == M:
+            continue
+        for name in ("wqkv", "bqkv"):
+            var = getattr(att, name)
+            if var is None:
+                continue
+            sharding = param_sharding(model, mesh, f"layers/{i}/self_attn/{name}")
+            key = (name, att.qkv_blocks)
+            if key not in moves:  # one program per array and order (every layer has the same shapes)
+                idx = att.qkv_reorder(M)
+                moves[key] = jax.jit(lambda a, idx=idx: jnp.take(a, idx, axis=-1), out_shardings=sharding)
+            var.set_value(moves[key](var.get_value()))
+        att.qkv_blocks = M
+    return model
 
 
 def mesh_of(tree) -> Mesh | None:

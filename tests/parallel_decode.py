@@ -60,7 +60,7 @@ def shard_shape(x):
 
 def check_params(t, d, data, model):
     """The large parameters are split over "model" (each device holds 1/model of them), the rest whole."""
-    split = {r"embed|lm_head": 0, r".*/self_attn/wqkv": 1, r".*/self_attn/(sinks|wo)": 0, r".*/mlp/experts/.*": 0}
+    split = {r"embed|lm_head": 0, r".*/self_attn/wqkv": 1, r".*/self_attn/(bqkv|sinks|wo)": 0, r".*/mlp/experts/.*": 0}
     seen = set()
     for path, var in parallel.variables(t):
         x = var.get_value()
@@ -72,6 +72,7 @@ def check_params(t, d, data, model):
         assert shard_shape(x) == tuple(want), (path, x.shape, shard_shape(x), x.sharding)
         assert len(x.sharding.device_set) == data * model, (path, x.sharding)
     assert seen == set(split), seen
+    assert all(layer.self_attn.qkv_blocks == model for layer in t.layers)  # each device's columns: its heads
     assert d.embed is t.embed and shard_shape(d.embed.get_value())[0] == CONFIG.vocab_size // model
     assert shard_shape(d.wqkv.get_value()) == d.wqkv.get_value().shape  # the draft's own weights: whole
     assert parallel.mesh_of((t, d)).shape == {"data": data, "model": model}
@@ -175,6 +176,10 @@ def check_errors(prompts):
     t = parallel.shard(gpt_oss.GptOss(CONFIG, dtype=jnp.float32, rngs=nnx.Rngs(0)), parallel.make_mesh(model=4))
     d = eagle3.Eagle3(DRAFT.replace(own_embed=True), dtype=jnp.float32, rngs=nnx.Rngs(1))
     raises(lambda: decode(t, d, prompts, NEW, **KW), r"not on the mesh .* parallel.shard")
+    # q|k|v columns in blocks for another model size than the mesh's (placed by hand, not by shard)
+    t.layers[1].self_attn.qkv_blocks = 2
+    raises(lambda: generate(t, prompts, NEW, **KW), r'wqkv columns in 2 head-aligned blocks under a mesh whose "model" '
+                                                    r"axis has 4 devices; place the model with parallel.shard")
 
 
 def main():

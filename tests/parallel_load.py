@@ -23,7 +23,7 @@ from parallel_util import raises  # noqa: E402
 
 from eagle3_jax import parallel  # noqa: E402
 from eagle3_jax.convert import (load_eagle3, load_gpt_oss, random_gpt_oss, restore_checkpoint,  # noqa: E402
-                                save_checkpoint)
+                                save_checkpoint, save_gpt_oss)
 from eagle3_jax.convert import safetensors_io as stio  # noqa: E402
 from eagle3_jax.models import GptOssConfig  # noqa: E402
 
@@ -66,7 +66,10 @@ def mesh_of(data, model):
 
 
 def same(got, want, what):
-    """Every variable of `got` equals `want`'s bitwise, with the same sharding (modules or pytrees)."""
+    """Every variable of `got` equals `want`'s bitwise, with the same sharding (modules or pytrees), and
+    a GptOss's q|k|v columns are in the same order."""
+    if hasattr(got, "layers"):
+        assert [x.self_attn.qkv_blocks for x in got.layers] == [x.self_attn.qkv_blocks for x in want.layers], what
     g, w = parallel.variables(got), parallel.variables(want)
     assert [p for p, _ in g] == [p for p, _ in w], what
     for (path, x), (_, y) in zip(g, w):
@@ -101,6 +104,15 @@ def check_reads(log, tensors, model, what):
                                                                        total.items() if v != tensors[k].nbytes})
 
 
+def check_written(model, tensors, path, what):
+    """save_gpt_oss of a model placed on a mesh writes exactly the checkpoint's tensors."""
+    save_gpt_oss(model, path)
+    written = stio.open_checkpoint(path)
+    assert set(written) == set(tensors), what
+    for key, info in tensors.items():
+        assert np.array_equal(written[key].load(), info.load()), (what, key)
+
+
 def check_gpt_oss(root):
     w = random_hf_weights(HF, seed=3)
     target = None
@@ -118,6 +130,8 @@ def check_gpt_oss(root):
                 same(got, want, (experts, data, model))
                 check_table(got, mesh, (experts, data, model))
                 check_reads(reads.log, tensors, model, (experts, data, model))
+                if dtype == jnp.bfloat16:  # written back from the mesh (q|k|v in head-aligned blocks): the same file
+                    check_written(got, tensors, os.path.join(root, "written"), (experts, data, model))
                 if experts == "mxfp4" and (data, model) == (1, 2) and dtype == jnp.float32:
                     target = (path, got)
         print(f"load_gpt_oss {experts}: meshes {MESHES} equal parallel.shard, byte ranges only: "
@@ -159,10 +173,13 @@ def check_eagle3(root, target_path, target):
           flush=True)
 
 
-def check_orbax(root, target):
+def check_orbax(root, target_path, target):
+    """target: a model on a (1, 2) mesh (its q|k|v columns head-aligned): saved, it restores to the
+    one-device load, and on a (2, 2) mesh to parallel.shard of that."""
     t0 = time.perf_counter()
     directory = os.path.join(root, "orbax")
     save_checkpoint(target, directory)
+    same(restore_checkpoint(directory), load_gpt_oss(target_path, dtype=jnp.float32, progress=False), "orbax")
     mesh = mesh_of(2, 2)
     same(restore_checkpoint(directory, mesh=mesh), parallel.shard(restore_checkpoint(directory), mesh), "orbax")
     bad = parallel.make_mesh(model=3, devices=jax.devices()[:3])
@@ -190,7 +207,7 @@ def main():
     with tempfile.TemporaryDirectory() as root:
         target_path, target = check_gpt_oss(root)
         check_eagle3(root, target_path, target)
-        check_orbax(root, target)
+        check_orbax(root, target_path, target)
     check_random()
     print("ok")
 

@@ -65,11 +65,12 @@ def test_bench_on_a_mesh(tmp_path):
     cfg = GptOssConfig.preset("tiny")
     assert row["bytes"]["baseline"] == roofline.target_bytes(cfg, 1, 1, row["context"], model=2)["total"] < \
         roofline.target_bytes(cfg, 1, 1, row["context"])["total"]
-    # a layer's 3 collectives (the q|k|v all-gather, o_proj's all-reduce, the MoE's psum) in each step
+    # a layer's 2 all-reduces (o_proj's, the MoE's psum) in each step; no all-gather a layer (each device
+    # projects its own heads' q|k|v: parallel.align_heads), a few for the argmax over the split vocabulary
     n_layers = cfg.num_hidden_layers
     for loop in ("baseline", "step"):
         c = row["collectives"][loop]
-        assert c["all-gather"] >= n_layers and c["all-reduce"] >= 2 * n_layers and c["collective-permute"] == 0, c
+        assert c["all-gather"] < n_layers and c["all-reduce"] >= 2 * n_layers and c["collective-permute"] == 0, c
     assert set(r["allreduce_seconds"]) == {"1", "4", "16", "64"} and all(t > 0 for t in r["allreduce_seconds"].values())
     # a batch-1 row on a data axis of 2: refused before any weights are made, in one line
     err = fails("bench.py", "--preset", "tiny", "--mesh", "data=2", "--scenarios", "single,batch", "--batch_sizes",

@@ -60,11 +60,11 @@ def test_sharding_table(experts):
     assert len(experts_params) == cfg.num_hidden_layers * (6 if experts == "mxfp4" else 4)
     for path, spec in specs.items():
         name = path.split("/")[-1]
-        if path in ("embed", "lm_head") or name in ("wo", "sinks") or path in experts_params:
+        if path in ("embed", "lm_head") or name in ("wo", "sinks", "bqkv") or path in experts_params:
             assert spec == P("model", None) or spec == P("model"), (path, spec)
         elif name == "wqkv":
             assert spec == P(None, "model"), (path, spec)
-        else:  # norms, the q|k|v and o_proj biases, the router
+        else:  # norms, the o_proj bias, the router
             assert spec == P(), (path, spec)
     # the draft: replicated, but the target's embedding keeps the target's placement
     d = Eagle3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -148,7 +148,7 @@ def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConf
     with stio.load_progress(tensors, progress, f"loading {name}") as bar:
         params.place_all(groups, lambda p: _param(state, p),
                          lambda p: parallel.param_sharding(abstract, mesh, "/".join(map(str, p))), bar)
-    return nnx.merge(graphdef, state)
+    return parallel.align_heads(nnx.merge(graphdef, state), mesh)
 
 
 def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16, mesh=None) -> GptOss:
@@ -160,7 +160,20 @@ def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16, mesh
         return gpt_oss.random_gpt_oss(config, seed, dtype)
     parallel.check_mesh(config, mesh)
     spec = lambda p: NamedSharding(mesh, parallel.gpt_oss_spec(p))  # noqa: E731
-    return gpt_oss.random_gpt_oss(config, seed, dtype, shardings=spec)
+    return parallel.align_heads(gpt_oss.random_gpt_oss(config, seed, dtype, shardings=spec), mesh)
+
+
+def _qkv_in_order(model: GptOss):
+    """The model's nnx state with each layer's wqkv / bqkv columns in q|k|v order (a model placed on a
+    mesh holds them in head-aligned blocks: `parallel.align_heads`); what the writers store."""
+    state = nnx.clone(nnx.state(model))
+    for i, layer in enumerate(model.layers):
+        att = layer.self_attn
+        for name in ("wqkv", "bqkv"):
+            if getattr(att, name) is not None and att.qkv_blocks != 1:
+                var = state["layers"][i]["self_attn"][name]
+                var.set_value(att.qkv_columns(var.get_value()))
+    return state
 
 
 def save_gpt_oss(model: GptOss, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
@@ -169,7 +182,7 @@ def save_gpt_oss(model: GptOss, path: str | os.PathLike, max_shard_bytes: int = 
     as stored."""
     cfg = model.config
     os.makedirs(path, exist_ok=True)
-    state = nnx.state(model)
+    state = _qkv_in_order(model)
     shards, cur, size = [], {}, 0
     for e in entries(cfg):
         a = params.columns(_param(state, e.path).get_value(), e.cols)
@@ -213,7 +226,7 @@ def save_checkpoint(model: GptOss, directory: str | os.PathLike) -> None:
     with open(os.path.join(directory, "eagle3_jax.json"), "w") as f:
         json.dump(meta, f, indent=1)
     with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(os.path.join(directory, "state"), nnx.to_pure_dict(nnx.state(model)), force=True)
+        ckpt.save(os.path.join(directory, "state"), nnx.to_pure_dict(_qkv_in_order(model)), force=True)
 
 
 def restore_checkpoint(directory: str | os.PathLike, mesh=None) -> GptOss:
@@ -240,11 +253,14 @@ def restore_checkpoint(directory: str | os.PathLike, mesh=None) -> GptOss:
         parallel.check_mesh(config, mesh)
     abstract = nnx.eval_shape(lambda: GptOss(config, dtype=jnp.dtype(meta["dtype"]), rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    sharding = (lambda p: None) if mesh is None else (lambda p: parallel.param_sharding(abstract, mesh, p))
+    # without a mesh: the default device (orbax would otherwise restore the placement it was saved from)
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    sharding = (lambda p: one) if mesh is None else (lambda p: parallel.param_sharding(abstract, mesh, p))
     target = jax.tree_util.tree_map_with_path(
         lambda p, v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding(parallel.path_name(p))),
         nnx.to_pure_dict(state))
     with ocp.StandardCheckpointer() as ckpt:
         restored = ckpt.restore(os.path.join(directory, "state"), target)
     nnx.replace_by_pure_dict(state, restored)
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    return model if mesh is None else parallel.align_heads(model, mesh)

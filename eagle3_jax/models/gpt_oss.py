@@ -100,15 +100,30 @@ def qkv_rope(qkv, bias, cos, sin, num_heads, num_kv_heads, head_dim):
     return qk[:, :, :num_heads], qk[:, :, num_heads:], v.reshape(B, T, num_kv_heads, head_dim)
 
 
+def qkv_order(num_heads: int, num_kv_heads: int, head_dim: int, blocks: int) -> np.ndarray:
+    """Column order of the fused q|k|v axis in `blocks` head-aligned blocks: int [(Hq + 2 Hkv) * D],
+    entry i the q|k|v-order column that column i holds. Block m (the m-th of `blocks` equal
+    contiguous ranges) holds q heads m·Hq/blocks.., then k and v heads m·Hkv/blocks..: one device's
+    heads when "model" splits the columns into `blocks` (blocks = 1: q|k|v, the identity)."""
+    D, hq, hkv = head_dim, num_heads // blocks, num_kv_heads // blocks
+    nq, nk = num_heads * D, num_kv_heads * D
+    return np.concatenate([np.arange(start, start + n) for m in range(blocks) for start, n in
+                           ((m * hq * D, hq * D), (nq + m * hkv * D, hkv * D), (nq + nk + m * hkv * D, hkv * D))])
+
+
 class Attention(nnx.Module):
     """Weights in [in, out] layout: wqkv [H, (Hq + 2 Hkv) * D] (q, k, v columns side by side),
     wo [Hq*D, H]; biases bqkv, bo; sinks f32 [Hq]. q, k and v share one matrix so that a single token
     is one GEMM: XLA on GPUs turns a one-row dot with a small matrix (k, v: [2880, 512]) into a
-    multiply that writes every product plus a reduce (docs/perf/glue.md: 9.8 against 24.7 us)."""
+    multiply that writes every product plus a reduce (docs/perf/glue.md: 9.8 against 24.7 us).
+    qkv_blocks: the columns of wqkv and bqkv in `qkv_order(..., qkv_blocks)`: 1 (q|k|v) on one
+    device; a model placed on a mesh (`parallel.shard` and the loaders with mesh=) holds them in
+    model-size head-aligned blocks, so that each device's columns are its own heads' q, k and v."""
 
     def __init__(self, cfg: GptOssConfig, layer: int, dtype, rngs: nnx.Rngs):
         H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         self.window = cfg.window(layer)
+        self.qkv_blocks = 1
         self.num_heads, self.num_kv_heads, self.head_dim = Hq, Hkv, D
         bias = (lambda n: nnx.Param(normal(rngs, (n,), 0.02, dtype))) if cfg.attention_bias else (lambda n: None)
         self.wqkv = nnx.Param(normal(rngs, (H, (Hq + 2 * Hkv) * D), H ** -0.5, dtype))
@@ -125,9 +140,8 @@ class Attention(nnx.Module):
         lengths .. lengths + T - 1; caches of length 0 (no cache) are returned as they are).
         ring: the caches are this sliding layer's ring (models/kv_cache.py). n_write int32 [B] (prefill
         chunks): on a ring, only the first n_write[b] tokens are written, after attention has read it.
-        Under a mesh (models/shards.py) each device attends with its rows and heads: the projection's
-        column blocks are gathered (one all-gather of [B, T, (Hq + 2 Hkv) D]; the contiguous blocks of
-        wqkv do not fall on head boundaries), each device takes its heads' q, k and v columns, and
+        Under a mesh (models/shards.py) each device attends with its rows and heads: its block of
+        the projection's columns is its heads' q, k and v (qkv_blocks = the "model" size), and
         o_proj's row-parallel GEMM sums the heads (XLA's all-reduce)."""
         B, T, _ = x.shape
         bqkv = None if self.bqkv is None else self.bqkv[...]
@@ -135,30 +149,35 @@ class Attention(nnx.Module):
         kernel = select.target_attention(x, k_cache) == "rope_kernel"
         attend = functools.partial(self._attend, kernel=kernel, ring=ring)
         if shards.mesh() is None:
+            if self.qkv_blocks > 1:  # a model placed on a mesh, run without it: back to q|k|v order
+                qkv, bqkv = self.qkv_columns(qkv), None if bqkv is None else self.qkv_columns(bqkv)
             o, k_cache, v_cache = attend(qkv, bqkv, self.sinks[...], cos, sin, k_cache, v_cache, lengths, positions,
                                          mask, n_write, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
         else:
-            M, D = shards.model_size(), self.head_dim
-            hq, hkv = self.num_heads // M, self.num_kv_heads // M
-            nq, nk = self.num_heads * D, self.num_kv_heads * D
-
-            def mine(a):
-                """[..., (Hq + 2 Hkv) D] -> this device's [q | k | v] columns: its hq query and hkv kv heads."""
-                m = jax.lax.axis_index(shards.MODEL)
-                return jnp.concatenate([jax.lax.dynamic_slice_in_dim(a, start, n, axis=-1) for start, n in
-                                        ((m * hq * D, hq * D), (nq + m * hkv * D, hkv * D),
-                                         (nq + nk + m * hkv * D, hkv * D))], axis=-1)
-
-            def body(qkv, bqkv, *args):
-                return attend(mine(qkv), None if bqkv is None else mine(bqkv), *args, num_heads=hq, num_kv_heads=hkv)
-
-            rows = shards.ROWS
-            # qkv whole on each device of a row (one all-gather of the projection's column blocks)
+            M = shards.model_size()
+            if self.qkv_blocks != M:
+                raise ValueError(f"Attention: wqkv columns in {self.qkv_blocks} head-aligned blocks under a mesh whose "
+                                 f'"model" axis has {M} devices; place the model with parallel.shard(model, mesh)')
+            attend = functools.partial(attend, num_heads=self.num_heads // M, num_kv_heads=self.num_kv_heads // M)
+            rows, cols = shards.ROWS, Spec(shards.DATA, None, shards.MODEL)
             o, k_cache, v_cache = shards.local(
-                body, (rows, Spec(), Spec(shards.MODEL), rows, rows, shards.HEADS, shards.HEADS, rows, rows, rows, rows),
-                (Spec(shards.DATA, None, shards.MODEL), shards.HEADS, shards.HEADS),
+                attend, (cols, Spec(shards.MODEL), Spec(shards.MODEL), rows, rows, shards.HEADS, shards.HEADS, rows,
+                         rows, rows, rows),
+                (cols, shards.HEADS, shards.HEADS),
             )(qkv, bqkv, self.sinks[...], cos, sin, k_cache, v_cache, lengths, positions, mask, n_write)
         return self._proj(o.reshape(B, T, -1), self.wo, self.bo), k_cache, v_cache
+
+    def qkv_columns(self, a, blocks: int = 1):
+        """a [..., (Hq + 2 Hkv) * D] in this module's column order -> the same in `qkv_order(..., blocks)`
+        (default: q|k|v)."""
+        if blocks == self.qkv_blocks:
+            return a
+        return jnp.take(a, self.qkv_reorder(blocks), axis=-1)
+
+    def qkv_reorder(self, blocks: int) -> np.ndarray:
+        """Indices taking columns in this module's order to `qkv_order(..., blocks)`: new = a[..., idx]."""
+        order = qkv_order(self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_blocks)
+        return np.argsort(order)[qkv_order(self.num_heads, self.num_kv_heads, self.head_dim, blocks)]
 
     def _attend(self, qkv, bqkv, sinks, cos, sin, k_cache, v_cache, lengths, positions, mask, n_write, *,
                 num_heads, num_kv_heads, kernel, ring):
