@@ -8,6 +8,8 @@ import sys
 import numpy as np
 import pytest
 
+from eagle3_jax.models import GptOssConfig
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))  # the scripts, and their shared modules in experiments/lib
 
@@ -59,7 +61,6 @@ def test_bench_on_a_mesh(tmp_path):
     r = json.loads(path.read_text())
     row = r["scenarios"][0]
     assert r["num_devices"] == 2 and r["mesh"] == {"data": 1, "model": 2} and row["step_seconds"]["step"] > 0
-    from eagle3_jax.models import GptOssConfig
     from lib import roofline  # the roofline of one device: its half of the split weights and K/V
 
     cfg = GptOssConfig.preset("tiny")
@@ -77,6 +78,27 @@ def test_bench_on_a_mesh(tmp_path):
                 "2,3", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     assert err.strip() == ("error: --scenarios: rows single (batch 1), batch3 (batch 3) have a batch that is not a "
                            "multiple of the mesh's data axis (2); choose scenarios or --batch_sizes that it divides"), err
+
+
+def test_bench_tp_rows(tmp_path):
+    # tp 1 and 2 over two fake CPU devices: a row each, the ratio against tp 1 of the same run
+    path = tmp_path / "tp.json"
+    out = run("bench_tp.py", "--preset", "tiny", "--tp", "1,2", "--batch_sizes", "2", "--context", "64", "--iters",
+              "1", "--allreduce_rows", "1,4", "--copy_bytes", "1000000", "--noprogress", "--out", str(path),
+              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    r = json.loads(path.read_text())
+    assert r["num_devices"] == 2 and [(x["tp"], x["batch"]) for x in r["rows"]] == [(1, 2), (2, 2)]
+    for x in r["rows"]:
+        assert x["ms_per_token"] > 0 and x["step_ms"] > 0 and x["tokens_per_second"] == pytest.approx(x["batch"] / x["ms_per_token"] * 1e3)
+        one = next(y for y in r["rows"] if y["tp"] == 1 and y["batch"] == x["batch"])
+        assert x["speedup_vs_tp1"] == pytest.approx(one["ms_per_token"] / x["ms_per_token"])
+        layers = GptOssConfig.preset("tiny").num_hidden_layers  # o_proj's and the MoE's all-reduce a layer at tp 2
+        assert sum(x["collectives"]["baseline"].values()) == (0 if x["tp"] == 1 else pytest.approx(2 * layers, abs=3))
+    assert [(a["tp"], a["rows"]) for a in r["allreduce"]] == [(2, 1), (2, 4)] and all(a["xla_us"] > 0 for a in r["allreduce"])
+    assert "tp=2 B=2 " in out and "x tp1)" in out
+    # a degree the devices cannot hold, refused before any model is made
+    err = fails("bench_tp.py", "--preset", "tiny", "--tp", "1,4", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert err.strip() == "error: --tp: 4 devices, but 2 available", err
 
 
 def test_bench_baseline_writes_json(tmp_path):

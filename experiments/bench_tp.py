@@ -1,0 +1,117 @@
+"""Tensor-parallel decode of gpt-oss-120b at several model-axis sizes, one process, one run.
+
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python experiments/bench_tp.py --tp 1,2,4 --batch_sizes 1,4,16 \
+      --out experiments/results/tp_decode_<device>.json
+
+For each tensor-parallel degree in --tp (1: one device; n: a (data 1, model n) mesh of the first n
+devices, `parallel.make_mesh`), packed random gpt-oss-120b weights and a random draft of the
+published EAGLE-3 shape are made on those devices (`step_timing.random_pair`), then for each batch
+in --batch_sizes at --context committed tokens: the baseline step (one token a sequence; its time is
+the ms a token each sequence sees) and the speculative step of --shape, each timed as bench.py times
+them (`step_timing.time_baseline`, `time_step`: a jitted loop, the call's own cost taken off), with
+the collectives each step makes (`timing.collectives`). With n > 1 also one XLA all-reduce of a
+[rows, hidden] bf16 array over the n devices (`timing.allreduce_seconds`), for each of
+--allreduce_rows. The models of one degree are freed before the next is made, so one GPU must hold
+the whole model at tp 1 (gpt-oss-120b: 62.4 GiB).
+
+Rows {"tp", "batch", "ms_per_token", "tokens_per_second", "step_ms", "speedup_vs_tp1" (tp 1's
+ms_per_token at the same batch over this one, both from this run; None before tp 1 has run), "projected_speedup" (tau x
+baseline / step at the published tau), "collectives"}; "allreduce": [{"tp", "rows", "xla_us"}]. The
+JSON is written after every row: a run cut short keeps what it measured.
+"""
+
+import gc
+
+from absl import flags
+
+import jax
+
+from eagle3_jax import parallel
+from eagle3_jax.models import GptOssConfig
+from lib import cli, timing
+from lib.step_timing import parse_shape, random_pair, time_baseline, time_step
+
+flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
+flags.DEFINE_list("tp", ["1", "2", "4"], "tensor-parallel degrees (the mesh's model axis), in order")
+flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "batches timed at each degree")
+flags.DEFINE_integer("context", 2048, "committed tokens per sequence")
+flags.DEFINE_string("shape", "chain3", "draft shape of the speculative step")
+flags.DEFINE_list("allreduce_rows", ["1", "4", "16", "64"], "rows of the all-reduce timed alone at each tp > 1")
+flags.DEFINE_integer("iters", 6, "steps per timed loop")
+flags.DEFINE_integer("copy_bytes", 1 << 30, "buffer size of the copy-bandwidth measurement (first device)")
+flags.DEFINE_string("out", None, "JSON output path")
+cli.progress_flag()
+FLAGS = flags.FLAGS
+positive = lambda xs: all(x.isdigit() and int(x) > 0 for x in xs)  # noqa: E731
+for name in ("tp", "batch_sizes", "allreduce_rows"):
+    flags.register_validator(name, positive, "expected positive integers")
+
+
+def _shape_ok(s):
+    try:
+        parse_shape(s)
+    except ValueError as e:
+        raise flags.ValidationError(str(e)) from e
+    return True
+
+
+flags.register_validator("shape", _shape_ok)
+
+PUBLISHED_TAU = (2.29, 2.68, 3.22)
+
+
+def degree(cfg, tp: int, batches, shape, result, base_ms):
+    """Times every batch at one degree, appending to result["rows"] (and result["allreduce"])."""
+    mesh = None if tp == 1 else parallel.make_mesh(model=tp, devices=jax.devices()[:tp])
+    target, draft = random_pair(cfg, mesh)
+    if mesh is not None:
+        for rows in map(int, FLAGS.allreduce_rows):
+            t = timing.allreduce_seconds(mesh, rows, cfg.hidden_size)
+            result["allreduce"].append(dict(tp=tp, rows=rows, xla_us=t * 1e6))
+        cli.write(f"tp={tp} all-reduce: " + ", ".join(f"{a['rows']} rows {a['xla_us']:.1f} us"
+                                                     for a in result["allreduce"] if a["tp"] == tp))
+    for B in batches:
+        base_mem = {}
+        t_base = time_baseline(target, B, FLAGS.context, FLAGS.iters, memory=base_mem)
+        r = time_step(target, draft, B, shape, FLAGS.context, FLAGS.iters, parts=False)
+        t_step = r["seconds"]["step"]
+        if tp == 1:
+            base_ms[B] = t_base * 1e3
+        ref = base_ms.get(B)
+        row = dict(tp=tp, batch=B, context=FLAGS.context, shape=FLAGS.shape, ms_per_token=t_base * 1e3,
+                   tokens_per_second=B / t_base, step_ms=t_step * 1e3,
+                   speedup_vs_tp1=None if ref is None else ref / (t_base * 1e3),
+                   projected_speedup={f"{tau:g}": tau * t_base / t_step for tau in PUBLISHED_TAU},
+                   collectives=dict(baseline=base_mem.get("collectives"),
+                                    step=r["memory"]["step"].get("collectives")))
+        result["rows"].append(row)
+        timing.write_json(FLAGS.out, result)
+        vs = "" if row["speedup_vs_tp1"] is None else f" ({row['speedup_vs_tp1']:.2f}x tp1)"
+        cli.write(f"tp={tp} B={B:<3} {row['ms_per_token']:7.2f} ms a token{vs}  {FLAGS.shape} step "
+                  f"{row['step_ms']:7.2f} ms  proj@3.22 {row['projected_speedup']['3.22']:.2f}x  collectives "
+                  f"{sum((row['collectives']['baseline'] or {}).values())}")
+    del target, draft
+    gc.collect()
+    jax.clear_caches()
+
+
+def main(argv):
+    del argv
+    tps, batches = [int(t) for t in FLAGS.tp], [int(b) for b in FLAGS.batch_sizes]
+    cfg = GptOssConfig.preset(FLAGS.preset)
+    for tp in tps:  # every degree checked before any model is made
+        if tp > jax.device_count():
+            raise ValueError(f"--tp: {tp} devices, but {jax.device_count()} available")
+        parallel.check_mesh(cfg, parallel.make_mesh(model=tp, devices=jax.devices()[:tp]))
+    result = dict(timing.device_info(), preset=FLAGS.preset, num_devices=jax.device_count(), context=FLAGS.context,
+                  shape=FLAGS.shape, iters=FLAGS.iters, tau_published=PUBLISHED_TAU,
+                  copy_bandwidth=timing.copy_bandwidth(FLAGS.copy_bytes), rows=[], allreduce=[])
+    cli.write(f"copy bandwidth {result['copy_bandwidth'] / 1e12:.2f} TB/s")
+    base_ms = {}
+    for tp in cli.bar(tps, "degrees", unit="tp"):
+        degree(cfg, tp, batches, parse_shape(FLAGS.shape), result, base_ms)
+    timing.write_json(FLAGS.out, result)
+
+
+if __name__ == "__main__":
+    cli.run(main)
