@@ -11,8 +11,9 @@ Parameters are placed by one table, `GPT_OSS_SHARDING` (path -> PartitionSpec; i
 why), read through `param_spec` / `param_sharding`; what it does not name is replicated. The
 loaders (convert: `load_gpt_oss(..., mesh=)` and the others) place each parameter by the same table
 as they read it, shard by shard; `shard` and they end with `align_heads` (wqkv's columns in
-head-aligned blocks, so each device projects its own heads' q, k, v). The draft (`Eagle3`) is replicated, except the
-target's embedding or head where it borrows them (they keep the target's placement, one copy).
+head-aligned blocks, so each device projects its own heads' q, k, v). The draft (`Eagle3`) is
+replicated, except the target's embedding or head where it borrows them (they keep the target's
+placement, one copy).
 KV caches [B, Hkv, S, D]: B over "data", Hkv over "model" (the draft's cache: B only, as its
 weights are replicated). Per-row state ([B, ...]: lengths, outputs, ...): B over "data".
 

@@ -89,15 +89,19 @@ def test_bench_tp_rows(tmp_path):
     r = json.loads(path.read_text())
     assert r["num_devices"] == 2 and [(x["tp"], x["batch"]) for x in r["rows"]] == [(1, 2), (2, 2)]
     for x in r["rows"]:
-        assert x["ms_per_token"] > 0 and x["step_ms"] > 0 and x["tokens_per_second"] == pytest.approx(x["batch"] / x["ms_per_token"] * 1e3)
+        assert x["ms_per_token"] > 0 and x["step_ms"] > 0
+        assert x["tokens_per_second"] == pytest.approx(x["batch"] / x["ms_per_token"] * 1e3)
         one = next(y for y in r["rows"] if y["tp"] == 1 and y["batch"] == x["batch"])
         assert x["speedup_vs_tp1"] == pytest.approx(one["ms_per_token"] / x["ms_per_token"])
-        layers = GptOssConfig.preset("tiny").num_hidden_layers  # o_proj's and the MoE's all-reduce a layer at tp 2
-        assert sum(x["collectives"]["baseline"].values()) == (0 if x["tp"] == 1 else pytest.approx(2 * layers, abs=3))
-    assert [(a["tp"], a["rows"]) for a in r["allreduce"]] == [(2, 1), (2, 4)] and all(a["xla_us"] > 0 for a in r["allreduce"])
+        # tp 2: o_proj's and the MoE's all-reduce a layer, a few for the embedding and the argmax
+        n, layers = sum(x["collectives"]["baseline"].values()), GptOssConfig.preset("tiny").num_hidden_layers
+        assert n == 0 if x["tp"] == 1 else 2 * layers <= n <= 2 * layers + 3, (x["tp"], n)
+    assert [(a["tp"], a["rows"]) for a in r["allreduce"]] == [(2, 1), (2, 4)]
+    assert all(a["xla_us"] > 0 for a in r["allreduce"])
     assert "tp=2 B=2 " in out and "x tp1)" in out
     # a degree the devices cannot hold, refused before any model is made
-    err = fails("bench_tp.py", "--preset", "tiny", "--tp", "1,4", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    err = fails("bench_tp.py", "--preset", "tiny", "--tp", "1,4",
+                env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     assert err.strip() == "error: --tp: 4 devices, but 2 available", err
 
 
