@@ -10,6 +10,7 @@ buffer sizes, in bytes.
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import time
@@ -68,7 +69,9 @@ def live_array_bytes(device=None) -> int:
     device): against `memory_stats()["bytes_in_use"]`, what the allocator holds that no Python array
     references."""
     d = jax.local_devices()[0] if device is None else device
-    return sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards if s.device == d)
+    # from each array's shard shape: reading its shards' data would make new (aliasing) live arrays
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * getattr(a.dtype, "itemsize", 0)
+               for a in jax.live_arrays() if d in a.sharding.device_set)
 
 
 def program_memory(compiled) -> dict | None:
