@@ -204,6 +204,19 @@ def cell(target, draft, ctx, mode, free_bytes, mesh=None):
                 trials=trials)
 
 
+def held_after(trials, after_weights, slack=1 << 30) -> str | None:
+    """A warning when the device holds more than `slack` bytes beyond what it held after the weights
+    once the cell's last trial that ran is over (later cells then see less free memory), else None."""
+    left = next((t["left"] for t in reversed(trials) if "left" in t), None)
+    if not left or left["bytes_in_use"] is None or not after_weights:
+        return None
+    extra = left["bytes_in_use"] - after_weights["bytes_in_use"]
+    if extra <= slack:
+        return None
+    return (f"{timing.gib(extra)} more in use than after the weights once this cell is over (live arrays hold "
+            f"{timing.gib(left['live_array_bytes'])}): later cells see less free memory")
+
+
 def main(argv):
     del argv
     if FLAGS.max_batch < FLAGS.min_batch:
@@ -240,6 +253,9 @@ def main(argv):
                   f"predicted {r['predicted_batch'] if r['predicted_batch'] is not None else '-'}  "
                   f"{r['note']}  trials {tried}"
                   + (f"\n  {r['failed_error']}" if r["failed_error"] else ""))
+        kept = held_after(r["trials"], mem)
+        if kept:
+            cli.write(f"  {kept}")
         timing.write_json(FLAGS.out, result)  # after every cell: a run cut short keeps what it found
     timing.write_json(FLAGS.out, result)
 

@@ -80,6 +80,11 @@ print(capacity.search(fits, 1, 1, 1000, 3)[:2])
 print(capacity.search(fits, 30, 1, 40, 20, known_bad=41)[::3], capacity.search(fits, 20, 1, 35, 20, 36)[:2])
 print(capacity.state_bound(lambda B: 3 * B <= 100, 1000), capacity.state_bound(lambda B: False, 10),
       capacity.state_bound(lambda B: True, 10))
+G, weights = 1 << 30, dict(bytes_in_use=34 << 30)  # the warning on memory a cell leaves held (last trial that ran)
+trials = [dict(left=dict(bytes_in_use=130 * G, live_array_bytes=32 * G)), dict(ran=False)]
+print(capacity.held_after(trials, weights))
+print(capacity.held_after([dict(left=dict(bytes_in_use=35 * G, live_array_bytes=32 * G))], weights),
+      capacity.held_after([dict(left=dict(bytes_in_use=None, live_array_bytes=1))], None))
 """
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
                          cwd=os.path.join(ROOT, "experiments"), env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -92,6 +97,9 @@ print(capacity.state_bound(lambda B: 3 * B <= 100, 1000), capacity.state_bound(l
         "(4, None)",
         "(37, 'exact') (35, 36)",
         "33 0 10",
+        "96.00 GiB more in use than after the weights once this cell is over (live arrays hold 32.00 GiB): later "
+        "cells see less free memory",
+        "None None",
     ]
 
 
