@@ -105,6 +105,19 @@ def test_bench_tp_rows(tmp_path):
     assert err.strip() == "error: --tp: 4 devices, but 2 available", err
 
 
+def test_bench_allreduce_routes(tmp_path):
+    # each route in its own process on two fake CPU devices; tp 4 skipped (two devices), sums checked
+    path = tmp_path / "ar.json"
+    out = run("bench_allreduce.py", "--routes", "xla,nccl_ll", "--tp", "2,4", "--rows", "1,4", "--out", str(path),
+              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    r = json.loads(path.read_text())
+    assert r["num_devices"] == 2 and list(r["routes"]) == ["xla", "nccl_ll"]
+    for name, route in r["routes"].items():
+        assert route["error"] is None and [(x["tp"], x["rows"]) for x in route["results"]] == [(2, 1), (2, 4)], route
+        assert all(x["us"] > 0 for x in route["results"])
+    assert r["routes"]["nccl_ll"]["env"] == {"NCCL_PROTO": "LL"} and "nccl_ll    tp2 1 rows " in out
+
+
 def test_bench_baseline_writes_json(tmp_path):
     path = tmp_path / "r.json"
     run("bench_baseline.py", "--preset", "tiny", "--prompt_len", "20", "--new_tokens", "96", "--prefill_chunk", "8",
