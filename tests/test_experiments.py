@@ -80,6 +80,24 @@ def test_bench_on_a_mesh(tmp_path):
                            "multiple of the mesh's data axis (2); choose scenarios or --batch_sizes that it divides"), err
 
 
+def test_busiest_device_experts_by_enumeration():
+    # expert parallel: the expected most routed experts one device holds, against every routed set
+    import itertools
+
+    from lib import roofline
+
+    for E, M, d in ((8, 2, 3), (8, 4, 3), (12, 3, 5), (8, 2, 8), (8, 4, 1)):
+        cfg = GptOssConfig.preset("tiny").replace(num_local_experts=E, num_experts_per_tok=2)
+        sets = list(itertools.combinations(range(E), d))
+        want = sum(max(sum(1 for e in s if e // (E // M) == g) for g in range(M)) for s in sets) / len(sets)
+        assert roofline.busiest_experts(cfg, d, M) == pytest.approx(want), (E, M, d)
+    cfg = GptOssConfig.preset("gpt-oss-120b")  # a token's 4 of 128: 2.74 on the busier of 2, 2.11 of 4
+    assert round(roofline.busiest_experts(cfg, 4, 2), 2) == 2.74 and round(roofline.busiest_experts(cfg, 4, 4), 2) == 2.11
+    assert roofline.busiest_experts(cfg, 4.5, 2) == pytest.approx((roofline.busiest_experts(cfg, 4, 2)
+                                                                   + roofline.busiest_experts(cfg, 5, 2)) / 2)
+    assert roofline.busiest_experts(cfg, 3.5, 1) == 3.5
+
+
 def test_bench_tp_rows(tmp_path):
     # tp 1 and 2 over two fake CPU devices: a row each, the ratio against tp 1 of the same run
     path = tmp_path / "tp.json"
