@@ -14,7 +14,9 @@ the collectives each step makes (`timing.collectives`). With n > 1 also one XLA 
 --allreduce_rows. The models of one degree are freed before the next is made, so one GPU must hold
 the whole model at tp 1 (gpt-oss-120b: 62.4 GiB).
 
-Rows {"tp", "batch", "ms_per_token", "tokens_per_second", "step_ms", "speedup_vs_tp1" (tp 1's
+Rows {"tp", "batch", "ms_per_token", "tokens_per_second", "roofline_fraction" (the bytes the busiest
+device reads, `roofline.target_bytes(..., model=tp)`, at the copy bandwidth of this run's first
+device, over the time), "step_ms", "speedup_vs_tp1" (tp 1's
 ms_per_token at the same batch over this one, both from this run; None before tp 1 has run), "projected_speedup" (tau x
 baseline / step at the published tau), "collectives"}; "allreduce": [{"tp", "rows", "xla_us"}]. The
 JSON is written after every row: a run cut short keeps what it measured.
@@ -28,7 +30,7 @@ import jax
 
 from eagle3_jax import parallel
 from eagle3_jax.models import GptOssConfig
-from lib import cli, timing
+from lib import cli, roofline, timing
 from lib.step_timing import parse_shape, random_pair, time_baseline, time_step
 
 flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
@@ -78,8 +80,10 @@ def degree(cfg, tp: int, batches, shape, result, base_ms):
         if tp == 1:
             base_ms[B] = t_base * 1e3
         ref = base_ms.get(B)
+        nbytes = roofline.target_bytes(cfg, B, 1, FLAGS.context, model=tp)["total"]  # the busiest device's
         row = dict(tp=tp, batch=B, context=FLAGS.context, shape=FLAGS.shape, ms_per_token=t_base * 1e3,
-                   tokens_per_second=B / t_base, step_ms=t_step * 1e3,
+                   tokens_per_second=B / t_base, roofline_fraction=nbytes / result["copy_bandwidth"] / t_base,
+                   step_ms=t_step * 1e3,
                    speedup_vs_tp1=None if ref is None else ref / (t_base * 1e3),
                    projected_speedup={f"{tau:g}": tau * t_base / t_step for tau in PUBLISHED_TAU},
                    collectives=dict(baseline=base_mem.get("collectives"),
@@ -87,7 +91,8 @@ def degree(cfg, tp: int, batches, shape, result, base_ms):
         result["rows"].append(row)
         timing.write_json(FLAGS.out, result)
         vs = "" if row["speedup_vs_tp1"] is None else f" ({row['speedup_vs_tp1']:.2f}x tp1)"
-        cli.write(f"tp={tp} B={B:<3} {row['ms_per_token']:7.2f} ms a token{vs}  {FLAGS.shape} step "
+        cli.write(f"tp={tp} B={B:<3} {row['ms_per_token']:7.2f} ms a token ({row['roofline_fraction']:.0%} of "
+                  f"roofline){vs}  {FLAGS.shape} step "
                   f"{row['step_ms']:7.2f} ms  proj@3.22 {row['projected_speedup']['3.22']:.2f}x  collectives "
                   f"{sum((row['collectives']['baseline'] or {}).values())}")
     del target, draft

@@ -100,6 +100,8 @@ def test_busiest_device_experts_by_enumeration():
 
 def test_bench_tp_rows(tmp_path):
     # tp 1 and 2 over two fake CPU devices: a row each, the ratio against tp 1 of the same run
+    from lib import roofline
+
     path = tmp_path / "tp.json"
     out = run("bench_tp.py", "--preset", "tiny", "--tp", "1,2", "--batch_sizes", "2", "--context", "64", "--iters",
               "1", "--allreduce_rows", "1,4", "--copy_bytes", "1000000", "--noprogress", "--out", str(path),
@@ -107,7 +109,9 @@ def test_bench_tp_rows(tmp_path):
     r = json.loads(path.read_text())
     assert r["num_devices"] == 2 and [(x["tp"], x["batch"]) for x in r["rows"]] == [(1, 2), (2, 2)]
     for x in r["rows"]:
-        assert x["ms_per_token"] > 0 and x["step_ms"] > 0
+        assert x["ms_per_token"] > 0 and x["step_ms"] > 0 and 0 < x["roofline_fraction"]
+        nbytes = roofline.target_bytes(GptOssConfig.preset("tiny"), 2, 1, 64, model=x["tp"])["total"]
+        assert x["roofline_fraction"] == pytest.approx(nbytes / r["copy_bandwidth"] / (x["ms_per_token"] / 1e3))
         assert x["tokens_per_second"] == pytest.approx(x["batch"] / x["ms_per_token"] * 1e3)
         one = next(y for y in r["rows"] if y["tp"] == 1 and y["batch"] == x["batch"])
         assert x["speedup_vs_tp1"] == pytest.approx(one["ms_per_token"] / x["ms_per_token"])
