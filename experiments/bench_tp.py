@@ -45,8 +45,8 @@ flags.DEFINE_string("out", None, "JSON output path")
 cli.progress_flag()
 FLAGS = flags.FLAGS
 positive = lambda xs: all(x.isdigit() and int(x) > 0 for x in xs)  # noqa: E731
-for name in ("tp", "batch_sizes", "allreduce_rows"):
-    flags.register_validator(name, positive, "expected positive integers")
+for _flag in ("tp", "batch_sizes", "allreduce_rows"):
+    flags.register_validator(_flag, positive, "expected positive integers")
 
 
 def _shape_ok(s):
