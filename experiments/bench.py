@@ -62,13 +62,11 @@ flags.DEFINE_list("plot_from", None, "only draw --plot from these results JSONs 
 cli.progress_flag()
 cli.mesh_flags()
 FLAGS = flags.FLAGS
-flags.register_validator("batch_sizes", lambda bs: all(b.isdigit() and int(b) > 0 for b in bs),
-                         "expected positive integers")
+cli.positive_ints("batch_sizes")
 flags.register_validator("scenarios", lambda names: set(names) <= set(SCENARIOS),
                          "expected names of " + ",".join(SCENARIOS))
 validate_shape_flags("sweep_shapes")
 
-PUBLISHED_TAU = (2.29, 2.68, 3.22)
 ALLREDUCE_ROWS = (1, 4, 16, 64)  # message rows of the all-reduce timed on a mesh (decode and verify sizes)
 
 
@@ -105,7 +103,7 @@ def measure(target, draft, bw, name, B, ctx, shape_name, base_cache):
     per_device = mesh_axes(target)  # on a mesh: the bytes one device reads
     sb = roofline.step_bytes(target.config, draft.config, B, ctx, shape["depth"], shape["num_nodes"], **per_device)
     base_bytes = roofline.target_bytes(target.config, B, 1, ctx, **per_device)["total"]
-    taus = list(PUBLISHED_TAU) + ([FLAGS.tau_trained] if FLAGS.tau_trained else [])
+    taus = list(roofline.PUBLISHED_TAU) + ([FLAGS.tau_trained] if FLAGS.tau_trained else [])
     memory = dict(baseline=base_mem, step=r["memory"]["step"],
                   parts={k: v for k, v in r["memory"].items() if k != "step"}, device=timing.memory_stats())
     row = dict(name=name, batch=B, context=ctx, shape=shape_name, **shape,
@@ -215,7 +213,7 @@ def main(argv):
     result = dict(timing.device_info(), preset=FLAGS.preset, copy_bandwidth=bw, iters=FLAGS.iters,
                   kv_bytes_per_token=kv_bytes_per_token(target), num_devices=1 if mesh is None else mesh.size,
                   mesh=None if mesh is None else dict(mesh.shape), num_processes=jax.process_count(),
-                  tau_published=PUBLISHED_TAU, tau_trained=FLAGS.tau_trained, scenarios=rows)
+                  tau_published=roofline.PUBLISHED_TAU, tau_trained=FLAGS.tau_trained, scenarios=rows)
     if mesh is not None and mesh.shape["model"] > 1:  # what one all-reduce of the residual costs, in this run
         result["allreduce_seconds"] = {str(n): timing.allreduce_seconds(mesh, n, cfg.hidden_size)
                                        for n in ALLREDUCE_ROWS}

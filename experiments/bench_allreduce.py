@@ -43,9 +43,7 @@ flags.DEFINE_integer("timeout", 300, "seconds each route's process may take")
 flags.DEFINE_string("out", None, "JSON output path")
 flags.DEFINE_string("child", None, "internal: run one route's measurements in this process and print them")
 FLAGS = flags.FLAGS
-positive = lambda xs: all(x.isdigit() and int(x) > 0 for x in xs)  # noqa: E731
-for _name in ("tp", "rows"):
-    flags.register_validator(_name, positive, "expected positive integers")
+cli.positive_ints("tp", "rows")
 flags.register_validator("routes", lambda rs: set(rs) <= set(ROUTES), "expected names of " + ",".join(ROUTES))
 
 

@@ -31,7 +31,7 @@ import jax
 from eagle3_jax import parallel
 from eagle3_jax.models import GptOssConfig
 from lib import cli, roofline, timing
-from lib.step_timing import parse_shape, random_pair, time_baseline, time_step
+from lib.step_timing import parse_shape, random_pair, time_baseline, time_step, validate_shape_flags
 
 flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
 flags.DEFINE_list("tp", ["1", "2", "4"], "tensor-parallel degrees (the mesh's model axis), in order")
@@ -44,22 +44,8 @@ flags.DEFINE_integer("copy_bytes", 1 << 30, "buffer size of the copy-bandwidth m
 flags.DEFINE_string("out", None, "JSON output path")
 cli.progress_flag()
 FLAGS = flags.FLAGS
-positive = lambda xs: all(x.isdigit() and int(x) > 0 for x in xs)  # noqa: E731
-for _flag in ("tp", "batch_sizes", "allreduce_rows"):
-    flags.register_validator(_flag, positive, "expected positive integers")
-
-
-def _shape_ok(s):
-    try:
-        parse_shape(s)
-    except ValueError as e:
-        raise flags.ValidationError(str(e)) from e
-    return True
-
-
-flags.register_validator("shape", _shape_ok)
-
-PUBLISHED_TAU = (2.29, 2.68, 3.22)
+cli.positive_ints("tp", "batch_sizes", "allreduce_rows")
+validate_shape_flags("shape")
 
 
 def degree(cfg, tp: int, batches, shape, result, base_ms):
@@ -85,7 +71,7 @@ def degree(cfg, tp: int, batches, shape, result, base_ms):
                    tokens_per_second=B / t_base, roofline_fraction=nbytes / result["copy_bandwidth"] / t_base,
                    step_ms=t_step * 1e3,
                    speedup_vs_tp1=None if ref is None else ref / (t_base * 1e3),
-                   projected_speedup={f"{tau:g}": tau * t_base / t_step for tau in PUBLISHED_TAU},
+                   projected_speedup={f"{tau:g}": tau * t_base / t_step for tau in roofline.PUBLISHED_TAU},
                    collectives=dict(baseline=base_mem.get("collectives"),
                                     step=r["memory"]["step"].get("collectives")))
         result["rows"].append(row)
@@ -109,7 +95,7 @@ def main(argv):
             raise ValueError(f"--tp: {tp} devices, but {jax.device_count()} available")
         parallel.check_mesh(cfg, parallel.make_mesh(model=tp, devices=jax.devices()[:tp]))
     result = dict(timing.device_info(), preset=FLAGS.preset, num_devices=jax.device_count(), context=FLAGS.context,
-                  shape=FLAGS.shape, iters=FLAGS.iters, tau_published=PUBLISHED_TAU,
+                  shape=FLAGS.shape, iters=FLAGS.iters, tau_published=roofline.PUBLISHED_TAU,
                   copy_bandwidth=timing.copy_bandwidth(FLAGS.copy_bytes), rows=[], allreduce=[])
     cli.write(f"copy bandwidth {result['copy_bandwidth'] / 1e12:.2f} TB/s")
     base_ms = {}

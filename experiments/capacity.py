@@ -68,8 +68,7 @@ def _check_modes(modes):
 
 
 flags.register_validator("modes", _check_modes)
-flags.register_validator("contexts", lambda cs: all(c.isdigit() and int(c) > 0 for c in cs),
-                         "expected positive integers")
+cli.positive_ints("contexts")
 flags.register_validator("max_trials", lambda n: n >= 1, "expected >= 1")
 flags.register_validator("min_batch", lambda n: n >= 1, "expected >= 1")
 

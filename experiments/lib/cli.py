@@ -108,6 +108,14 @@ def write(msg: str) -> None:
 
 # -- devices ---------------------------------------------------------------------------------------
 
+def positive_ints(*names) -> None:
+    """Validators: each of these list flags holds positive integers (a bad one stops the script
+    when flags are parsed)."""
+    for name in names:
+        flags.register_validator(name, lambda xs: all(x.isdigit() and int(x) > 0 for x in xs),
+                                 "expected positive integers")
+
+
 def mesh_flags() -> None:
     """Defines --mesh and the jax.distributed flags (idempotent)."""
     if "mesh" in FLAGS:

@@ -20,6 +20,9 @@ import math
 from eagle3_jax.models.config import Eagle3Config, GptOssConfig
 
 BF16 = 2
+# gpt-oss-120b's published EAGLE-3 tau at 3 draft tokens (vLLM 2.29, SGLang 2.68, the seeds' 3.22: docs/reference.md 7),
+# at which the benchmarks project speedups
+PUBLISHED_TAU = (2.29, 2.68, 3.22)
 
 
 def expert_bytes(c: GptOssConfig) -> float:

@@ -68,9 +68,10 @@ def median_seconds(run, repeats):
 
 
 def validate_shape_flags(*names):
-    """Parse the shapes of these list flags when flags are parsed: a bad one stops the script there."""
+    """Parse the shapes of these flags (lists of shapes, or one shape) when flags are parsed: a bad
+    one stops the script there."""
     def check(shapes):
-        for s in shapes:
+        for s in [shapes] if isinstance(shapes, str) else shapes:
             try:
                 parse_shape(s)
             except ValueError as e:
