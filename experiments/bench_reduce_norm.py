@@ -1,0 +1,131 @@
+"""The sum of a sublayer's partial outputs over the "model" devices fused with the residual add and
+RMSNorm (pallas/allreduce.py): the one-shot kernel against its reference (XLA's all-reduce, then the
+add and the norm), per message size, one process, one run.
+
+  python experiments/bench_reduce_norm.py --tp 2,4 --rows 1,4,16,64 --out experiments/results/reduce_norm_<device>.json
+
+For each n in --tp (the first n GPUs as a (data 1, model n) mesh) and each R in --rows, [R, --hidden]
+partials (f32) and a bf16 residual: the kernel's s against the reference's (max difference) and
+whether every device holds the same bits; then `--chain` calls a loop iteration, each feeding the
+next (y times a per-device factor is the next partial), in a jitted fori_loop: (time of --iters
+iterations - time of none) / (iters x chain) per call, best of 3, for both. Rows {"tp", "rows",
+"kernel_us", "reference_us", "s_max_diff", "same_on_devices"}. Needs GPUs (the kernel has no CPU
+path); the JSON is written after each row.
+"""
+
+import time
+
+from absl import flags
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from eagle3_jax import parallel
+from eagle3_jax.pallas import allreduce
+from lib import cli, timing
+
+flags.DEFINE_list("tp", ["2", "4"], "devices of the reduction (the first n; more than there are: skipped)")
+flags.DEFINE_list("rows", ["1", "4", "16", "64"], "message rows (decode: B, verify: B x draft tokens)")
+flags.DEFINE_integer("hidden", 2880, "message width (gpt-oss: 2880)")
+flags.DEFINE_integer("chain", 8, "calls a loop iteration")
+flags.DEFINE_integer("iters", 200, "loop iterations timed")
+flags.DEFINE_string("out", None, "JSON output path")
+FLAGS = flags.FLAGS
+cli.positive_ints("tp", "rows")
+
+EPS = 1e-5
+
+
+def programs(mesh, n):
+    """(once, loop) for the kernel (mailbox arguments) and for the reference."""
+    every = P(tuple(mesh.axis_names))
+
+    def op(kernel, x, r, w, mb):
+        if kernel:
+            return allreduce.allreduce_add_rms_norm(x, r, w, allreduce.Mailbox(*mb), eps=EPS, axis="model")
+        return allreduce.allreduce_add_rms_norm_reference(x, r, w, eps=EPS, axis="model")
+
+    def once(kernel):
+        def body(x, r, w, *mb):
+            s, y = op(kernel, x[0], r, w, mb)
+            return s[None], y[None]
+        return body
+
+    def loop(kernel):
+        def body(x, r, w, k, *mb):
+            c = (lax.axis_index("model") + 1).astype(jnp.float32) / n
+
+            def step(i, carry):
+                s, y = carry
+                for _ in range(FLAGS.chain):
+                    s, y = op(kernel, y.astype(jnp.float32) * c, s, w, mb)
+                return s, y
+
+            return lax.fori_loop(0, k, step, op(kernel, x[0], r, w, mb))[1][None]
+        return body
+
+    out = {}
+    for kernel in (True, False):
+        extra = (every, every) if kernel else ()
+        out[kernel] = (
+            jax.jit(jax.shard_map(once(kernel), mesh=mesh, in_specs=(P("model"), P(), P()) + extra,
+                                  out_specs=(P("model"), P("model")), check_vma=False)),
+            jax.jit(jax.shard_map(loop(kernel), mesh=mesh, in_specs=(P("model"), P(), P(), P()) + extra,
+                                  out_specs=P("model"), check_vma=False)))
+    return out
+
+
+def per_call(run, args, mb):
+    """Seconds a call: (best of 3 at --iters iterations - best of 3 at none) / (iters x chain)."""
+    def best(k):
+        k = jnp.int32(k)
+        jax.block_until_ready(run(*args, k, *mb))
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(*args, k, *mb))
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return (best(FLAGS.iters) - best(0)) / (FLAGS.iters * FLAGS.chain)
+
+
+def main(argv):
+    del argv
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if len(gpus) < 2:
+        raise ValueError(f"bench_reduce_norm: needs 2 or more GPUs, found {len(gpus)}")
+    H = FLAGS.hidden
+    result = dict(timing.device_info(), num_devices=len(gpus), hidden=H, chain=FLAGS.chain, iters=FLAGS.iters,
+                  rows=[])
+    rng = np.random.default_rng(0)
+    for n in (int(t) for t in FLAGS.tp):
+        if n > len(gpus):
+            continue
+        mesh = parallel.make_mesh(model=n, devices=gpus[:n])
+        mailbox = allreduce.new_mailbox(mesh, H)
+        progs = programs(mesh, n)
+        put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731, B023
+        for R in (int(r) for r in FLAGS.rows):
+            args = (put(rng.normal(size=(n, R, H)).astype(np.float32), P("model")),
+                    put(jnp.asarray(rng.normal(size=(R, H)), jnp.bfloat16), P()),
+                    put((1 + 0.1 * rng.normal(size=H)).astype(np.float32), P()))
+            s, y = (np.asarray(a, np.float32) for a in progs[True][0](*args, *mailbox))
+            s_ref = np.asarray(progs[False][0](*args)[0], np.float32)
+            row = dict(tp=n, rows=R, s_max_diff=float(np.abs(s - s_ref).max()),
+                       same_on_devices=bool(all(np.array_equal(s[0], s[d]) and np.array_equal(y[0], y[d])
+                                                for d in range(n))),
+                       kernel_us=per_call(progs[True][1], args, mailbox) * 1e6,
+                       reference_us=per_call(progs[False][1], args, ()) * 1e6)
+            result["rows"].append(row)
+            timing.write_json(FLAGS.out, result)
+            cli.write(f"tp={n} rows={R:<3} kernel {row['kernel_us']:6.1f} us  reference {row['reference_us']:6.1f} us  "
+                      f"s max diff {row['s_max_diff']:.3g}  same on devices {row['same_on_devices']}")
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,48 @@
+"""Run by tests/test_pallas_allreduce.py in a subprocess with 4 CPU devices: the target's decode-sized
+trunk on (data 1, model 2) and (data 2, model 2) meshes, with the fused all-reduce kernel chosen
+(select.tp_reduce forced: this machine has no GPU) and a Mailbox in context, lowered for CUDA. Every
+kernel call (two a layer) must carry the devices' ids (Mosaic GPU's xla_replica_ids: a shard_map
+over an abstract mesh leaves them empty and the call fails on the GPUs). Prints "ok"."""
+
+import os
+import re
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from eagle3_jax import parallel  # noqa: E402
+from eagle3_jax.models import GptOssConfig, gpt_oss, shards  # noqa: E402
+from eagle3_jax.pallas import allreduce, select  # noqa: E402
+from eagle3_jax.spec import loop  # noqa: E402
+
+
+def main():
+    select.tp_reduce = lambda x, rows, mailbox, platform=None: "reference" if mailbox is None else "kernel"
+    cfg = GptOssConfig.preset("tiny")
+    for data, model in ((1, 2), (2, 2)):
+        mesh = parallel.make_mesh(model=model, data=data, devices=jax.devices()[:data * model])
+        target = parallel.shard(gpt_oss.GptOss(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), mesh)
+        graphdef, params = nnx.split(target)
+        mailbox = allreduce.new_mailbox(mesh, cfg.hidden_size)
+
+        def trunk(params, mailbox, tokens, lengths):
+            with loop.on_mesh(mesh), shards.mailbox_context(mailbox, mesh):
+                return gpt_oss.run_layers(nnx.merge(graphdef, params), tokens, tokens, lengths, None, None)[0]
+
+        rows = NamedSharding(mesh, P("data"))
+        tokens = jax.device_put(jnp.zeros((2 * data, 3), jnp.int32), rows)
+        lengths = jax.device_put(jnp.zeros((2 * data,), jnp.int32), rows)
+        text = jax.jit(trunk).trace(params, mailbox, tokens, lengths).lower(lowering_platforms=("cuda",)).as_text()
+        ids = re.findall(r'xla_replica_ids = "([^"]*)"', text)
+        want = ",".join(map(str, range(data * model)))
+        assert ids == [want] * (2 * cfg.num_hidden_layers), (data, model, ids)
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()

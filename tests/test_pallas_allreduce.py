@@ -1,0 +1,162 @@
+"""pallas/allreduce.py: the fused all-reduce + add + RMSNorm against a float64 numpy function written
+from its contract; the kernel on the GPUs of this machine (>= 2, one process), called once and then
+thousands of times in a loop whose every sum is exact (integer-valued partials), so that a message
+read too early, a slot overwritten before its peer read it or a lost flag fails the test."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from eagle3_jax import parallel
+from eagle3_jax.pallas import allreduce, select
+
+EPS = 1e-5
+
+
+def reduce_add_norm_np(parts, residual, scale, dtype):
+    """parts [M, R, H] -> (s, y) by the contract, in float64 with the two roundings to dtype."""
+    t = parts.astype(np.float64).sum(0)
+    s = np.asarray(jnp.asarray(t + residual.astype(np.float64), jnp.float32).astype(dtype), np.float64)
+    y = s / np.sqrt((s * s).mean(-1, keepdims=True) + EPS) * scale.astype(np.float64)
+    return s, y
+
+
+def mesh_fn(mesh, fn, with_mailbox):
+    """fn(x [R, H], residual, scale, *mailbox) on each device of mesh's "model" axis; x stacked [M, R, H]."""
+    def body(x, r, w, *mb):
+        s, y = fn(x[0], r, w, *mb)
+        return s[None], y[None]
+
+    every = P(tuple(mesh.axis_names))
+    specs = (P("model"), P(), P()) + ((every, every) if with_mailbox else ())
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P("model"), P("model")),
+                                 check_vma=False))
+
+
+def inputs(mesh, M, R, H, dtype, seed):
+    rng = np.random.default_rng(seed)
+    parts = rng.normal(size=(M, R, H)).astype(np.float32)
+    residual = np.asarray(jnp.asarray(rng.normal(size=(R, H)), dtype))
+    scale = (1 + 0.1 * rng.normal(size=H)).astype(np.float32)
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    return (parts, residual, scale), (put(parts, P("model")), put(residual, P()), put(scale, P()))
+
+
+@pytest.mark.parametrize("R,H,dtype", [(1, 2880, jnp.bfloat16), (5, 64, jnp.float32), (3, 96, jnp.bfloat16)])
+def test_reference_matches_numpy(R, H, dtype):
+    """The psum reference on a one-device mesh (this process) against float64 numpy."""
+    mesh = parallel.make_mesh(model=1, devices=jax.devices()[:1])
+    host, dev = inputs(mesh, 1, R, H, dtype, R + H)
+    run = mesh_fn(mesh, lambda x, r, w: allreduce.allreduce_add_rms_norm_reference(x, r, w, eps=EPS, axis="model"),
+                  False)
+    s, y = (np.asarray(a[0], np.float64) for a in run(*dev))
+    s_want, y_want = reduce_add_norm_np(*host, dtype)
+    np.testing.assert_array_equal(s, s_want)
+    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(y, y_want, rtol=tol, atol=tol)
+
+
+def test_bad_input_and_dispatch():
+    """Shapes the kernel cannot take are refused by name; the dispatch needs a mailbox and bf16 on a GPU."""
+    z = jnp.zeros
+    with pytest.raises(ValueError, match=r"H must be a multiple of 64 and R in \[1, 64\]; got R=1, H=100"):
+        allreduce.check_shapes(z((1, 100)), z((1, 100)), z((100,)))
+    with pytest.raises(ValueError, match=r"got R=65, H=128"):
+        allreduce.check_shapes(z((65, 128)), z((65, 128)), z((128,)))
+    with pytest.raises(ValueError, match=r"expected x \[R, H\], residual \[R, H\], scale \[H\]; got x \(2, 128\), "
+                                         r"residual \(2, 64\)"):
+        allreduce.check_shapes(z((2, 128)), z((2, 64)), z((128,)))
+    x = z((2, 3, 2880), jnp.bfloat16)
+    box = object()
+    assert select.tp_reduce(x, 6, box, platform="gpu") == "kernel"
+    assert select.tp_reduce(x, 6, None, platform="gpu") == "reference"
+    assert select.tp_reduce(x, 65, box, platform="gpu") == "reference"
+    assert select.tp_reduce(x.astype(jnp.float32), 6, box, platform="gpu") == "reference"
+    assert select.tp_reduce(x, 6, box, platform="cpu") == "reference"
+    assert select.tp_reduce(z((1, 1, 2880 + 32), jnp.bfloat16), 1, box, platform="gpu") == "reference"
+
+
+def gpus():
+    return [d for d in jax.devices() if d.platform == "gpu"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,dtype", [(1, jnp.bfloat16), (4, jnp.bfloat16), (16, jnp.float32), (64, jnp.bfloat16)])
+def test_kernel_matches_reference_gpu(R, dtype):
+    """On every GPU of the machine (2 or 4 as one "model" axis): the kernel's s equals the reference's
+    bit for bit (the sum of the partials in f32 is exact up to order, and M <= 2 sums commute; with
+    more, within one rounding), y within bf16 rounding, and every device holds the same bits."""
+    if len(gpus()) < 2:
+        pytest.skip("needs 2 GPUs")
+    M = 4 if len(gpus()) >= 4 else 2
+    H = 2880
+    mesh = parallel.make_mesh(model=M, devices=gpus()[:M])
+    mailbox = allreduce.new_mailbox(mesh, H)
+    host, dev = inputs(mesh, M, R, H, dtype, 7 * R)
+    kern = mesh_fn(mesh, lambda x, r, w, *mb: allreduce.allreduce_add_rms_norm(
+        x, r, w, allreduce.Mailbox(*mb), eps=EPS, axis="model"), True)
+    s, y = (np.asarray(a, np.float64) for a in kern(*dev, *mailbox))
+    s_want, y_want = reduce_add_norm_np(*host, dtype)
+    for d in range(M):
+        np.testing.assert_array_equal(s[d], s[0])
+        np.testing.assert_array_equal(y[d], y[0])
+    ulp = 2.0 ** -7 if dtype == jnp.bfloat16 else 1e-6
+    np.testing.assert_allclose(s[0], s_want, rtol=ulp, atol=ulp)
+    np.testing.assert_allclose(y[0], y_want, rtol=2 * ulp, atol=2 * ulp)
+
+
+@pytest.mark.gpu
+def test_kernel_exact_in_a_loop_gpu():
+    """4000 chained calls at each of 1 and 16 rows in a jitted loop (the Mailbox reused across calls and
+    programs): integer-valued partials that change every call, so every s is an exact, known sum.
+    Counts the calls whose s differs: none on any device."""
+    if len(gpus()) < 2:
+        pytest.skip("needs 2 GPUs")
+    M = 4 if len(gpus()) >= 4 else 2
+    H, calls, chain = 2880, 500, 8
+    mesh = parallel.make_mesh(model=M, devices=gpus()[:M])
+    mailbox = allreduce.new_mailbox(mesh, H)
+
+    def loop(n, *mb):
+        d = lax.axis_index("model").astype(jnp.float32)
+        R = n.shape[0]
+        pattern = jnp.broadcast_to((jnp.arange(H) % 4 + 1).astype(jnp.float32), (R, H))
+        zero, w = jnp.zeros((R, H), jnp.bfloat16), jnp.ones((H,), jnp.float32)
+
+        def step(i, carry):
+            s, errs = carry
+            for j in range(chain):
+                v = ((i * chain + j) % 7).astype(jnp.float32)
+                part = (v + d + 1) * pattern + 0.0 * s.astype(jnp.float32)  # depends on the previous call
+                s, _ = allreduce.allreduce_add_rms_norm(part, zero, w, allreduce.Mailbox(*mb), eps=EPS, axis="model")
+                want = (M * v + M * (M + 1) / 2) * pattern
+                errs = errs + jnp.sum(s.astype(jnp.float32) != want).astype(jnp.int32)
+            return s, errs
+
+        return lax.fori_loop(0, n[0, 0], step, (zero, jnp.int32(0)))[1][None]
+
+    every = P(tuple(mesh.axis_names))
+    run = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P(), every, every), out_specs=P("model"),
+                                check_vma=False))
+    for R in (1, 16, 1):
+        n = jax.device_put(jnp.full((R, 1), calls, jnp.int32), NamedSharding(mesh, P()))
+        assert np.asarray(run(n, *mailbox)).tolist() == [0] * M, R
+
+
+@pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="JAX 0.10's Mosaic GPU lowers no atomics on peer memory")
+def test_model_kernels_lower_with_device_ids():
+    """tests/allreduce_lowering.py: the trunk's fused kernels, lowered for CUDA on CPU meshes, carry the
+    devices' ids (the kernel's shard_map is over the concrete mesh)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "allreduce_lowering.py")],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
