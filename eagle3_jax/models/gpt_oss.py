@@ -33,8 +33,8 @@ from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.models import rope, shards
 from eagle3_jax.models.config import GptOssConfig
 from eagle3_jax.models.layers import F32, keep_position, normal, over_chunks, shape_of
+from eagle3_jax.pallas import allreduce, moe_route, select
 from eagle3_jax.pallas import moe as moe_kernel
-from eagle3_jax.pallas import moe_route, select
 from eagle3_jax.pallas import norm as norm_kernel
 from eagle3_jax.pallas.attention import rope_attention
 
@@ -86,6 +86,40 @@ class RMSNorm(nnx.Module):
         return s, self(s)
 
 
+def reduces_fused(x) -> bool:
+    """Whether a step on the residual stream x [B, T, H] sums its sublayers' partial outputs with
+    `reduce_add_norm` (a mesh with "model" > 1 and at most allreduce.MAX_ROWS rows a device: decode
+    and verify), rather than leaving the sums to XLA's all-reduce (prefill, one device)."""
+    m = shards.mesh()
+    return m is not None and shards.model_size() > 1 and x.shape[0] * x.shape[1] // m.shape[shards.DATA] <= \
+        allreduce.MAX_ROWS
+
+
+def reduce_add_norm(part, x, norm: RMSNorm):
+    """part: each "model" device's partial output of a sublayer, f32 [M, N, H] (P("model", "data"),
+    N = B * T), x: the residual stream [B, T, H] -> (s, norm(s)), s = x + the sum of the partials
+    (pallas/allreduce.py's function: the sum in f32, s rounded to x.dtype). One kernel on each device
+    where `select.tp_reduce` says so (with a Mailbox in context: shards.mailbox), else lax.psum."""
+    mailbox, mesh = shards.mailbox()
+    kernel = select.tp_reduce(x, part.shape[1] // shards.mesh().shape[shards.DATA], mailbox) == "kernel"
+
+    def body(p, r, scale, *mb):
+        shape = r.shape
+        args = (p[0], r.reshape(-1, shape[-1]), scale)
+        if kernel:
+            s, y = allreduce.allreduce_add_rms_norm(*args, allreduce.Mailbox(*mb), eps=norm.eps, axis=shards.MODEL)
+        else:
+            s, y = allreduce.allreduce_add_rms_norm_reference(*args, eps=norm.eps, axis=shards.MODEL)
+        return s.reshape(shape), y.reshape(shape)
+
+    specs = (Spec(shards.MODEL, shards.DATA), shards.ROWS, Spec())
+    if not kernel:
+        return shards.local(body, specs, (shards.ROWS, shards.ROWS))(part, x, norm.scale[...])
+    every = Spec(shards.AXES)  # the Mailbox: one shard a device. The concrete mesh: pallas/allreduce.py
+    return jax.shard_map(body, mesh=mesh, in_specs=specs + (every, every), out_specs=(shards.ROWS, shards.ROWS),
+                         check_vma=False)(part, x, norm.scale[...], *mailbox)
+
+
 def qkv_rope(qkv, bias, cos, sin, num_heads, num_kv_heads, head_dim):
     """Fused projection [B, T, (Hq + 2 Hkv) * D] before its bias (bias [(Hq + 2 Hkv) * D] or None) ->
     q [B, T, Hq, D] and k [B, T, Hkv, D] biased and rotated, v [B, T, Hkv, D] biased. q and k rotate as
@@ -135,14 +169,17 @@ class Attention(nnx.Module):
         y = x @ w[...]
         return y if b is None else y + b[...]
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, positions, mask, *, ring=False, n_write=None):
+    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, positions, mask, *, ring=False, n_write=None,
+                 partial=False):
         """x [B, T, H] -> (out [B, T, H], k_cache, v_cache with the new tokens' K/V written at positions
         lengths .. lengths + T - 1; caches of length 0 (no cache) are returned as they are).
         ring: the caches are this sliding layer's ring (models/kv_cache.py). n_write int32 [B] (prefill
         chunks): on a ring, only the first n_write[b] tokens are written, after attention has read it.
         Under a mesh (models/shards.py) each device attends with its rows and heads: its block of
         the projection's columns is its heads' q, k and v (qkv_blocks = the "model" size), and
-        o_proj's row-parallel GEMM sums the heads (XLA's all-reduce)."""
+        o_proj's row-parallel GEMM sums the heads (XLA's all-reduce); with partial=True (under a mesh)
+        out is each device's o_proj of its heads instead, f32 [M, B * T, H] (`reduce_add_norm` sums
+        them; o_proj's bias on the first device's)."""
         B, T, _ = x.shape
         bqkv = None if self.bqkv is None else self.bqkv[...]
         qkv = x @ self.wqkv[...]
@@ -165,7 +202,22 @@ class Attention(nnx.Module):
                          rows, rows, rows),
                 (cols, shards.HEADS, shards.HEADS),
             )(qkv, bqkv, self.sinks[...], cos, sin, k_cache, v_cache, lengths, positions, mask, n_write)
+            if partial:
+                return self._partial_proj(o), k_cache, v_cache
         return self._proj(o.reshape(B, T, -1), self.wo, self.bo), k_cache, v_cache
+
+    def _partial_proj(self, o):
+        """o [B, T, Hq, D] (heads over "model") -> f32 [M, B * T, H]: each device's heads through its
+        rows of wo, the bias on device 0's."""
+        def body(o, wo, *bo):
+            y = jnp.dot(o.reshape(-1, wo.shape[0]), wo, preferred_element_type=F32)
+            if bo:
+                y = y + jnp.where(jax.lax.axis_index(shards.MODEL) == 0, bo[0].astype(F32), 0.0)
+            return y[None]
+
+        bo = () if self.bo is None else (self.bo[...],)
+        specs = (Spec(shards.DATA, None, shards.MODEL), Spec(shards.MODEL)) + (Spec(),) * len(bo)
+        return shards.local(body, specs, Spec(shards.MODEL, shards.DATA))(o, self.wo[...], *bo)
 
     def qkv_columns(self, a, blocks: int = 1):
         """a [..., (Hq + 2 Hkv) * D] in this module's column order -> the same in `qkv_order(..., blocks)`
@@ -273,8 +325,10 @@ class MoE(nnx.Module):
 
     PATHS = select.MOE_PATHS
 
-    def __call__(self, x, path: str | None = None, norm: RMSNorm | None = None, dtype=None):
+    def __call__(self, x, path: str | None = None, norm: RMSNorm | None = None, dtype=None, partial=False):
         """x [..., H] -> [..., H] in `dtype` (default x.dtype); with `norm`, the experts see norm(x).
+        partial=True (under a mesh): each "model" device's sum over the experts it holds instead,
+        f32 [M, N, H] (N = x's rows; `reduce_add_norm` sums them).
         `path` (else the module's `path` attribute, else chosen by size): "kernel" the Pallas kernels
         (GPU, MXFP4, bf16; few tokens: the norm, router and top k in pallas/moe_route.py, the experts
         in pallas/moe.py), "gathered" each
@@ -284,6 +338,8 @@ class MoE(nnx.Module):
         else dense for few experts, else grouped)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        if partial:
+            return self._on_shards(x, path, norm, partial=True)
         if shards.mesh() is None:
             out = self._run(x, path, norm)
         else:
@@ -319,10 +375,11 @@ class MoE(nnx.Module):
         ids = ids - first_expert
         return ids, (ids >= 0) & (ids < self.num_held)
 
-    def _on_shards(self, x, path, norm):
+    def _on_shards(self, x, path, norm, partial=False):
         """Expert parallel over the mesh in context (models/shards.py): each device routes its rows
         (router replicated), runs the pairs of the experts it holds (E / model of them, numbered from
-        its index times that) and the partial outputs are summed over "model". f32 [N, H]."""
+        its index times that) and the partial outputs are summed over "model": f32 [N, H]; partial:
+        not summed, f32 [M, N, H] (P("model", "data"))."""
         graphdef, state = nnx.split(self)
         norm_def, norm_state = nnx.split(norm) if norm is not None else (None, None)
         expert = lambda p, _: Spec(shards.MODEL) if getattr(p[0], "key", None) == "experts" else Spec()  # noqa: E731
@@ -332,10 +389,11 @@ class MoE(nnx.Module):
             local = nnx.merge(graphdef, state)
             n = None if norm_def is None else nnx.merge(norm_def, norm_state)
             out = local._run(x, path, n, jax.lax.axis_index(shards.MODEL) * held)
-            return jax.lax.psum(out, shards.MODEL)
+            return out[None] if partial else jax.lax.psum(out, shards.MODEL)
 
         specs = jax.tree_util.tree_map_with_path(expert, state)
-        return shards.local(body, (specs, Spec(), shards.ROWS), shards.ROWS)(state, norm_state, x)
+        out_spec = Spec(shards.MODEL, shards.DATA) if partial else shards.ROWS
+        return shards.local(body, (specs, Spec(), shards.ROWS), out_spec)(state, norm_state, x)
 
     def _path_for(self, x):
         """The path `select.moe` picks for x [N, H]."""
@@ -447,6 +505,16 @@ class Block(nnx.Module):
         x = x + a
         return x, self.mlp(x, norm=self.post_attention_layernorm, dtype=F32), k_cache, v_cache
 
+    def reduced(self, x, h, next_norm: RMSNorm, cos, sin, k_cache, v_cache, lengths, positions, mask, **cache_kw):
+        """The block where `reduces_fused(x)`: each sublayer's partial outputs summed over "model"
+        with the residual add and the norm after it (`reduce_add_norm`: two calls a block, the MoE
+        routing the normalized stream). Returns (x after the block, next_norm of it, k_cache, v_cache)."""
+        a, k_cache, v_cache = self.self_attn(h, cos, sin, k_cache, v_cache, lengths, positions, mask, partial=True,
+                                             **cache_kw)
+        x, h = reduce_add_norm(a, x, self.post_attention_layernorm)
+        x, h = reduce_add_norm(self.mlp(h, partial=True), x, next_norm)
+        return x, h, k_cache, v_cache
+
 
 class GptOss(nnx.Module):
     """embed [V, H], layers, norm, lm_head [V, H] (rows = vocab, like the HF weight)."""
@@ -552,6 +620,10 @@ def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCac
     hidden = []  # hidden[j]: the input of layer j (j = L: the final norm's input)
     new_k, new_v = [], []
     moe_out = None  # each block's MoE output is added to the stream by the next norm's kernel
+    fused = reduces_fused(x)  # or each block's sums fused with the add and the next norm
+    norms = [block.input_layernorm for block in model.layers] + [model.norm]
+    if fused:
+        x, h = norms[0].add(x, None)
     for i, block in enumerate(model.layers):
         with jax.named_scope(f"layer{i}"):
             if cache is None:
@@ -559,13 +631,18 @@ def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCac
                 kc = vc = empty
             else:
                 kc, vc = cache.k[i], cache.v[i]
-            x, h = block.input_layernorm.add(x, moe_out)
+            if not fused:
+                x, h = block.input_layernorm.add(x, moe_out)
             hidden.append(x)
-            ring = cache is not None and cache.rings[i]
-            x, moe_out, kc, vc = block(x, h, cos, sin, kc, vc, lengths, positions, mask, ring=ring, n_write=n_write)
+            kw = dict(ring=cache is not None and cache.rings[i], n_write=n_write)
+            if fused:
+                x, h, kc, vc = block.reduced(x, h, norms[i + 1], cos, sin, kc, vc, lengths, positions, mask, **kw)
+            else:
+                x, moe_out, kc, vc = block(x, h, cos, sin, kc, vc, lengths, positions, mask, **kw)
             new_k.append(kc)
             new_v.append(vc)
-    x, h = model.norm.add(x, moe_out)
+    if not fused:
+        x, h = model.norm.add(x, moe_out)
     hidden.append(x)
     feats = jnp.concatenate([hidden[j] for j in feature_ids], axis=-1) if feature_ids else None
     cache = None if cache is None else cache.replace(k=tuple(new_k), v=tuple(new_v))

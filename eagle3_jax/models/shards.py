@@ -8,9 +8,16 @@ its heads or experts (over "model"), so that the Pallas kernels inside, custom c
 partitioner can only replicate, see local arrays. Everything else (the GEMMs, the embedding, the
 logits) stays with XLA's sharding propagation. With no such mesh in context `local(fn, ...)` is
 `fn`: one device, and code traced without the context (gpt_oss.forward on its own, training).
+
+With "model" > 1, decode-sized steps sum each sublayer's partial outputs over "model" in one call
+fused with the residual add and the next norm (`gpt_oss.reduce_add_norm`): on GPUs the one-shot
+kernel of pallas/allreduce.py, whose `Mailbox` (buffers that outlive each call) a program passes in
+as an argument and traces under `mailbox_context` (`spec/loop.py`); without one, `lax.psum`.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -42,3 +49,22 @@ def local(fn, in_specs, out_specs):
     if m is None:
         return fn
     return jax.shard_map(fn, mesh=m, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+_MAILBOXES: list = []  # (Mailbox, Mesh) of the program being traced (innermost last)
+
+
+@contextlib.contextmanager
+def mailbox_context(mailbox, mesh=None):
+    """Trace under this to give the models `mailbox` (a pallas.allreduce.Mailbox among the program's
+    arguments, or None) and the concrete `mesh` (a jax.sharding.Mesh) the program runs on."""
+    _MAILBOXES.append((mailbox, mesh))
+    try:
+        yield
+    finally:
+        _MAILBOXES.pop()
+
+
+def mailbox():
+    """(Mailbox, Mesh) in context (`mailbox_context`), or (None, None)."""
+    return _MAILBOXES[-1] if _MAILBOXES else (None, None)

@@ -19,6 +19,8 @@ name. `platform` defaults to the default backend (`util.on_gpu`). Kernels have n
 | | "grouped" | otherwise |
 | `moe_grouped(x, packed, interpret)` | "kernel" | MXFP4 experts, bf16, glue kernels or interpret; else "scan" |
 | `router_top_k(rows)` | "rank" | rows <= RANK_TOP_K_ROWS; else "sort" |
+| `tp_reduce(x, rows, mailbox)` | "kernel" | a Mailbox, glue kernels, H % 64 == 0, rows <= allreduce.MAX_ROWS, one process |
+| | "reference" | otherwise: `lax.psum`, then the add and the norm in jnp |
 | `spec_op(interpret)` | "kernel" | GPU or interpret=True; else "reference" (tree_mask, accept, kv_rewind) |
 
 Why these thresholds: docs/perf/ (attention.md, moe.md, glue.md).
@@ -26,9 +28,10 @@ Why these thresholds: docs/perf/ (attention.md, moe.md, glue.md).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-from eagle3_jax.pallas import attention_mosaic, moe, util
+from eagle3_jax.pallas import allreduce, attention_mosaic, moe, util
 
 MAX_HEAD_DIM = 256  # head_dim the attention kernels take
 MOSAIC_MIN_CACHE = 4096  # cache slots from which full layers take the Mosaic GPU kernel (with Nq >= 2)
@@ -98,3 +101,13 @@ def spec_op(interpret: bool | None = None, platform: str | None = None) -> str:
     """tree_mask, accept and kv_rewind: "kernel" on a GPU or with interpret=True (the Pallas
     interpreter), "reference" otherwise (interpret=False forces it)."""
     return "kernel" if interpret or (interpret is None and _gpu(platform)) else "reference"
+
+
+def tp_reduce(x, rows: int, mailbox, platform: str | None = None) -> str:
+    """How a decode-sized step sums a sublayer's partial outputs over "model" with the residual add
+    and the norm after it (x: the residual stream [..., H]; rows: this device's rows): "kernel" (the
+    one-shot kernel of pallas/allreduce.py, which needs the program's Mailbox and every device in
+    this process) or "reference"."""
+    ok = (mailbox is not None and glue_kernels(x, platform) and x.shape[-1] % allreduce.LANES == 0
+          and rows <= allreduce.MAX_ROWS and jax.process_count() == 1)
+    return "kernel" if ok else "reference"

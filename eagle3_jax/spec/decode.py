@@ -173,7 +173,7 @@ def _run(models, prompts, args, plan: Plan):
         lengths = np.concatenate([lengths, np.zeros((pad,), lengths.dtype)])
         args = (parallel.put_rows(tokens, mesh), parallel.put_rows(lengths, mesh), *parallel.replicate(rest, mesh))
     args = (state, *args)
-    exe, compile_s = loop.compiled(plan, graphdef, *args)
+    exe, compile_s = loop.compiled(plan, graphdef, *args, hidden=models[0].config.hidden_size)
     t0 = time.perf_counter()
     out, n_out, steps, counters = jax.block_until_ready(exe(*args))
     seconds = time.perf_counter() - t0

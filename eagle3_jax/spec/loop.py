@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax import parallel
-from eagle3_jax.models import eagle3, gpt_oss
+from eagle3_jax.models import eagle3, gpt_oss, shards
 from eagle3_jax.spec.metrics import Counters
 from eagle3_jax.spec.state import DecodeState, Plan
 from eagle3_jax.spec.step import sample, step
@@ -85,8 +85,8 @@ def on_mesh(mesh):
     return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
-def _program(graphdef, params, *args, plan: Plan, mesh=None):
-    with on_mesh(mesh):
+def _program(graphdef, params, mailbox, *args, plan: Plan, mesh=None):
+    with on_mesh(mesh), shards.mailbox_context(mailbox, mesh):
         final = run(nnx.merge(graphdef, params), *args, plan, mesh)
     results = final.out, final.n_out, final.steps, final.counters
     # whole on every device: each process reads them (several processes: jax.distributed)
@@ -96,18 +96,20 @@ def _program(graphdef, params, *args, plan: Plan, mesh=None):
 _COMPILED: dict = {}
 
 
-def compiled(plan: Plan, graphdef, *args):
+def compiled(plan: Plan, graphdef, *args, hidden: int = 0):
     """The executable of `run` for (target, draft) = nnx.merge(graphdef, args[0]) and these argument
     shapes, dtypes and shardings (the state laid out over `loop_mesh(args[0])`), compiled on first
     use: (executable taking *args, seconds spent compiling now, 0.0 on reuse). It returns
-    (out [B, out_len], n_out [B], steps, Counters)."""
+    (out [B, out_len], n_out [B], steps, Counters). hidden: the target's hidden size, for the
+    mesh's all-reduce Mailbox (`parallel.mailbox`), which the executable passes in itself."""
     mesh = loop_mesh(args[0])
+    mailbox = parallel.mailbox(mesh, hidden)
     spec = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a), getattr(a, "sharding", None)), args)
-    key = (graphdef, plan, mesh, str(jax.tree.structure(args)), str(spec))
-    if key in _COMPILED:
-        return _COMPILED[key], 0.0
-    t0 = time.perf_counter()
-    exe = jax.jit(_program, static_argnums=0, static_argnames=("plan", "mesh")).lower(graphdef, *args, plan=plan,
-                                                                                     mesh=mesh).compile()
-    _COMPILED[key] = exe
-    return exe, time.perf_counter() - t0
+    key = (graphdef, plan, mesh, mailbox is None, str(jax.tree.structure(args)), str(spec))
+    if key not in _COMPILED:
+        t0 = time.perf_counter()
+        exe = jax.jit(_program, static_argnums=0, static_argnames=("plan", "mesh")).lower(
+            graphdef, args[0], mailbox, *args[1:], plan=plan, mesh=mesh).compile()
+        _COMPILED[key] = (lambda *a: exe(a[0], mailbox, *a[1:])), time.perf_counter() - t0
+        return _COMPILED[key]
+    return _COMPILED[key][0], 0.0

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from eagle3_jax import convert, parallel
-from eagle3_jax.models import Eagle3Config, eagle3, gpt_oss
+from eagle3_jax.models import Eagle3Config, eagle3, gpt_oss, shards
 from eagle3_jax.spec import loop as spec_loop
 from eagle3_jax.spec import step as spec_step
 from eagle3_jax.spec.metrics import Counters
@@ -84,13 +84,41 @@ def validate_shape_flags(*names):
 MAX_CAPTURED_BYTES = 1 << 20  # a larger array closed over by a timed function is refused (`compile_call`)
 
 
-def compile_call(fn, *args, donate_argnums=()):
+class WithMailbox:
+    """A compiled call whose first argument, the mesh's all-reduce Mailbox, it passes itself; other
+    attributes are the executable's."""
+
+    def __init__(self, exe, mailbox):
+        self.exe, self.mailbox = exe, mailbox
+
+    def __call__(self, *args):
+        return self.exe(self.mailbox, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.exe, name)
+
+
+def program_mailbox(graphdef, params):
+    """The Mailbox decode's programs pass to the one-shot all-reduce kernel for these models
+    (`parallel.mailbox` of their mesh and the target's hidden size), or None."""
+    models = nnx.merge(graphdef, params)
+    target = models[0] if isinstance(models, tuple) else models
+    return parallel.mailbox(spec_loop.loop_mesh(params), target.config.hidden_size)
+
+
+def compile_call(fn, *args, donate_argnums=(), mailbox=None):
     """`jax.jit(fn, donate_argnums=...)` traced, lowered and compiled for `args`: the executable (call
     it with arguments of the same shapes; donated ones are deleted for the caller). A function that
     closes over an array (jax or numpy) of more than MAX_CAPTURED_BYTES raises RuntimeError naming its
     shapes: XLA would copy it into the program as a constant (host and device memory beside the
     array itself); pass it as an argument instead. A first argument (the parameters) on a mesh of
     several devices: traced `on_mesh` as decode's loop is (the models' kernels on local shards)."""
+    if mailbox is not None:  # traced as decode's programs are: the Mailbox an argument (spec/loop.py)
+        donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        mesh = parallel.mesh_of(mailbox)
+        exe = compile_call(lambda mb, *a: _with_mailbox(fn, mb, mesh, *a), mailbox, *args,
+                           donate_argnums=tuple(1 + i for i in donate))
+        return WithMailbox(exe, mailbox)
     with spec_loop.on_mesh(spec_loop.loop_mesh(args[0]) if args else None):
         traced = jax.jit(fn, donate_argnums=donate_argnums).trace(*args)
     big = [c for c in traced.jaxpr.consts if getattr(c, "nbytes", 0) > MAX_CAPTURED_BYTES]
@@ -99,6 +127,11 @@ def compile_call(fn, *args, donate_argnums=()):
                            f"{', '.join(f'{c.dtype}{list(c.shape)}' for c in big)} "
                            f"({sum(c.nbytes for c in big)} bytes): pass them as arguments")
     return traced.lower().compile()
+
+
+def _with_mailbox(fn, mailbox, mesh, *args):
+    with shards.mailbox_context(mailbox, mesh):
+        return fn(*args)
 
 
 def distinct_leaves(tree):
@@ -144,7 +177,8 @@ def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3, *, a
         return jax.lax.fori_loop(0, n, lambda i, c: fn(m, c, *a), c)
 
     args, carry = tuple(args), distinct_leaves(carry)
-    compiled = compile_call(run, params, carry, jnp.int32(iters), args, donate_argnums=1)
+    compiled = compile_call(run, params, carry, jnp.int32(iters), args, donate_argnums=1,
+                            mailbox=program_mailbox(graphdef, params))
     box = [carry]
     del carry  # the first call donates the caller's arrays; the loop owns them from here
 
@@ -188,7 +222,8 @@ def once(graphdef, params, fn, *args, donate=()):
         return fn(nnx.merge(graphdef, p), *a)
 
     args = tuple(distinct_leaves(a) if i in donate else a for i, a in enumerate(args))
-    return compile_call(call, params, *args, donate_argnums=tuple(1 + i for i in donate))(params, *args)
+    return compile_call(call, params, *args, donate_argnums=tuple(1 + i for i in donate),
+                        mailbox=program_mailbox(graphdef, params))(params, *args)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
