@@ -1,39 +1,31 @@
 """One-shot all-reduce of a decode-sized residual update, fused with the residual add and RMSNorm
 that follow it: Pallas Mosaic GPU, Hopper GPUs of one host driven by one process.
 
-`allreduce_add_rms_norm(x, residual, scale, mailbox, *, eps, axis)`, called inside `jax.shard_map`
-over the mesh axis `axis` (M devices): x [R, H] (this device's partial sum, f32 or bf16), residual
-[R, H], scale [H], mailbox this device's shard of a `Mailbox`. With t the sum of x over the M devices
-in f32, in device order (every device computes the same bits):
+`allreduce_add_rms_norm(x, residual, scale, mailbox, *, eps, axis)`, inside `jax.shard_map` over the
+mesh axis `axis` (M devices): x [R, H] this device's partial sum (f32 or bf16), residual [R, H],
+scale [H], mailbox this device's shard of a `Mailbox`. With t the sum of x over the M devices in
+f32, in device order (every device computes the same bits): s = (t + residual) rounded to
+residual.dtype, y = s * rsqrt(mean(s^2) + eps) * scale in f32, rounded likewise; returns (s, y).
+`allreduce_add_rms_norm_reference` is the same through `lax.psum`, on any platform.
 
-    s = (t + residual in f32) rounded to residual.dtype
-    y = s * rsqrt(mean(s^2) + eps) * scale in f32, rounded to residual.dtype
+One block (one warpgroup) a row, grid (R,): TMA brings the row of x and of the residual into shared
+memory (viewed as [H / 64, 64], zero rows padding it to a multiple of 8, so that thread t holds the
+same elements on every device); each thread writes its elements into slot `me` of every peer's
+inbox (`plgpu.remote_ref`), fences, adds 1 to its flag on every peer, spins until every peer's flag
+for it has counted this call, sums the M slots, tells each peer it has read its slot, and
+normalizes; s and y leave by TMA. The inbox and flags are a `Mailbox`, buffers made once
+(`new_mailbox`) and passed to every program as an argument: they outlive the calls, flags count
+calls and are never reset, so no handshake precedes the exchange (a kernel output as the inbox
+would need one: a peer may not write a buffer of a call that has not started). Every device must
+make the same calls in the same order, as the SPMD programs of one mesh do.
 
-Returns (s, y): the residual stream after a tensor-parallel sublayer and the next one's normalized
-input. `allreduce_add_rms_norm_reference` is the same function through `lax.psum` (XLA's
-all-reduce), any platform.
-
-The kernel: one block (one warpgroup) a row, grid (R,). The row of x and of the residual come into
-shared memory by TMA (a row viewed as [H / 64, 64], zero rows padding it to a multiple of 8, so that
-128 threads hold it in registers, thread t always the same elements); each thread writes its
-elements of x into slot `me` of every peer's inbox (peer memory: `plgpu.remote_ref`), then adds 1 to
-its own flag on every peer (after a release fence), spins until every peer's flag for it has
-arrived, sums the M slots in device order, tells every peer its slot is read, and normalizes; s and
-y go back by TMA. One exchange a call, no handshake before it: the inbox and the flags are a
-`Mailbox`, buffers made once (`new_mailbox`) and passed to every program as an argument, so they
-outlive each call (a kernel output is a buffer of that call only, which a peer may not write before
-the call has started). Each flag counts messages, never reset: a thread waits for the count of calls
-its block made plus one, read from its own counter; before writing a peer's slot it waits until that
-peer has read the previous message there. Every device must make the same calls in the same order
-(what the SPMD programs of one mesh do).
-
-2 H200s (NV18), JAX 0.11.2, chains of 8 calls in a jitted loop (`experiments/bench_allreduce.py`,
-allreduce_h200x2.json): 13.1 / 14.4 / 15.1 / 17.5 us a call at R = 1 / 4 / 16 / 64, against 25.6 /
-19.0 / 19.2 / 21.0 us for the reference (XLA's all-reduce, then the add and the norm).
+2 H200s, JAX 0.11.2, chains of 8 calls in a jitted loop (experiments/results/
+reduce_norm_probe_h200x2.json): 13.1 / 14.4 / 15.1 / 17.5 us a call at R = 1 / 4 / 16 / 64; the
+reference 25.6 / 19.0 / 19.2 / 21.0 us (what was tried: docs/perf/multi_gpu.md).
 
 Requires H % 64 == 0, R <= MAX_ROWS, the mesh's devices in this process in device-id order, and a
-shard_map over the concrete `Mesh` (under an abstract one Mosaic GPU does not record the devices'
-ids and the call fails at run time: "No replica ids found").
+shard_map over the concrete `Mesh` (under an abstract one Mosaic GPU records no device ids and the
+call fails at run time: "No replica ids found").
 """
 
 from __future__ import annotations

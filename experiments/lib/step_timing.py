@@ -100,10 +100,15 @@ class WithMailbox:
 
 def program_mailbox(graphdef, params):
     """The Mailbox decode's programs pass to the one-shot all-reduce kernel for these models
-    (`parallel.mailbox` of their mesh and the target's hidden size), or None."""
+    (`parallel.mailbox` of their mesh and the GptOss target's hidden size), or None (one device, no
+    GptOss among them, or no kernel: see parallel.mailbox)."""
+    mesh = spec_loop.loop_mesh(params)
+    if mesh is None:
+        return None
     models = nnx.merge(graphdef, params)
-    target = models[0] if isinstance(models, tuple) else models
-    return parallel.mailbox(spec_loop.loop_mesh(params), target.config.hidden_size)
+    target = next((m for m in (models if isinstance(models, tuple) else (models,)) if isinstance(m, gpt_oss.GptOss)),
+                  None)
+    return None if target is None else parallel.mailbox(mesh, target.config.hidden_size)
 
 
 def compile_call(fn, *args, donate_argnums=(), mailbox=None):
