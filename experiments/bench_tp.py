@@ -18,7 +18,9 @@ Rows {"tp", "batch", "ms_per_token", "tokens_per_second", "roofline_fraction" (t
 device reads, `roofline.target_bytes(..., model=tp)`, at the copy bandwidth of this run's first
 device, over the time), "step_ms", "speedup_vs_tp1" (tp 1's
 ms_per_token at the same batch over this one, both from this run; None before tp 1 has run), "projected_speedup" (tau x
-baseline / step at the published tau), "collectives"}; "allreduce": [{"tp", "rows", "xla_us"}]. The
+baseline / step at the published tau), "collectives", "reduction" ("kernel": decode and verify sum
+over "model" through pallas/allreduce.py, where `parallel.mailbox` gives the mesh a Mailbox; "xla":
+XLA's all-reduce; None at tp 1)}; "allreduce": [{"tp", "rows", "xla_us"}]. The
 JSON is written after every row: a run cut short keeps what it measured.
 """
 
@@ -52,6 +54,7 @@ def degree(cfg, tp: int, batches, shape, result, base_ms):
     """Times every batch at one degree, appending to result["rows"] (and result["allreduce"])."""
     mesh = None if tp == 1 else parallel.make_mesh(model=tp, devices=jax.devices()[:tp])
     target, draft = random_pair(cfg, mesh)
+    reduction = None if mesh is None else "xla" if parallel.mailbox(mesh, cfg.hidden_size) is None else "kernel"
     if mesh is not None:
         for rows in map(int, FLAGS.allreduce_rows):
             t = timing.allreduce_seconds(mesh, rows, cfg.hidden_size)
@@ -67,7 +70,8 @@ def degree(cfg, tp: int, batches, shape, result, base_ms):
             base_ms[B] = t_base * 1e3
         ref = base_ms.get(B)
         nbytes = roofline.target_bytes(cfg, B, 1, FLAGS.context, model=tp)["total"]  # the busiest device's
-        row = dict(tp=tp, batch=B, context=FLAGS.context, shape=FLAGS.shape, ms_per_token=t_base * 1e3,
+        row = dict(tp=tp, batch=B, context=FLAGS.context, shape=FLAGS.shape, reduction=reduction,
+                   ms_per_token=t_base * 1e3,
                    tokens_per_second=B / t_base, roofline_fraction=nbytes / result["copy_bandwidth"] / t_base,
                    step_ms=t_step * 1e3,
                    speedup_vs_tp1=None if ref is None else ref / (t_base * 1e3),

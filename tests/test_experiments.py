@@ -118,6 +118,7 @@ def test_bench_tp_rows(tmp_path):
         # tp 2: o_proj's and the MoE's all-reduce a layer, a few for the embedding and the argmax
         n, layers = sum(x["collectives"]["baseline"].values()), GptOssConfig.preset("tiny").num_hidden_layers
         assert n == 0 if x["tp"] == 1 else 2 * layers <= n <= 2 * layers + 3, (x["tp"], n)
+        assert x["reduction"] == (None if x["tp"] == 1 else "xla")  # no GPU: psum, no Mailbox
     assert [(a["tp"], a["rows"]) for a in r["allreduce"]] == [(2, 1), (2, 4)]
     assert all(a["xla_us"] > 0 for a in r["allreduce"])
     assert "tp=2 B=2 " in out and "x tp1)" in out
