@@ -1,7 +1,8 @@
 """Run by tests/test_parallel.py in a fresh process with 4 CPU devices: generate and decode (chain,
 tree) on sharded models give the one-device tokens (also for a batch the data axis does not
-divide), and parameters, caches and state are split; a bf16 step through the GPU's kernels
-(interpreted) on a mesh gives one device's logits.
+divide), and parameters, caches and state are split; a verify step sums its sublayers through the
+fused reduction and equals the unfused one; a bf16 step through the GPU's kernels (interpreted) on
+a mesh gives one device's logits.
 
 Prints one line per mesh and "ok" at the end; any mismatch is an AssertionError (exit status 1)."""
 
@@ -172,6 +173,43 @@ def check_kernel_step():
         np.testing.assert_allclose(got, want, atol=0.15, err_msg=f"data={data} model={model}")
 
 
+def check_fused_reduction(mesh):
+    """A verify-sized step on the mesh sums each sublayer through `gpt_oss.reduce_add_norm` (two calls
+    a layer, the fused structure; lax.psum here, no GPU) and gives the step of the unfused structure
+    (XLA's all-reduce, then the add and the norm) and of one device, float32."""
+    B, S, T = 2, 64, 4
+    rng = np.random.default_rng(4)
+    tokens = jnp.asarray(rng.integers(3, 256, (B, T)), jnp.int32)
+    lengths = jnp.array([11, 30], jnp.int32)
+    positions = lengths[:, None] + jnp.arange(T)[None]
+    calls = []
+
+    def logits(model, mesh, fused=True):
+        cache = gpt_oss.init_cache(model, B, S, max_step_tokens=8)
+        noise = np.random.default_rng(6)
+        cache = cache.replace(k=tuple(jnp.asarray(noise.normal(size=k.shape), k.dtype) for k in cache.k),
+                              v=tuple(jnp.asarray(noise.normal(size=v.shape), v.dtype) for v in cache.v))
+        real, reduce = gpt_oss.reduces_fused, gpt_oss.reduce_add_norm
+        gpt_oss.reduces_fused = lambda x: fused and real(x)
+        gpt_oss.reduce_add_norm = lambda *a: calls.append(1) or reduce(*a)
+        try:
+            with loop.on_mesh(mesh):
+                out = jax.jit(lambda m, c: gpt_oss.step(m, c, tokens, positions, lengths)[0])(model, cache)
+        finally:
+            gpt_oss.reduces_fused, gpt_oss.reduce_add_norm = real, reduce
+        return np.asarray(out)
+
+    want = logits(gpt_oss.GptOss(CONFIG, dtype=jnp.float32, rngs=nnx.Rngs(0)), None)
+    assert not calls
+    split = parallel.shard(gpt_oss.GptOss(CONFIG, dtype=jnp.float32, rngs=nnx.Rngs(0)), mesh)
+    fused = logits(split, mesh)
+    assert len(calls) == 2 * CONFIG.num_hidden_layers, len(calls)
+    unfused = logits(split, mesh, fused=False)
+    assert len(calls) == 2 * CONFIG.num_hidden_layers
+    np.testing.assert_allclose(fused, unfused, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fused, want, rtol=1e-5, atol=1e-5)
+
+
 def check_kernel_collectives(t, d, prompts):
     """The Pallas glue kernels run on each device's rows: none of the compiled loop's collectives is
     inside one (outside shard_map XLA gathers a kernel's rows: a collective per norm)."""
@@ -250,6 +288,7 @@ def main():
             got = decode(t, d, prompts[:3], NEW, **RUNS["tree"], **KW)
             assert (got.tokens, got.metrics["slot_steps"]) == (odd.tokens, odd.metrics["slot_steps"]), got.metrics
         check_moe_paths(mesh)
+        check_fused_reduction(mesh)
         if data > 1:
             check_kernel_collectives(t, d, prompts)
         print(f"mesh data={data} model={model}: tokens equal, sharded, {n_local} shard_maps: "
