@@ -8,9 +8,12 @@ For each n in --tp (the first n GPUs as a (data 1, model n) mesh) and each R in 
 partials (f32) and a bf16 residual: the kernel's s against the reference's (max difference) and
 whether every device holds the same bits; then `--chain` calls a loop iteration, each feeding the
 next (y times a per-device factor is the next partial), in a jitted fori_loop: (time of --iters
-iterations - time of none) / (iters x chain) per call, best of 3, for both. Rows {"tp", "rows",
-"kernel_us", "reference_us", "s_max_diff", "same_on_devices"}. Needs GPUs (the kernel has no CPU
-path); the JSON is written after each row.
+iterations - time of none) / (iters x chain) per call, best of 3, for both. With --profile, also
+the device time of each kernel family per call and device (`timing.kernel_records` of one run of
+the loop: the fused kernel's own time, its spin included, against what the launches around it
+add). Rows {"tp", "rows", "kernel_us", "reference_us", "s_max_diff", "same_on_devices",
+"kernel_device_us", "reference_device_us"}. Needs GPUs (the kernel has no CPU path); the JSON is
+written after each row.
 """
 
 import time
@@ -33,6 +36,7 @@ flags.DEFINE_list("rows", ["1", "4", "16", "64"], "message rows (decode: B, veri
 flags.DEFINE_integer("hidden", 2880, "message width (gpt-oss: 2880)")
 flags.DEFINE_integer("chain", 8, "calls a loop iteration")
 flags.DEFINE_integer("iters", 200, "loop iterations timed")
+flags.DEFINE_bool("profile", True, "also the device time per call of each kernel family")
 flags.DEFINE_string("out", None, "JSON output path")
 FLAGS = flags.FLAGS
 cli.positive_ints("tp", "rows")
@@ -94,6 +98,17 @@ def per_call(run, args, mb):
     return (best(FLAGS.iters) - best(0)) / (FLAGS.iters * FLAGS.chain)
 
 
+def device_us(run, args, mb, n):
+    """{kernel family: device microseconds per call and device} over one run of --iters iterations."""
+    k = jnp.int32(FLAGS.iters)
+    recs = timing.kernel_records(lambda: run(*args, k, *mb), repeats=1)
+    out = {}
+    for name, _, dur in recs:
+        group = timing.kernel_group(name)
+        out[group] = out.get(group, 0.0) + dur * 1e-3 / (FLAGS.iters * FLAGS.chain * n)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def main(argv):
     del argv
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
@@ -121,6 +136,9 @@ def main(argv):
                                                 for d in range(n))),
                        kernel_us=per_call(progs[True][1], args, mailbox) * 1e6,
                        reference_us=per_call(progs[False][1], args, ()) * 1e6)
+            if FLAGS.profile:
+                row["kernel_device_us"] = device_us(progs[True][1], args, mailbox, n)
+                row["reference_device_us"] = device_us(progs[False][1], args, (), n)
             result["rows"].append(row)
             timing.write_json(FLAGS.out, result)
             cli.write(f"tp={n} rows={R:<3} kernel {row['kernel_us']:6.1f} us  reference {row['reference_us']:6.1f} us  "

@@ -98,6 +98,12 @@ def test_busiest_device_experts_by_enumeration():
     assert roofline.busiest_experts(cfg, 3.5, 1) == 3.5
 
 
+def test_bench_reduce_norm_needs_gpus():
+    # the fused kernel has no CPU path: one line naming what is missing, and bad flags refused
+    assert "error: bench_reduce_norm: needs 2 or more GPUs, found 0" in fails("bench_reduce_norm.py", "--tp", "2")
+    assert "--rows" in fails("bench_reduce_norm.py", "--rows", "0", code=1)
+
+
 def test_bench_tp_rows(tmp_path):
     # tp 1 and 2 over two fake CPU devices: a row each, the ratio against tp 1 of the same run
     from lib import roofline
