@@ -96,14 +96,15 @@ def _program(graphdef, params, mailbox, *args, plan: Plan, mesh=None):
 _COMPILED: dict = {}
 
 
-def compiled(plan: Plan, graphdef, *args, hidden: int = 0):
+def compiled(plan: Plan, graphdef, *args, hidden: int | None = None):
     """The executable of `run` for (target, draft) = nnx.merge(graphdef, args[0]) and these argument
     shapes, dtypes and shardings (the state laid out over `loop_mesh(args[0])`), compiled on first
     use: (executable taking *args, seconds spent compiling now, 0.0 on reuse). It returns
     (out [B, out_len], n_out [B], steps, Counters). hidden: the target's hidden size, for the
-    mesh's all-reduce Mailbox (`parallel.mailbox`), which the executable passes in itself."""
+    mesh's all-reduce Mailbox (`parallel.mailbox`), which the executable passes in itself (None:
+    no Mailbox, XLA's all-reduce)."""
     mesh = loop_mesh(args[0])
-    mailbox = parallel.mailbox(mesh, hidden)
+    mailbox = None if hidden is None else parallel.mailbox(mesh, hidden)
     spec = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a), getattr(a, "sharding", None)), args)
     key = (graphdef, plan, mesh, mailbox is None, str(jax.tree.structure(args)), str(spec))
     if key not in _COMPILED:
