@@ -21,7 +21,8 @@ memory is reported with that error (a row with "error") and the next cell runs.
 `--mesh model=M,data=D` (and the jax.distributed flags, as bench.py's): the target created split
 over the devices (`random_pair(cfg, mesh)`), the states laid out as decode's; batches are multiples
 of D, and memory is per device (each device's share of the state against the first local device's
-free memory).
+free memory). Steps sum over "model" with XLA's all-reduce, not the fused kernel
+(`step_timing.xla_reduction`: a trial that runs out of memory must fail, not hang).
 
 JSON: device_info (command included), num_devices and mesh, the preset, the memory after the
 weights, and a row per
@@ -41,7 +42,7 @@ import jax
 from eagle3_jax.models import GptOssConfig
 from lib import cli, timing
 from lib.step_timing import (baseline_plan, parse_shape, random_pair, state_bytes, step_plan, time_baseline,
-                             time_step)
+                             time_step, xla_reduction)
 
 flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
 flags.DEFINE_list("contexts", ["8192", "32768", "131072"], "committed tokens per sequence")
@@ -103,12 +104,13 @@ def trial(target, draft, B, ctx, mode, plan, mesh=None):
         return dict(batch=B, ok=False, ran=False, error=f"state {timing.gib(need)} > "
                     f"{timing.gib(mem['bytes_limit'] - mem['bytes_in_use'])} free (not run)")
     try:
-        if mode == "baseline":
-            memory = {}
-            seconds = time_baseline(target, B, ctx, FLAGS.iters, memory=memory)
-        else:
-            r = time_step(target, draft, B, parse_shape(mode), ctx, FLAGS.iters, parts=False)
-            seconds, memory = r["seconds"]["step"], r["memory"]["step"]
+        with xla_reduction():  # an out-of-memory trial must fail, not hang in the fused kernel
+            if mode == "baseline":
+                memory = {}
+                seconds = time_baseline(target, B, ctx, FLAGS.iters, memory=memory)
+            else:
+                r = time_step(target, draft, B, parse_shape(mode), ctx, FLAGS.iters, parts=False)
+                seconds, memory = r["seconds"]["step"], r["memory"]["step"]
         out = dict(batch=B, ok=True, seconds=seconds, memory=memory)
     except jax.errors.JaxRuntimeError as e:
         if not is_oom(e):

@@ -17,6 +17,7 @@ program as a constant). `loop_time` and `time_step` report each executable's buf
 (`timing.program_memory`); `state_bytes` is a state's size without building it.
 """
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -98,12 +99,28 @@ class WithMailbox:
         return getattr(self.exe, name)
 
 
+_XLA_REDUCTION = []  # non-empty inside `xla_reduction()`
+
+
+@contextlib.contextmanager
+def xla_reduction():
+    """Calls compiled inside this sum over "model" with XLA's all-reduce even where the fused kernel
+    would run (no Mailbox). For searches that expect out-of-memory failures (capacity.py): a program
+    that fails on one device after another has started its fused kernels would leave them waiting on
+    their peers (pallas/allreduce.py), a hang instead of an error."""
+    _XLA_REDUCTION.append(True)
+    try:
+        yield
+    finally:
+        _XLA_REDUCTION.pop()
+
+
 def program_mailbox(graphdef, params):
     """The Mailbox decode's programs pass to the one-shot all-reduce kernel for these models
     (`parallel.mailbox` of their mesh and the GptOss target's hidden size), or None (one device, no
-    GptOss among them, or no kernel: see parallel.mailbox)."""
+    GptOss among them, inside `xla_reduction`, or no kernel: see parallel.mailbox)."""
     mesh = spec_loop.loop_mesh(params)
-    if mesh is None:
+    if mesh is None or _XLA_REDUCTION:
         return None
     models = nnx.merge(graphdef, params)
     target = next((m for m in (models if isinstance(models, tuple) else (models,)) if isinstance(m, gpt_oss.GptOss)),
