@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import time
+import warnings
 
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
 
@@ -26,7 +27,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from eagle3_jax import parallel  # noqa: E402
 from eagle3_jax.models import Eagle3Config, GptOssConfig, eagle3, gpt_oss  # noqa: E402
-from eagle3_jax.pallas import norm, select  # noqa: E402
+from eagle3_jax.pallas import allreduce, norm, select  # noqa: E402
 from eagle3_jax.spec import decode, generate, loop, step  # noqa: E402
 from eagle3_jax.spec.decode import pad_prompts  # noqa: E402
 from eagle3_jax.spec.state import Plan  # noqa: E402
@@ -210,6 +211,25 @@ def check_fused_reduction(mesh):
     np.testing.assert_allclose(fused, want, rtol=1e-5, atol=1e-5)
 
 
+def check_mailbox_plumbing(t, prompts, want):
+    """decode's program takes the mesh's Mailbox as an argument (made here as on GPUs: no kernel runs
+    on CPU, the psum path does) and gives the same tokens; where the compiled program would copy the
+    Mailbox it warns and compiles again without it, same tokens."""
+    made, real_mailbox, real_copied = [], parallel.mailbox, allreduce.copied
+    parallel.mailbox = lambda mesh, hidden: made.append(hidden) or allreduce.new_mailbox(mesh, hidden)
+    try:
+        for copies in (False, True):
+            allreduce.copied = lambda text, mailbox, copies=copies: copies
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                got = generate(t, prompts, NEW, **KW, max_cache_len=64 + 8 * copies).tokens
+            assert got == want, (copies, got, want)
+            assert any("copies the all-reduce Mailbox" in str(w.message) for w in seen) == copies
+    finally:
+        parallel.mailbox, allreduce.copied = real_mailbox, real_copied
+    assert made == [CONFIG.hidden_size] * 2, made
+
+
 def check_kernel_collectives(t, d, prompts):
     """The Pallas glue kernels run on each device's rows: none of the compiled loop's collectives is
     inside one (outside shard_map XLA gathers a kernel's rows: a collective per norm)."""
@@ -289,6 +309,8 @@ def main():
             assert (got.tokens, got.metrics["slot_steps"]) == (odd.tokens, odd.metrics["slot_steps"]), got.metrics
         check_moe_paths(mesh)
         check_fused_reduction(mesh)
+        if (data, model) == (1, 2):
+            check_mailbox_plumbing(t, prompts, want["generate"])
         if data > 1:
             check_kernel_collectives(t, d, prompts)
         print(f"mesh data={data} model={model}: tokens equal, sharded, {n_local} shard_maps: "

@@ -85,6 +85,18 @@ def test_bad_input_and_dispatch():
     assert select.tp_reduce(z((1, 1, 2880 + 32), jnp.bfloat16), 1, box, platform="gpu") == "reference"
 
 
+def test_copied_finds_copies_of_the_mailbox_shapes():
+    """`copied` flags an HLO copy (or copy-start) of an array of a Mailbox shard's shape, nothing else."""
+    mesh = parallel.make_mesh(model=1, devices=jax.devices()[:1])
+    mailbox = allreduce.new_mailbox(mesh, 2880)
+    assert [a.shape for a in mailbox] == [(1, 64, 48, 64), (64, 3, 1, 128)]
+    assert allreduce.copied("%copy.3 = f32[1,64,48,64]{3,2,1,0} copy(%param.1)", mailbox)
+    assert allreduce.copied("  %c = s32[64,3,1,128]{3,2,1,0} copy-start(%p), metadata={}", mailbox)
+    assert not allreduce.copied("%copy.3 = f32[1,64,48,32]{3,2,1,0} copy(%param.1)", mailbox)
+    assert not allreduce.copied("%add.3 = f32[1,64,48,64]{3,2,1,0} add(%a, %b)", mailbox)
+    assert not allreduce.copied("%copy.3 = s32[1,64,48,64]{3,2,1,0} copy(%param.1)", mailbox)
+
+
 def gpus():
     return [d for d in jax.devices() if d.platform == "gpu"]
 
@@ -149,6 +161,7 @@ def test_kernel_exact_in_a_loop_gpu():
                                 check_vma=False))
     for R in (1, 16, 1):
         n = jax.device_put(jnp.full((R, 1), calls, jnp.int32), NamedSharding(mesh, P()))
+        assert not allreduce.copied(run.lower(n, *mailbox).compile().as_text(), mailbox)
         assert np.asarray(run(n, *mailbox)).tolist() == [0] * M, R
 
 

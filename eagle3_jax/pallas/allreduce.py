@@ -31,6 +31,7 @@ call fails at run time: "No replica ids found").
 from __future__ import annotations
 
 import functools
+import re
 from typing import NamedTuple
 
 import jax
@@ -69,6 +70,18 @@ def new_mailbox(mesh, hidden: int, axis: str = "model") -> Mailbox:
     data = jax.jit(lambda: jnp.zeros((n * M, MAX_ROWS, Pr, LANES), F32), out_shardings=sharding)()
     flags = jax.jit(lambda: jnp.zeros((n * MAX_ROWS, 3, M, THREADS), jnp.int32), out_shardings=sharding)()
     return Mailbox(data, flags)
+
+
+def copied(hlo_text: str, mailbox: Mailbox) -> bool:
+    """Whether a compiled program (its optimized HLO, `compiled.as_text()`) copies an array of the
+    Mailbox's per-device shape. The kernel would then write a copy made when the program starts,
+    which a peer that starts first may already have written: a lost flag, a hang. Callers compile
+    without the Mailbox (XLA's all-reduce) where this is True."""
+    names = {jnp.float32: "f32", jnp.int32: "s32"}
+    shapes = {f"{names[jnp.dtype(a.dtype).type]}[{','.join(map(str, a.sharding.shard_shape(a.shape)))}]"
+              for a in mailbox}
+    return any(m.group(1) in shapes for m in re.finditer(r"=\s*(\w+\[[\d,]*\])\{[^}]*\}\s+copy(?:-start)?\(",
+                                                             hlo_text))
 
 
 def _padded(h_rows: int) -> int:

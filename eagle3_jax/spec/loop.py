@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from flax import nnx
 
 from eagle3_jax import parallel
 from eagle3_jax.models import eagle3, gpt_oss, shards
+from eagle3_jax.pallas import allreduce
 from eagle3_jax.spec.metrics import Counters
 from eagle3_jax.spec.state import DecodeState, Plan
 from eagle3_jax.spec.step import sample, step
@@ -109,8 +111,17 @@ def compiled(plan: Plan, graphdef, *args, hidden: int | None = None):
     key = (graphdef, plan, mesh, mailbox is None, str(jax.tree.structure(args)), str(spec))
     if key not in _COMPILED:
         t0 = time.perf_counter()
-        exe = jax.jit(_program, static_argnums=0, static_argnames=("plan", "mesh")).lower(
-            graphdef, args[0], mailbox, *args[1:], plan=plan, mesh=mesh).compile()
+
+        def build(mb):
+            return jax.jit(_program, static_argnums=0, static_argnames=("plan", "mesh")).lower(
+                graphdef, args[0], mb, *args[1:], plan=plan, mesh=mesh).compile()
+
+        exe = build(mailbox)
+        if mailbox is not None and allreduce.copied(exe.as_text(), mailbox):
+            warnings.warn("decode's program copies the all-reduce Mailbox, which the fused kernel may not "
+                          "write (pallas/allreduce.py); compiled again with XLA's all-reduce")
+            mailbox = None
+            exe = build(None)
         _COMPILED[key] = (lambda *a: exe(a[0], mailbox, *a[1:])), time.perf_counter() - t0
         return _COMPILED[key]
     return _COMPILED[key][0], 0.0

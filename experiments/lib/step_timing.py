@@ -23,6 +23,7 @@ import functools
 import re
 import statistics
 import time
+import warnings
 
 from absl import flags
 
@@ -33,6 +34,7 @@ from flax import nnx
 
 from eagle3_jax import convert, parallel
 from eagle3_jax.models import Eagle3Config, eagle3, gpt_oss, shards
+from eagle3_jax.pallas import allreduce
 from eagle3_jax.spec import loop as spec_loop
 from eagle3_jax.spec import step as spec_step
 from eagle3_jax.spec.metrics import Counters
@@ -140,7 +142,10 @@ def compile_call(fn, *args, donate_argnums=(), mailbox=None):
         mesh = parallel.mesh_of(mailbox)
         exe = compile_call(lambda mb, *a: _with_mailbox(fn, mb, mesh, *a), mailbox, *args,
                            donate_argnums=tuple(1 + i for i in donate))
-        return WithMailbox(exe, mailbox)
+        if not allreduce.copied(exe.as_text(), mailbox):
+            return WithMailbox(exe, mailbox)
+        warnings.warn(f"{getattr(fn, '__name__', fn)} copies the all-reduce Mailbox, which the fused kernel may "
+                      "not write (pallas/allreduce.py); compiled again with XLA's all-reduce")
     with spec_loop.on_mesh(spec_loop.loop_mesh(args[0]) if args else None):
         traced = jax.jit(fn, donate_argnums=donate_argnums).trace(*args)
     big = [c for c in traced.jaxpr.consts if getattr(c, "nbytes", 0) > MAX_CAPTURED_BYTES]
