@@ -136,7 +136,10 @@ def compile_call(fn, *args, donate_argnums=(), mailbox=None):
     closes over an array (jax or numpy) of more than MAX_CAPTURED_BYTES raises RuntimeError naming its
     shapes: XLA would copy it into the program as a constant (host and device memory beside the
     array itself); pass it as an argument instead. A first argument (the parameters) on a mesh of
-    several devices: traced `on_mesh` as decode's loop is (the models' kernels on local shards)."""
+    several devices: traced `on_mesh` as decode's loop is (the models' kernels on local shards).
+    mailbox (`program_mailbox`): fn is traced under `shards.mailbox_context` with the Mailbox as a
+    first argument of the program, which the returned `WithMailbox` passes itself; a program that
+    would copy it (`allreduce.copied`) is compiled again without it, with a warning."""
     if mailbox is not None:  # traced as decode's programs are: the Mailbox an argument (spec/loop.py)
         donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         mesh = parallel.mesh_of(mailbox)
