@@ -42,7 +42,7 @@ from eagle3_jax.models import eagle3, gpt_oss
 from eagle3_jax.models.config import Eagle3Config, GptOssConfig
 from eagle3_jax.models.kv_cache import KVCache
 from eagle3_jax.models.shards import AXES
-from eagle3_jax.pallas import allreduce, util
+from eagle3_jax.pallas import allreduce, select
 
 # GptOss parameters, "/"-joined path -> PartitionSpec (axes not named: replicated). Matched in order,
 # re.fullmatch; no match: replicated (norms, o_proj bias, router).
@@ -190,9 +190,8 @@ def mailbox(mesh: Mesh | None, hidden: int) -> allreduce.Mailbox | None:
     """The Mailbox (pallas/allreduce.py) that decode programs on `mesh` pass to the one-shot
     all-reduce kernel, for rows of `hidden`: made on first use and shared by every program on the
     mesh (its flags count the calls, which every device makes alike). None where the kernel does not
-    run: no mesh, one device along "model", no GPU, several processes, hidden % 64."""
-    if (mesh is None or model_size(mesh) == 1 or not util.on_gpu() or jax.process_count() > 1
-            or hidden % allreduce.LANES):
+    run: no mesh, one device along "model", or not `select.tp_kernel(hidden)`."""
+    if mesh is None or model_size(mesh) == 1 or not select.tp_kernel(hidden):
         return None
     key = (mesh, hidden)
     if key not in _MAILBOXES:

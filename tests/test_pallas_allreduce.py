@@ -83,6 +83,7 @@ def test_bad_input_and_dispatch():
     assert select.tp_reduce(x.astype(jnp.float32), 6, box, platform="gpu") == "reference"
     assert select.tp_reduce(x, 6, box, platform="cpu") == "reference"
     assert select.tp_reduce(z((1, 1, 2880 + 32), jnp.bfloat16), 1, box, platform="gpu") == "reference"
+    assert select.tp_kernel(2880, "gpu") and not select.tp_kernel(2912, "gpu") and not select.tp_kernel(2880, "cpu")
 
 
 def test_copied_finds_copies_of_the_mailbox_shapes():

@@ -103,11 +103,16 @@ def spec_op(interpret: bool | None = None, platform: str | None = None) -> str:
     return "kernel" if interpret or (interpret is None and _gpu(platform)) else "reference"
 
 
+def tp_kernel(hidden: int, platform: str | None = None) -> bool:
+    """Whether the one-shot kernel of pallas/allreduce.py can sum rows of `hidden` here: a GPU, every
+    device in this process, hidden % 64 == 0 (`parallel.mailbox` makes a Mailbox only then)."""
+    return _gpu(platform) and jax.process_count() == 1 and hidden % allreduce.LANES == 0
+
+
 def tp_reduce(x, rows: int, mailbox, platform: str | None = None) -> str:
     """How a decode-sized step sums a sublayer's partial outputs over "model" with the residual add
     and the norm after it (x: the residual stream [..., H]; rows: this device's rows): "kernel" (the
-    one-shot kernel of pallas/allreduce.py, which needs the program's Mailbox and every device in
-    this process) or "reference"."""
-    ok = (mailbox is not None and glue_kernels(x, platform) and x.shape[-1] % allreduce.LANES == 0
-          and rows <= allreduce.MAX_ROWS and jax.process_count() == 1)
+    one-shot kernel of pallas/allreduce.py: `tp_kernel`, bf16, the program's Mailbox) or "reference"."""
+    ok = (mailbox is not None and glue_kernels(x, platform) and tp_kernel(x.shape[-1], platform)
+          and rows <= allreduce.MAX_ROWS)
     return "kernel" if ok else "reference"
