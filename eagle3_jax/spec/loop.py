@@ -95,6 +95,18 @@ def _program(graphdef, params, mailbox, *args, plan: Plan, mesh=None):
     return results if mesh is None else parallel.constrain_replicated(results, mesh)
 
 
+def compile_with_mailbox(build, mailbox, what: str):
+    """(build(mailbox), mailbox) for `build(mailbox or None) -> compiled`, or (build(None), None) with a
+    warning where the program built with the Mailbox copies it (`allreduce.copied`: the fused kernel
+    would write a copy made at the program's start, which a faster peer may write first)."""
+    exe = build(mailbox)
+    if mailbox is None or not allreduce.copied(exe.as_text(), mailbox):
+        return exe, mailbox
+    warnings.warn(f"{what} copies the all-reduce Mailbox, which the fused kernel may not write "
+                  "(pallas/allreduce.py); compiled again with XLA's all-reduce")
+    return build(None), None
+
+
 _COMPILED: dict = {}
 
 
@@ -116,12 +128,7 @@ def compiled(plan: Plan, graphdef, *args, hidden: int | None = None):
             return jax.jit(_program, static_argnums=0, static_argnames=("plan", "mesh")).lower(
                 graphdef, args[0], mb, *args[1:], plan=plan, mesh=mesh).compile()
 
-        exe = build(mailbox)
-        if mailbox is not None and allreduce.copied(exe.as_text(), mailbox):
-            warnings.warn("decode's program copies the all-reduce Mailbox, which the fused kernel may not "
-                          "write (pallas/allreduce.py); compiled again with XLA's all-reduce")
-            mailbox = None
-            exe = build(None)
+        exe, mailbox = compile_with_mailbox(build, mailbox, "decode's program")
         _COMPILED[key] = (lambda *a: exe(a[0], mailbox, *a[1:])), time.perf_counter() - t0
         return _COMPILED[key]
     return _COMPILED[key][0], 0.0

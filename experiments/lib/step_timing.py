@@ -23,7 +23,6 @@ import functools
 import re
 import statistics
 import time
-import warnings
 
 from absl import flags
 
@@ -34,7 +33,6 @@ from flax import nnx
 
 from eagle3_jax import convert, parallel
 from eagle3_jax.models import Eagle3Config, eagle3, gpt_oss, shards
-from eagle3_jax.pallas import allreduce
 from eagle3_jax.spec import loop as spec_loop
 from eagle3_jax.spec import step as spec_step
 from eagle3_jax.spec.metrics import Counters
@@ -139,16 +137,18 @@ def compile_call(fn, *args, donate_argnums=(), mailbox=None):
     several devices: traced `on_mesh` as decode's loop is (the models' kernels on local shards).
     mailbox (`program_mailbox`): fn is traced under `shards.mailbox_context` with the Mailbox as a
     first argument of the program, which the returned `WithMailbox` passes itself; a program that
-    would copy it (`allreduce.copied`) is compiled again without it, with a warning."""
+    would copy it is compiled again without it (`spec_loop.compile_with_mailbox`)."""
     if mailbox is not None:  # traced as decode's programs are: the Mailbox an argument (spec/loop.py)
         donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         mesh = parallel.mesh_of(mailbox)
-        exe = compile_call(lambda mb, *a: _with_mailbox(fn, mb, mesh, *a), mailbox, *args,
-                           donate_argnums=tuple(1 + i for i in donate))
-        if not allreduce.copied(exe.as_text(), mailbox):
-            return WithMailbox(exe, mailbox)
-        warnings.warn(f"{getattr(fn, '__name__', fn)} copies the all-reduce Mailbox, which the fused kernel may "
-                      "not write (pallas/allreduce.py); compiled again with XLA's all-reduce")
+
+        def build(mb):
+            if mb is None:
+                return compile_call(fn, *args, donate_argnums=donate_argnums)
+            return WithMailbox(compile_call(lambda m, *a: _with_mailbox(fn, m, mesh, *a), mb, *args,
+                                            donate_argnums=tuple(1 + i for i in donate)), mb)
+
+        return spec_loop.compile_with_mailbox(build, mailbox, getattr(fn, "__name__", str(fn)))[0]
     with spec_loop.on_mesh(spec_loop.loop_mesh(args[0]) if args else None):
         traced = jax.jit(fn, donate_argnums=donate_argnums).trace(*args)
     big = [c for c in traced.jaxpr.consts if getattr(c, "nbytes", 0) > MAX_CAPTURED_BYTES]
