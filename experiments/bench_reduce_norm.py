@@ -16,8 +16,6 @@ add). Rows {"tp", "rows", "kernel_us", "reference_us", "s_max_diff", "same_on_de
 written after each row.
 """
 
-import time
-
 from absl import flags
 
 import jax
@@ -86,14 +84,7 @@ def programs(mesh, n):
 def per_call(run, args, mb):
     """Seconds a call: (best of 3 at --iters iterations - best of 3 at none) / (iters x chain)."""
     def best(k):
-        k = jnp.int32(k)
-        jax.block_until_ready(run(*args, k, *mb))
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(*args, k, *mb))
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        return timing.best_seconds(lambda: run(*args, jnp.int32(k), *mb))
 
     return (best(FLAGS.iters) - best(0)) / (FLAGS.iters * FLAGS.chain)
 

@@ -120,15 +120,21 @@ def allreduce_seconds(mesh, rows: int, width: int, axis: str = "model", dtype=jn
 
     def best(n):
         n = jax.device_put(jnp.int32(n), x.sharding)
-        jax.block_until_ready(run(x, n))
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(x, n))
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        return best_seconds(lambda: run(x, n), repeats)
 
     return (best(iters) - best(0)) / iters
+
+
+def best_seconds(call, repeats: int = 3) -> float:
+    """The fastest of `repeats` blocked calls of `call()` in wall-clock seconds, after one untimed call
+    (compilation and first-touch out of the figure)."""
+    jax.block_until_ready(call())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def gib(nbytes) -> str:
