@@ -22,7 +22,7 @@ from eagle3_jax.spec import loop  # noqa: E402
 
 
 def main():
-    select.tp_reduce = lambda x, rows, mailbox, platform=None: "reference" if mailbox is None else "kernel"
+    select.tp_reduce = lambda x, rows, devices, mailbox, platform=None: "reference" if mailbox is None else "kernel"
     cfg = GptOssConfig.preset("tiny")
     for data, model in ((1, 2), (2, 2)):
         mesh = parallel.make_mesh(model=model, data=data, devices=jax.devices()[:data * model])

@@ -77,12 +77,15 @@ def test_bad_input_and_dispatch():
         allreduce.check_shapes(z((2, 128)), z((2, 64)), z((128,)))
     x = z((2, 3, 2880), jnp.bfloat16)
     box = object()
-    assert select.tp_reduce(x, 6, box, platform="gpu") == "kernel"
-    assert select.tp_reduce(x, 6, None, platform="gpu") == "reference"
-    assert select.tp_reduce(x, 65, box, platform="gpu") == "reference"
-    assert select.tp_reduce(x.astype(jnp.float32), 6, box, platform="gpu") == "reference"
-    assert select.tp_reduce(x, 6, box, platform="cpu") == "reference"
-    assert select.tp_reduce(z((1, 1, 2880 + 32), jnp.bfloat16), 1, box, platform="gpu") == "reference"
+    assert select.tp_reduce(x, 6, 2, box, platform="gpu") == "kernel"
+    assert select.tp_reduce(x, 16, 2, box, platform="gpu") == "kernel"  # rows x peers <= 16
+    assert select.tp_reduce(x, 17, 2, box, platform="gpu") == "reference"
+    assert select.tp_reduce(x, 5, 4, box, platform="gpu") == "kernel"
+    assert select.tp_reduce(x, 6, 4, box, platform="gpu") == "reference"
+    assert select.tp_reduce(x, 6, 2, None, platform="gpu") == "reference"
+    assert select.tp_reduce(x.astype(jnp.float32), 6, 2, box, platform="gpu") == "reference"
+    assert select.tp_reduce(x, 6, 2, box, platform="cpu") == "reference"
+    assert select.tp_reduce(z((1, 1, 2880 + 32), jnp.bfloat16), 1, 2, box, platform="gpu") == "reference"
     assert select.tp_kernel(2880, "gpu") and not select.tp_kernel(2912, "gpu") and not select.tp_kernel(2880, "cpu")
 
 
@@ -90,12 +93,12 @@ def test_copied_finds_copies_of_the_mailbox_shapes():
     """`copied` flags an HLO copy (or copy-start) of an array of a Mailbox shard's shape, nothing else."""
     mesh = parallel.make_mesh(model=1, devices=jax.devices()[:1])
     mailbox = allreduce.new_mailbox(mesh, 2880)
-    assert [a.shape for a in mailbox] == [(1, 64, 48, 64), (64, 3, 1, 128)]
-    assert allreduce.copied("%copy.3 = f32[1,64,48,64]{3,2,1,0} copy(%param.1)", mailbox)
-    assert allreduce.copied("  %c = s32[64,3,1,128]{3,2,1,0} copy-start(%p), metadata={}", mailbox)
-    assert not allreduce.copied("%copy.3 = f32[1,64,48,32]{3,2,1,0} copy(%param.1)", mailbox)
-    assert not allreduce.copied("%add.3 = f32[1,64,48,64]{3,2,1,0} add(%a, %b)", mailbox)
-    assert not allreduce.copied("%copy.3 = s32[1,64,48,64]{3,2,1,0} copy(%param.1)", mailbox)
+    assert [a.shape for a in mailbox] == [(2, 1, 64, 6144), (64, 128)]
+    assert allreduce.copied("%copy.3 = s32[2,1,64,6144]{3,2,1,0} copy(%param.1)", mailbox)
+    assert allreduce.copied("  %c = s32[64,128]{1,0} copy-start(%p), metadata={}", mailbox)
+    assert not allreduce.copied("%copy.3 = s32[2,1,64,3072]{3,2,1,0} copy(%param.1)", mailbox)
+    assert not allreduce.copied("%add.3 = s32[2,1,64,6144]{3,2,1,0} add(%a, %b)", mailbox)
+    assert not allreduce.copied("%copy.3 = f32[2,1,64,6144]{3,2,1,0} copy(%param.1)", mailbox)
 
 
 def gpus():
@@ -166,7 +169,7 @@ def test_kernel_exact_in_a_loop_gpu():
         assert np.asarray(run(n, *mailbox)).tolist() == [0] * M, R
 
 
-@pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="JAX 0.10's Mosaic GPU lowers no atomics on peer memory")
+@pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="JAX 0.10's Mosaic GPU takes no peer refs in inline_mgpu")
 def test_model_kernels_lower_with_device_ids():
     """tests/allreduce_lowering.py: the trunk's fused kernels, lowered for CUDA on CPU meshes, carry the
     devices' ids (the kernel's shard_map is over the concrete mesh)."""

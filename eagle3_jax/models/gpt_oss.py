@@ -101,7 +101,8 @@ def reduce_add_norm(part, x, norm: RMSNorm):
     (pallas/allreduce.py's function: the sum in f32, s rounded to x.dtype). One kernel on each device
     where `select.tp_reduce` says so (with a Mailbox in context: shards.mailbox), else lax.psum."""
     mailbox, mesh = shards.mailbox()
-    kernel = select.tp_reduce(x, part.shape[1] // shards.mesh().shape[shards.DATA], mailbox) == "kernel"
+    rows = part.shape[1] // shards.mesh().shape[shards.DATA]
+    kernel = select.tp_reduce(x, rows, part.shape[0], mailbox) == "kernel"
 
     def body(p, r, scale, *mb):
         shape = r.shape

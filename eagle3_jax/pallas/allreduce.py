@@ -8,24 +8,22 @@ f32, in device order (every device computes the same bits): s = (t + residual) r
 residual.dtype, y = s * rsqrt(mean(s^2) + eps) * scale in f32, rounded likewise; returns (s, y).
 `allreduce_add_rms_norm_reference` is the same through `lax.psum`, on any platform.
 
-One block (one warpgroup) a row, grid (R,): TMA brings the row of x and of the residual into shared
-memory (viewed as [H / 64, 64], zero rows padding it to a multiple of 8, so that thread t holds the
-same elements on every device); each thread writes its elements into slot `me` of every peer's
-inbox (`plgpu.remote_ref`), fences, adds 1 to its flag on every peer, spins until every peer's flag
-for it has counted this call, sums the M slots, tells each peer it has read its slot, and
-normalizes; s and y leave by TMA. The inbox and flags are a `Mailbox`, buffers made once
-(`new_mailbox`) and passed to every program as an argument: they outlive the calls, flags count
-calls and are never reset, so no handshake precedes the exchange (a kernel output as the inbox
-would need one: a peer may not write a buffer of a call that has not started). Every device must
-make the same calls in the same order, as the SPMD programs of one mesh do.
+One block (one warpgroup) a row: TMA brings the rows of x, the residual and the scale into shared
+memory ([H / 64, 64], zero rows padding to a multiple of 8: thread t holds the same elements on
+every device); each thread stores its elements into slot `me` of its own and every peer's inbox
+(`plgpu.remote_ref`), each beside a flag (the call's number) in one 8-byte half of a 16-byte store,
+so data and signal arrive together with no fence; it reloads slot k of its own inbox, k = 0 .. M-1,
+until every flag is this call's, sums in device order, adds the residual, normalizes. The inbox
+and call counts are a `Mailbox` (`new_mailbox`), passed to every program as an argument; calls
+alternate between two slots, reused with no handshake (a peer writes call c + 2 only after reading
+our call c + 1). After MAX_SPINS reloads a kernel traps (an error, not a hang). Every device must
+make the same calls in the same order, as one mesh's SPMD programs do.
 
-2 H200s, JAX 0.11.2, chains of 8 calls in a jitted loop (experiments/results/
-reduce_norm_probe_h200x2.json): 13.1 / 14.4 / 15.1 / 17.5 us a call at R = 1 / 4 / 16 / 64; the
-reference 25.6 / 19.0 / 19.2 / 21.0 us (what was tried: docs/perf/multi_gpu.md).
-
-Requires H % 64 == 0, R <= MAX_ROWS, the mesh's devices in this process in device-id order, and a
-shard_map over the concrete `Mesh` (under an abstract one Mosaic GPU records no device ids and the
-call fails at run time: "No replica ids found").
+4 H100s, JAX 0.11.2 (experiments/results/reduce_norm_h100x4.json, chains of 8 calls): 15.0-16.5 us
+a call for 1-16 rows over 2 devices, 17.2-23.7 over 4; of that, 5-7 us is the barrier XLA launches
+before every Mosaic GPU kernel using peer memory (docs/perf/multi_gpu.md). Requires H % 64 == 0,
+R <= MAX_ROWS, the mesh's devices in this process, and a shard_map over the concrete `Mesh` (under
+an abstract one Mosaic GPU records no device ids: "No replica ids found" at run time).
 """
 
 from __future__ import annotations
@@ -36,46 +34,50 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, gpu, llvm, memref, scf
+from jaxlib.mlir.dialects import arith, gpu, llvm, memref, scf, vector
 
 F32 = jnp.float32
+I32 = jnp.int32
 LANES = 64  # a row is viewed as [H / LANES, LANES]
 MAX_ROWS = 64  # one block a row: decode (B) and verify (B x draft tokens) sizes
 THREADS = 128  # one warpgroup a block
+MAX_SPINS = 1 << 25  # reloads of a slot before a kernel gives up on a peer (tens of seconds)
+VEC = 4  # f32 elements a thread holds contiguously (WG_STRIDED): elements 512 i + 4 t + j
 SPLAT = plgpu.Layout.WG_SPLAT(())
-FLAG_LAYOUT = plgpu.Layout.WG_STRIDED((THREADS,), vec_size=1)  # element t: thread t
 
 
 class Mailbox(NamedTuple):
     """Per device (global arrays sharded on their first axis over every device of the mesh):
-    data f32 [M, MAX_ROWS, P, 64], slot k of row b: device k's row of x; flags int32
-    [MAX_ROWS, 3, M, 128]: [b, 0, k, t] messages arrived from device k, [b, 1, k, t] our messages
-    device k has read, [b, 2, 0, t] calls made (thread t of row b's block)."""
-    data: jax.Array
-    flags: jax.Array
+    inbox int32 [2, M, MAX_ROWS, P * 64 * 2]: [c % 2, k, b] device k's row b of x at call c of that
+    row (counted from 0), element e as words 2e (its f32 bits) and 2e + 1 (c + 1); calls int32
+    [MAX_ROWS, 128]: [b, t] the calls row b's thread t has made."""
+    inbox: jax.Array
+    calls: jax.Array
 
 
 def new_mailbox(mesh, hidden: int, axis: str = "model") -> Mailbox:
     """A zeroed Mailbox for every device of `mesh` (model groups along `axis`), for rows of `hidden`."""
     M, n = mesh.shape[axis], mesh.size
-    Pr = _padded(hidden // LANES)
+    words = _padded(hidden // LANES) * LANES * 2
     sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-    data = jax.jit(lambda: jnp.zeros((n * M, MAX_ROWS, Pr, LANES), F32), out_shardings=sharding)()
-    flags = jax.jit(lambda: jnp.zeros((n * MAX_ROWS, 3, M, THREADS), jnp.int32), out_shardings=sharding)()
-    return Mailbox(data, flags)
+    inbox = jax.jit(lambda: jnp.zeros((n * 2, M, MAX_ROWS, words), I32), out_shardings=sharding)()
+    calls = jax.jit(lambda: jnp.zeros((n * MAX_ROWS, THREADS), I32), out_shardings=sharding)()
+    return Mailbox(inbox, calls)
 
 
 def copied(hlo_text: str, mailbox: Mailbox) -> bool:
     """Whether a compiled program (its optimized HLO, `compiled.as_text()`) copies an array of the
     Mailbox's per-device shape. The kernel would then write a copy made when the program starts,
-    which a peer that starts first may already have written: a lost flag, a hang. Callers compile
+    which a peer that starts first may already have written: a lost message, a hang. Callers compile
     without the Mailbox (XLA's all-reduce) where this is True."""
     names = {jnp.float32: "f32", jnp.int32: "s32"}
     shapes = {f"{names[jnp.dtype(a.dtype).type]}[{','.join(map(str, a.sharding.shard_shape(a.shape)))}]"
@@ -104,86 +106,135 @@ def _load(ref, layout):
     return plgpu.load(ref, (), layout=layout)
 
 
-def _i32(v):
-    return arith.constant(ir.IntegerType.get_signless(32), v)
+def _int(v, bits=32):
+    return arith.constant(ir.IntegerType.get_signless(bits), v)
 
 
-def _index(v):
-    return arith.index_cast(ir.IndexType.get(), v)
+def _address(ref):
+    """The i64 address of a GMEM memref's first element."""
+    return llvm.ptrtoint(ir.IntegerType.get_signless(64), mgu.memref_ptr(ref))
 
 
-def _spin_until_at_least(ptr, value):
-    """This thread spins until the i32 at ptr (acquire, system scope) is >= value (unsigned)."""
+def _store_line(address, words):
+    """One 16-byte store of four i32 words (volatile: straight to memory, here or over NVLink)."""
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [address, *words],
+                    "st.volatile.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", has_side_effects=True)
+
+
+def _load_line(address):
+    """One volatile 16-byte load -> four i32 words."""
     i32 = ir.IntegerType.get_signless(32)
-    loop = scf.WhileOp([], [])
-    with ir.InsertionPoint(loop.before.blocks.append()):
-        v = llvm.inline_asm(i32, [ptr], "ld.acquire.sys.global.b32 $0, [$1];", "=r,l", has_side_effects=True)
-        scf.condition(arith.cmpi(arith.CmpIPredicate.ult, v, value), [])
-    with ir.InsertionPoint(loop.after.blocks.append()):
+    out = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [address],
+                          "ld.volatile.global.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                          has_side_effects=True)
+    return [llvm.extractvalue(i32, out, [j]) for j in range(4)]
+
+
+def _trap_if(cond):
+    """Ends the kernel with an error (PTX trap) where cond holds: a peer that never writes (its
+    program stopped, or it made different calls) fails the program instead of hanging it."""
+    when = scf.IfOp(cond)
+    with ir.InsertionPoint(when.then_block):
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "trap;", "", has_side_effects=True)
         scf.yield_([])
 
 
-def _wait(kind: int, ahead: int, M: int):
-    """Each thread t waits until flags[kind, k, t] >= calls + ahead for every peer k, where calls =
-    flags[2, 0, t] (the calls this block made before this one). flags: this row's [3, M, 128]."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), SPLAT))
-    def f(ctx, ref, me):
+def _exchange(M: int, shape, layout):
+    """(inbox, calls, peers' inboxes, x, me, row) -> the sum over the M devices of x (f32, [P, 64] in
+    `layout`), in device order. Each thread writes its elements of x into slot `me` of every inbox
+    (its own and its peers') with the flag c + 1 beside each (c: the calls its row made before),
+    then reads slot k of its own inbox for k = 0 .. M - 1, loading its lines again until every flag
+    says c + 1. A flag and its element travel in one 8-byte half of a 16-byte store, so no fence
+    and no separate signal precede the data. Calls alternate between two slots by c % 2: a device
+    writes call c + 2 only after reading this device's call c + 1, that is after this device's
+    kernel of call c has finished reading."""
+    arg_types = (plgpu.RefType(), plgpu.RefType(), (plgpu.RefType(),) * (M - 1), layout, SPLAT, SPLAT)
+
+    @plgpu.inline_mgpu(arg_types=arg_types, return_type=plgpu.ShapeDtypeStruct(shape, F32, layout=layout))
+    def f(ctx, inbox, calls, peers, x, me, row):
         del ctx
-        me = me.registers.item()
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        words = ir.MemRefType(inbox.type).shape[-1]
         t = gpu.thread_id(gpu.Dimension.x)
-        e = arith.addi(memref.load(ref, [_index(_i32(2)), _index(_i32(0)), t]), _i32(ahead))
-        for off in range(1, M):
-            k = _index(arith.remui(arith.addi(me, _i32(off)), _i32(M)))
-            _spin_until_at_least(mgu.memref_ptr(mgu.memref_slice(ref, (kind, k, t))), e)
+        row64 = arith.extui(i64, row.registers.item())
+        row = arith.index_cast(ir.IndexType.get(), row.registers.item())
+        count = memref.load(calls, [row, t])
+        flag = arith.addi(count, _int(1))
+        parity = arith.andi(count, _int(1))
+        lane = arith.muli(arith.index_cast(i64, t), _int(VEC * 8, 64))  # the thread's first byte
+
+        def line(base, k, i, half):
+            """Byte address of the thread's 16-byte line (register i, half) in slot k of an inbox."""
+            slot = arith.addi(arith.muli(arith.extui(i64, parity), _int(M, 64)), k)
+            off = arith.muli(arith.addi(arith.muli(slot, _int(MAX_ROWS, 64)), row64), _int(words * 4, 64))
+            off = arith.addi(off, arith.addi(lane, _int(i * THREADS * VEC * 8 + 16 * half, 64)))
+            return arith.addi(base, off)
+
+        regs = x.registers.flat
+        vec_i32 = ir.VectorType.get((VEC,), i32)
+        bits = [[vector.extract(arith.bitcast(vec_i32, r), [], [j]) for j in range(VEC)] for r in regs]
+        me64 = arith.extui(i64, me.registers.item())
+        own = _address(inbox)
+        for base in (own, *map(_address, peers)):
+            for i, b in enumerate(bits):
+                for half in range(2):
+                    _store_line(line(base, me64, i, half), [b[2 * half], flag, b[2 * half + 1], flag])
+
+        total = None
+        for k in range(M):  # device order: the same sum on every device
+            n = len(bits) * VEC
+            wait = scf.WhileOp([i32] * (n + 1), [_int(0)])
+            tries = wait.before.blocks.append(i32)
+            with ir.InsertionPoint(tries):
+                values, ok = [], arith.constant(ir.IntegerType.get_signless(1), 1)
+                for i in range(len(bits)):
+                    for half in range(2):
+                        w = _load_line(line(own, _int(k, 64), i, half))
+                        values += [w[0], w[2]]
+                        for word in (w[1], w[3]):
+                            ok = arith.andi(ok, arith.cmpi(arith.CmpIPredicate.eq, word, flag))
+                scf.condition(arith.xori(ok, arith.constant(ir.IntegerType.get_signless(1), 1)),
+                              values + [tries.arguments[0]])
+            after = wait.after.blocks.append(*[i32] * (n + 1))
+            with ir.InsertionPoint(after):
+                spins = arith.addi(after.arguments[n], _int(1))
+                _trap_if(arith.cmpi(arith.CmpIPredicate.ugt, spins, _int(MAX_SPINS)))
+                scf.yield_([spins])
+            got = list(wait.results)[:n]
+            vecs = [arith.bitcast(ir.VectorType.get((VEC,), ir.F32Type.get()),
+                                  vector.from_elements(vec_i32, got[VEC * i:VEC * (i + 1)]))
+                    for i in range(len(bits))]
+            total = vecs if total is None else [arith.addf(a, b) for a, b in zip(total, vecs)]
+        memref.store(flag, calls, [row, t])
+        return mgpu.FragmentedArray(_registers=np.array(total, dtype=object).reshape(x.registers.shape),
+                                    _layout=x.layout, _is_signed=None)
+
     return f
 
 
-@plgpu.inline_mgpu()
-def _fence_release(ctx):
-    """Every thread: its earlier loads and stores are performed before its later ones (system scope)."""
-    del ctx
-    mgu.fence_release_sys()
-
-
-def _body(x_ref, r_ref, w_ref, data, flags, s_ref, y_ref, xs, rs, ss, ys, bar, *, axis, M, H, eps):
-    """Row `row` of the call. x_ref / r_ref / s_ref / y_ref [R, H/64, 64] in GMEM; w_ref f32 [P, 64]
-    (scale, zero rows after H/64); data, flags: the Mailbox shards (inputs written in place); xs,
-    rs, ss, ys [P, 64] shared memory; bar: the two loads' TMA barrier. Thread t of every device holds
-    the same elements, so each thread synchronizes on flags of its own."""
+def _body(x_ref, r_ref, w_ref, inbox, calls, s_ref, y_ref, xs, rs, ws, ss, ys, bar, *, axis, M, H, eps):
+    """Row `row` of the call. x_ref / r_ref / s_ref / y_ref [R, H/64, 64], w_ref [H/64, 64] in GMEM;
+    inbox, calls: the Mailbox shards (inputs written in place); xs, rs, ws, ss, ys [P, 64] shared
+    memory; bar: the three loads' TMA barrier. Thread t of every device holds the same elements
+    (padding rows zero), so each thread exchanges its own elements only."""
     row, me = lax.axis_index("row"), lax.axis_index(axis)
     n, Pr = H // LANES, xs.shape[0]
-    layout = plgpu.Layout.WG_STRIDED((Pr, LANES), vec_size=4)
+    layout = plgpu.Layout.WG_STRIDED((Pr, LANES), vec_size=VEC)
     zeros = plgpu.layout_cast(jnp.zeros((Pr, LANES), F32), layout)
-    ones = plgpu.layout_cast(jnp.ones((THREADS,), jnp.int32), FLAG_LAYOUT)
-    xs[...] = zeros.astype(xs.dtype)  # the padding rows stay zero
-    rs[...] = zeros.astype(rs.dtype)
+    for buf in (xs, rs, ws):
+        buf[...] = zeros.astype(buf.dtype)
     plgpu.commit_smem()
     plgpu.copy_gmem_to_smem(x_ref.at[row], xs.at[pl.ds(0, n)], bar)
     plgpu.copy_gmem_to_smem(r_ref.at[row], rs.at[pl.ds(0, n)], bar)
-    fl = flags.at[row]
-    peers = [{axis: lax.rem(me + off, M)} for off in range(1, M)]  # mesh coordinates along `axis`
-    _wait(1, 0, M)(fl, me)  # every peer has read our previous message
+    plgpu.copy_gmem_to_smem(w_ref, ws.at[pl.ds(0, n)], bar)
+    peers = tuple(plgpu.remote_ref(inbox, {axis: lax.rem(me + off, M)}) for off in range(1, M))
     plgpu.barrier_wait(bar)
-    x = _load(xs, layout).astype(F32)
-    data.at[me, row][...] = x
-    for p in peers:
-        plgpu.remote_ref(data, p).at[me, row][...] = x
-    _fence_release()
-    for p in peers:
-        plgpu.atomic_add(plgpu.remote_ref(flags, p).at[row, 0, me], ones)
-    _wait(0, 1, M)(fl, me)  # every peer's message of this call has arrived
-    t = _load(data.at[0, row], layout)
-    for k in range(1, M):  # device order: the same sum on every device
-        t = t + _load(data.at[k, row], layout)
-    _fence_release()
-    for p in peers:  # their slots are read: they may write the next message
-        plgpu.atomic_add(plgpu.remote_ref(flags, p).at[row, 1, me], ones)
-    fl.at[2, 0][...] = plgpu.load(fl.at[2, 0], (), layout=FLAG_LAYOUT) + ones
+    t = _exchange(M, (Pr, LANES), layout)(inbox, calls, peers, _load(xs, layout).astype(F32), me, row)
     s = (t + _load(rs, layout).astype(F32)).astype(ss.dtype)
     s32 = s.astype(F32)
     inv = lax.rsqrt(jnp.sum(s32 * s32) / H + eps)
     ss[...] = s
-    ys[...] = (s32 * inv * _load(w_ref, layout)).astype(ys.dtype)
+    ys[...] = (s32 * inv * _load(ws, layout).astype(F32)).astype(ys.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(ss.at[pl.ds(0, n)], s_ref.at[row])
     plgpu.copy_smem_to_gmem(ys.at[pl.ds(0, n)], y_ref.at[row])
@@ -198,19 +249,18 @@ def allreduce_add_rms_norm(x, residual, scale, mailbox: Mailbox, *, eps: float, 
     R, H = x.shape
     n = H // LANES
     Pr = _padded(n)
-    data, flags = mailbox
-    if data.shape[1:] != (MAX_ROWS, Pr, LANES) or flags.shape[1:] != (3, M, THREADS):
-        raise ValueError(f"allreduce_add_rms_norm: mailbox data {data.shape} / flags {flags.shape} are not for "
+    inbox, calls = mailbox
+    if inbox.shape[1:] != (M, MAX_ROWS, Pr * LANES * 2) or calls.shape != (MAX_ROWS, THREADS):
+        raise ValueError(f"allreduce_add_rms_norm: mailbox inbox {inbox.shape} / calls {calls.shape} are not for "
                          f"H={H} over {M} devices (new_mailbox(mesh, {H}))")
     dt = residual.dtype
-    w = jnp.pad(scale.astype(F32).reshape(n, LANES), ((0, Pr - n), (0, 0)))
     out = jax.ShapeDtypeStruct((R, n, LANES), dt)
-    smem = [plgpu.SMEM((Pr, LANES), t) for t in (x.dtype, dt, dt, dt)]
+    smem = [plgpu.SMEM((Pr, LANES), t) for t in (x.dtype, dt, scale.dtype, dt, dt)]
     s, y = plgpu.kernel(
         functools.partial(_body, axis=axis, M=M, H=H, eps=float(eps)),
-        out_type=(out, out), scratch_types=(*smem, plgpu.Barrier(num_arrivals=2)),
+        out_type=(out, out), scratch_types=(*smem, plgpu.Barrier(num_arrivals=3)),
         grid=(R,), grid_names=("row",),
-    )(x.reshape(R, n, LANES), residual.reshape(R, n, LANES), w, data, flags)
+    )(x.reshape(R, n, LANES), residual.reshape(R, n, LANES), scale.reshape(n, LANES), inbox, calls)
     return s.reshape(R, H), y.reshape(R, H)
 
 

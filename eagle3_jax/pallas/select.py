@@ -19,7 +19,7 @@ name. `platform` defaults to the default backend (`util.on_gpu`). Kernels have n
 | | "grouped" | otherwise |
 | `moe_grouped(x, packed, interpret)` | "kernel" | MXFP4 experts, bf16, glue kernels or interpret; else "scan" |
 | `router_top_k(rows)` | "rank" | rows <= RANK_TOP_K_ROWS; else "sort" |
-| `tp_reduce(x, rows, mailbox)` | "kernel" | a Mailbox, glue kernels, H % 64 == 0, rows <= 64, one process |
+| `tp_reduce(x, rows, devices, mailbox)` | "kernel" | a Mailbox, glue kernels, H % 64, one process, rows x peers <= 16 |
 | | "reference" | otherwise: `lax.psum`, then the add and the norm in jnp |
 | `spec_op(interpret)` | "kernel" | GPU or interpret=True; else "reference" (tree_mask, accept, kv_rewind) |
 
@@ -37,6 +37,7 @@ MAX_HEAD_DIM = 256  # head_dim the attention kernels take
 MOSAIC_MIN_CACHE = 4096  # cache slots from which full layers take the Mosaic GPU kernel (with Nq >= 2)
 MOE_KERNEL_MAX_TOKENS = moe.MAX_TOKENS  # every decode and verify size: 64
 GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which the jnp MoE gathers each pair's weights
+TP_KERNEL_ROW_PEERS = 16  # rows x peers up to which the one-shot sum beat XLA's (reduce_norm_h100x4.json)
 DENSE_MAX_EXPERTS_PER_TOPK = 4  # E <= 4 k: every expert on every token costs at most 4x the selected FLOPs
 RANK_TOP_K_ROWS = 64  # router rows up to which the jnp top k counts ranks (one fusion) instead of sorting
 MOE_PATHS = ("kernel", "gathered", "grouped", "dense")
@@ -109,10 +110,13 @@ def tp_kernel(hidden: int, platform: str | None = None) -> bool:
     return _gpu(platform) and jax.process_count() == 1 and hidden % allreduce.LANES == 0
 
 
-def tp_reduce(x, rows: int, mailbox, platform: str | None = None) -> str:
-    """How a decode-sized step sums a sublayer's partial outputs over "model" with the residual add
-    and the norm after it (x: the residual stream [..., H]; rows: this device's rows): "kernel" (the
-    one-shot kernel of pallas/allreduce.py: `tp_kernel`, bf16, the program's Mailbox) or "reference"."""
+def tp_reduce(x, rows: int, devices: int, mailbox, platform: str | None = None) -> str:
+    """How a decode-sized step sums a sublayer's partial outputs over `devices` ("model") with the
+    residual add and the norm after it (x: the residual stream [..., H]; rows: this device's rows):
+    "kernel" (the one-shot kernel of pallas/allreduce.py: `tp_kernel`, bf16, the program's Mailbox)
+    or "reference". The kernel sends every row to every peer, each element with a flag: on 4 H100s
+    it beat XLA's all-reduce + add + norm up to 16 rows on 2 devices and 4 rows on 4, and lost from
+    64 and 16 (`TP_KERNEL_ROW_PEERS`; experiments/results/reduce_norm_h100x4.json)."""
     ok = (mailbox is not None and glue_kernels(x, platform) and tp_kernel(x.shape[-1], platform)
-          and rows <= allreduce.MAX_ROWS)
+          and rows <= allreduce.MAX_ROWS and rows * (devices - 1) <= TP_KERNEL_ROW_PEERS)
     return "kernel" if ok else "reference"
