@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from eagle3_jax import parallel  # noqa: E402
-from eagle3_jax.models import Eagle3Config, GptOssConfig, eagle3, gpt_oss  # noqa: E402
+from eagle3_jax.models import Eagle3Config, GptOssConfig, eagle3, gpt_oss, shards  # noqa: E402
 from eagle3_jax.pallas import allreduce, norm, select  # noqa: E402
 from eagle3_jax.spec import decode, generate, loop, step  # noqa: E402
 from eagle3_jax.spec.decode import pad_prompts  # noqa: E402
@@ -247,6 +247,31 @@ def check_kernel_collectives(t, d, prompts):
     assert seen and not inside, inside
 
 
+def check_vocab_split(mesh):
+    """shards.vocab_rows / vocab_logits on the mesh equal the plain lookup and product, ids at every
+    shard's edges included; the logits come out split over "model" with no collective, the lookup's
+    only collective is its all-reduce of rows (no gather of the table)."""
+    M, V, H = mesh.shape["model"], 256, 64
+    rng = np.random.default_rng(5)
+    table = jnp.asarray(rng.normal(size=(V, H)), jnp.float32)
+    edges = sorted({0, V - 1} | {k * V // M for k in range(M)} | {k * V // M - 1 for k in range(1, M)})
+    ids = jnp.asarray((edges * 8)[:8], jnp.int32).reshape(4, 2)
+    h = jnp.asarray(rng.normal(size=(4, 2, H)), jnp.float32)
+    split = jax.device_put(table, NamedSharding(mesh, shards.VOCAB))
+    with loop.on_mesh(mesh):
+        rows = jax.jit(shards.vocab_rows).trace(split, ids).lower().compile()
+        head = jax.jit(shards.vocab_logits).trace(h, split).lower().compile()
+    np.testing.assert_array_equal(np.asarray(rows(split, ids)), np.asarray(table)[np.asarray(ids)])
+    got = head(h, split)
+    np.testing.assert_allclose(np.asarray(got), np.einsum("bth,vh->btv", h, table), rtol=1e-5, atol=1e-5)
+    assert got.sharding.spec[-1] == "model", got.sharding
+    def ops(text):
+        return re.findall(r"\s(all-gather|all-reduce|collective-permute|all-to-all)(?:-start)?\(", text)
+
+    assert ops(head.as_text()) == [] and ops(rows.as_text()) == ["all-reduce"], (ops(head.as_text()),
+                                                                                ops(rows.as_text()))
+
+
 def check_moe_paths(mesh):
     """Each MoE path, expert parallel over the mesh (models/shards.py), equals the one-device module:
     gathered (few pairs), dense and grouped (many), packed and dense experts."""
@@ -308,6 +333,7 @@ def main():
             got = decode(t, d, prompts[:3], NEW, **RUNS["tree"], **KW)
             assert (got.tokens, got.metrics["slot_steps"]) == (odd.tokens, odd.metrics["slot_steps"]), got.metrics
         check_moe_paths(mesh)
+        check_vocab_split(mesh)
         check_fused_reduction(mesh)
         if (data, model) == (1, 2):
             check_mailbox_plumbing(t, prompts, want["generate"])

@@ -97,7 +97,9 @@ def layer_inputs(draft: Eagle3, tokens, g, positions):
     g = g.astype(draft.dtype)
     gn = draft.hidden_norm(g)
     residual = gn if c.norm_before_residual else g
-    x = jnp.concatenate([draft.input_layernorm(draft.embed[...][tokens]), gn], axis=-1)
+    table = draft.embed[...]  # the target's (split over "model" on a mesh) unless own_embed
+    e = table[tokens] if draft.config.own_embed else shards.vocab_rows(table, tokens)
+    x = jnp.concatenate([draft.input_layernorm(e), gn], axis=-1)
     inv_freq, scale = rope.inv_freq_and_scale(c.rope, D, c.max_position_embeddings)
     cos, sin = rope.cos_sin(positions, inv_freq, scale)
     q, k, v = qkv_rope(x @ draft.wqkv[...], None, cos, sin, Hq, Hkv, D)
@@ -150,6 +152,8 @@ def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache
 def logits(draft: Eagle3, h):
     """h [..., H] -> float32 draft-vocab logits [..., Vd]."""
     x = draft.norm(h) if draft.config.norm_output else h
+    if not draft.config.own_lm_head:  # the target's head, split over "model" on a mesh
+        return shards.vocab_logits(x, draft.lm_head[...])
     return jnp.einsum("...h,vh->...v", x, draft.lm_head[...], preferred_element_type=F32)
 
 

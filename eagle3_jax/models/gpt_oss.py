@@ -599,8 +599,9 @@ def feature_hidden_index(config: GptOssConfig, aux_layer_ids, convention: str = 
 
 
 def logits(model: GptOss, h):
-    """Final-normed hidden [..., H] -> float32 logits [..., V]."""
-    return jnp.einsum("...h,vh->...v", h, model.lm_head[...], preferred_element_type=F32)
+    """Final-normed hidden [B, ..., H] -> float32 logits [B, ..., V] (on a mesh split over "model":
+    shards.vocab_logits)."""
+    return shards.vocab_logits(h, model.lm_head[...])
 
 
 def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCache | None,
@@ -615,7 +616,7 @@ def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCac
     """
     cfg = model.config
     B, T = tokens.shape
-    x = model.embed[...][tokens]
+    x = shards.vocab_rows(model.embed[...], tokens)
     inv_freq, scale = rope.inv_freq_and_scale(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
     cos, sin = rope.cos_sin(positions, inv_freq, scale)
     hidden = []  # hidden[j]: the input of layer j (j = L: the final norm's input)
