@@ -5,10 +5,10 @@ add and the norm), per message size, one process, one run.
   python experiments/bench_reduce_norm.py --tp 2,4 --rows 1,4,16,64 --out experiments/results/reduce_norm_<device>.json
 
 For each n in --tp (the first n GPUs as a (data 1, model n) mesh) and each R in --rows, [R, --hidden]
-partials (f32) and a bf16 residual: the kernel's s against the reference's (max difference) and
-whether every device holds the same bits; then `--chain` calls a loop iteration, each feeding the
-next (y times a per-device factor is the next partial), in a jitted fori_loop: (time of --iters
-iterations - time of none) / (iters x chain) per call, best of 3, for both. With --profile, also
+partials (f32), a bf16 residual and scale (`reduce_timing.inputs`): the kernel's s against the
+reference's (max difference) and whether every device holds the same bits; then `--chain` calls a
+loop iteration, each feeding the next, in a jitted fori_loop, per call (`reduce_timing.per_call`),
+for both. With --profile, also
 the device time of each kernel family per call and device (`timing.kernel_records` of one run of
 the loop: the fused kernel's own time, its spin included, against what the launches around it
 add). Rows {"tp", "rows", "kernel_us", "reference_us", "s_max_diff", "same_on_devices",
@@ -21,13 +21,10 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from eagle3_jax import parallel
 from eagle3_jax.pallas import allreduce
-from lib import cli, timing
+from lib import cli, reduce_timing, timing
 
 flags.DEFINE_list("tp", ["2", "4"], "devices of the reduction (the first n; more than there are: skipped)")
 flags.DEFINE_list("rows", ["1", "4", "16", "64"], "message rows (decode: B, verify: B x draft tokens)")
@@ -38,55 +35,6 @@ flags.DEFINE_bool("profile", True, "also the device time per call of each kernel
 flags.DEFINE_string("out", None, "JSON output path")
 FLAGS = flags.FLAGS
 cli.positive_ints("tp", "rows")
-
-EPS = 1e-5
-
-
-def programs(mesh, n):
-    """(once, loop) for the kernel (mailbox arguments) and for the reference."""
-    every = P(tuple(mesh.axis_names))
-
-    def op(kernel, x, r, w, mb):
-        if kernel:
-            return allreduce.allreduce_add_rms_norm(x, r, w, allreduce.Mailbox(*mb), eps=EPS, axis="model")
-        return allreduce.allreduce_add_rms_norm_reference(x, r, w, eps=EPS, axis="model")
-
-    def once(kernel):
-        def body(x, r, w, *mb):
-            s, y = op(kernel, x[0], r, w, mb)
-            return s[None], y[None]
-        return body
-
-    def loop(kernel):
-        def body(x, r, w, k, *mb):
-            c = (lax.axis_index("model") + 1).astype(jnp.float32) / n
-
-            def step(i, carry):
-                s, y = carry
-                for _ in range(FLAGS.chain):
-                    s, y = op(kernel, y.astype(jnp.float32) * c, s, w, mb)
-                return s, y
-
-            return lax.fori_loop(0, k, step, op(kernel, x[0], r, w, mb))[1][None]
-        return body
-
-    out = {}
-    for kernel in (True, False):
-        extra = (every, every) if kernel else ()
-        out[kernel] = (
-            jax.jit(jax.shard_map(once(kernel), mesh=mesh, in_specs=(P("model"), P(), P()) + extra,
-                                  out_specs=(P("model"), P("model")), check_vma=False)),
-            jax.jit(jax.shard_map(loop(kernel), mesh=mesh, in_specs=(P("model"), P(), P(), P()) + extra,
-                                  out_specs=P("model"), check_vma=False)))
-    return out
-
-
-def per_call(run, args, mb):
-    """Seconds a call: (best of 3 at --iters iterations - best of 3 at none) / (iters x chain)."""
-    def best(k):
-        return timing.best_seconds(lambda: run(*args, jnp.int32(k), *mb))
-
-    return (best(FLAGS.iters) - best(0)) / (FLAGS.iters * FLAGS.chain)
 
 
 def device_us(run, args, mb, n):
@@ -114,19 +62,19 @@ def main(argv):
             continue
         mesh = parallel.make_mesh(model=n, devices=gpus[:n])
         mailbox = allreduce.new_mailbox(mesh, H)
-        progs = programs(mesh, n)
-        put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731, B023
+        progs = {k: reduce_timing.fused(mesh, k, FLAGS.chain) for k in (True, False)}
         for R in (int(r) for r in FLAGS.rows):
-            args = (put(rng.normal(size=(n, R, H)).astype(np.float32), P("model")),
-                    put(jnp.asarray(rng.normal(size=(R, H)), jnp.bfloat16), P()),
-                    put((1 + 0.1 * rng.normal(size=H)).astype(np.float32), P()))
+            args = reduce_timing.inputs(mesh, R, H, rng)
+
+            def us(kernel, mb, args=args):
+                return reduce_timing.per_call(progs[kernel][1], args, mb, FLAGS.iters, FLAGS.chain) * 1e6
+
             s, y = (np.asarray(a, np.float32) for a in progs[True][0](*args, *mailbox))
             s_ref = np.asarray(progs[False][0](*args)[0], np.float32)
             row = dict(tp=n, rows=R, s_max_diff=float(np.abs(s - s_ref).max()),
                        same_on_devices=bool(all(np.array_equal(s[0], s[d]) and np.array_equal(y[0], y[d])
                                                 for d in range(n))),
-                       kernel_us=per_call(progs[True][1], args, mailbox) * 1e6,
-                       reference_us=per_call(progs[False][1], args, ()) * 1e6)
+                       kernel_us=us(True, mailbox), reference_us=us(False, ()))
             if FLAGS.profile:
                 row["kernel_device_us"] = device_us(progs[True][1], args, mailbox, n)
                 row["reference_device_us"] = device_us(progs[False][1], args, (), n)

@@ -9,37 +9,44 @@ published EAGLE-3 shape are made on those devices (`step_timing.random_pair`), t
 in --batch_sizes at --context committed tokens: the baseline step (one token a sequence; its time is
 the ms a token each sequence sees) and the speculative step of --shape, each timed as bench.py times
 them (`step_timing.time_baseline`, `time_step`: a jitted loop, the call's own cost taken off), with
-the collectives each step makes (`timing.collectives`). With n > 1 also one XLA all-reduce of a
-[rows, hidden] bf16 array over the n devices (`timing.allreduce_seconds`), for each of
---allreduce_rows. The models of one degree are freed before the next is made, so one GPU must hold
-the whole model at tp 1 (gpt-oss-120b: 62.4 GiB).
-
-Rows {"tp", "batch", "ms_per_token", "tokens_per_second", "roofline_fraction" (the bytes the busiest
-device reads, `roofline.target_bytes(..., model=tp)`, at the copy bandwidth of this run's first
-device, over the time), "step_ms", "speedup_vs_tp1" (tp 1's
-ms_per_token at the same batch over this one, both from this run; None before tp 1 has run), "projected_speedup" (tau x
-baseline / step at the published tau), "collectives", "reduction" ("kernel": decode and verify sum
-over "model" through pallas/allreduce.py, where `parallel.mailbox` gives the mesh a Mailbox; "xla":
-XLA's all-reduce; None at tp 1)}; "allreduce": [{"tp", "rows", "xla_us"}]. The
-JSON is written after every row: a run cut short keeps what it measured.
+the collectives each step makes (`timing.collectives`). With n > 1 each step is timed once for each
+of --reductions ("kernel": decode and verify sum over "model" through pallas/allreduce.py's fused
+kernel, where `parallel.mailbox` gives the mesh a Mailbox; "xla": XLA's all-reduce,
+`step_timing.xla_reduction`), and for each of --allreduce_rows the reduction alone: one XLA
+all-reduce of a [rows, hidden] bf16 array (`timing.allreduce_seconds`), and the fused sum + add +
+RMSNorm of f32 partials through the kernel and through its reference (`lib/reduce_timing.py`). The
+models of one degree are freed before the next is made, so one GPU must hold the whole model at tp 1
+(gpt-oss-120b: 62.4 GiB). Rows {"tp", "batch", "ms_per_token", "tokens_per_second",
+"roofline_fraction" (the bytes the busiest device reads, `roofline.target_bytes(..., model=tp)`, at
+the copy bandwidth of this run's first device, over the time), "step_ms", "speedup_vs_tp1" (tp 1's
+ms_per_token at the same batch over this one, both from this run; None before tp 1 has run),
+"projected_speedup" (tau x baseline / step at the published tau), "collectives", "reduction"
+("kernel" | "xla"; None at tp 1)}; "allreduce": [{"tp", "rows", "xla_us", "kernel_us",
+"reference_us"}] (kernel and reference: None where the mesh has no Mailbox). The JSON is written
+after every row: a run cut short keeps what it measured.
 """
 
+import contextlib
 import gc
 
+import numpy as np
 from absl import flags
 
 import jax
 
 from eagle3_jax import parallel
 from eagle3_jax.models import GptOssConfig
-from lib import cli, roofline, timing
-from lib.step_timing import parse_shape, random_pair, time_baseline, time_step, validate_shape_flags
+from lib import cli, reduce_timing, roofline, timing
+from lib.step_timing import (parse_shape, random_pair, time_baseline, time_step, validate_shape_flags,
+                              xla_reduction)
 
 flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
 flags.DEFINE_list("tp", ["1", "2", "4"], "tensor-parallel degrees (the mesh's model axis), in order")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "batches timed at each degree")
 flags.DEFINE_integer("context", 2048, "committed tokens per sequence")
 flags.DEFINE_string("shape", "chain3", "draft shape of the speculative step")
+flags.DEFINE_list("reductions", ["kernel", "xla"], "how decode and verify sum over 'model' at tp > 1 "
+                  "(kernel: where the mesh has a Mailbox)")
 flags.DEFINE_list("allreduce_rows", ["1", "4", "16", "64"], "rows of the all-reduce timed alone at each tp > 1")
 flags.DEFINE_integer("iters", 6, "steps per timed loop")
 flags.DEFINE_integer("copy_bytes", 1 << 30, "buffer size of the copy-bandwidth measurement (first device)")
@@ -48,43 +55,60 @@ cli.progress_flag()
 FLAGS = flags.FLAGS
 cli.positive_ints("tp", "batch_sizes", "allreduce_rows")
 validate_shape_flags("shape")
+flags.register_validator("reductions", lambda v: set(v) <= {"kernel", "xla"} and len(v) > 0,
+                         "--reductions: a list of kernel, xla")
+
+
+def timed_batch(cfg, tp: int, B: int, shape, reduction, target, draft, result, base_ms):
+    """Times the baseline and the speculative step at batch B, appending a row to result["rows"]."""
+    base_mem = {}
+    t_base = time_baseline(target, B, FLAGS.context, FLAGS.iters, memory=base_mem)
+    r = time_step(target, draft, B, shape, FLAGS.context, FLAGS.iters, parts=False)
+    t_step = r["seconds"]["step"]
+    if tp == 1:
+        base_ms[B] = t_base * 1e3
+    ref = base_ms.get(B)
+    nbytes = roofline.target_bytes(cfg, B, 1, FLAGS.context, model=tp)["total"]  # the busiest device's
+    row = dict(tp=tp, batch=B, context=FLAGS.context, shape=FLAGS.shape, reduction=reduction,
+               ms_per_token=t_base * 1e3,
+               tokens_per_second=B / t_base, roofline_fraction=nbytes / result["copy_bandwidth"] / t_base,
+               step_ms=t_step * 1e3,
+               speedup_vs_tp1=None if ref is None else ref / (t_base * 1e3),
+               projected_speedup={f"{tau:g}": tau * t_base / t_step for tau in roofline.PUBLISHED_TAU},
+               collectives=dict(baseline=base_mem.get("collectives"),
+                                step=r["memory"]["step"].get("collectives")))
+    result["rows"].append(row)
+    timing.write_json(FLAGS.out, result)
+    vs = "" if row["speedup_vs_tp1"] is None else f" ({row['speedup_vs_tp1']:.2f}x tp1)"
+    cli.write(f"tp={tp} B={B:<3} {reduction or '':6} {row['ms_per_token']:7.2f} ms a token "
+              f"({row['roofline_fraction']:.0%} of roofline){vs}  {FLAGS.shape} step {row['step_ms']:7.2f} ms  "
+              f"proj@3.22 {row['projected_speedup']['3.22']:.2f}x  collectives "
+              f"{sum((row['collectives']['baseline'] or {}).values())}")
 
 
 def degree(cfg, tp: int, batches, shape, result, base_ms):
     """Times every batch at one degree, appending to result["rows"] (and result["allreduce"])."""
     mesh = None if tp == 1 else parallel.make_mesh(model=tp, devices=jax.devices()[:tp])
     target, draft = random_pair(cfg, mesh)
-    reduction = None if mesh is None else "xla" if parallel.mailbox(mesh, cfg.hidden_size) is None else "kernel"
+    mailbox = None if mesh is None else parallel.mailbox(mesh, cfg.hidden_size)
+    modes = [None] if mesh is None else [m for m in FLAGS.reductions if m == "xla" or mailbox is not None]
     if mesh is not None:
+        progs = None if mailbox is None else {k: reduce_timing.fused(mesh, k) for k in (True, False)}
+        rng = np.random.default_rng(0)
         for rows in map(int, FLAGS.allreduce_rows):
-            t = timing.allreduce_seconds(mesh, rows, cfg.hidden_size)
-            result["allreduce"].append(dict(tp=tp, rows=rows, xla_us=t * 1e6))
-        cli.write(f"tp={tp} all-reduce: " + ", ".join(f"{a['rows']} rows {a['xla_us']:.1f} us"
-                                                     for a in result["allreduce"] if a["tp"] == tp))
+            a = dict(tp=tp, rows=rows, xla_us=timing.allreduce_seconds(mesh, rows, cfg.hidden_size) * 1e6,
+                     kernel_us=None, reference_us=None)
+            if progs is not None:
+                args = reduce_timing.inputs(mesh, rows, cfg.hidden_size, rng)
+                a["kernel_us"] = reduce_timing.per_call(progs[True][1], args, mailbox) * 1e6
+                a["reference_us"] = reduce_timing.per_call(progs[False][1], args) * 1e6
+            result["allreduce"].append(a)
+            cli.write(f"tp={tp} {rows} rows: XLA all-reduce {a['xla_us']:.1f} us, fused kernel "
+                      f"{a['kernel_us'] or float('nan'):.1f} us, reference {a['reference_us'] or float('nan'):.1f} us")
     for B in batches:
-        base_mem = {}
-        t_base = time_baseline(target, B, FLAGS.context, FLAGS.iters, memory=base_mem)
-        r = time_step(target, draft, B, shape, FLAGS.context, FLAGS.iters, parts=False)
-        t_step = r["seconds"]["step"]
-        if tp == 1:
-            base_ms[B] = t_base * 1e3
-        ref = base_ms.get(B)
-        nbytes = roofline.target_bytes(cfg, B, 1, FLAGS.context, model=tp)["total"]  # the busiest device's
-        row = dict(tp=tp, batch=B, context=FLAGS.context, shape=FLAGS.shape, reduction=reduction,
-                   ms_per_token=t_base * 1e3,
-                   tokens_per_second=B / t_base, roofline_fraction=nbytes / result["copy_bandwidth"] / t_base,
-                   step_ms=t_step * 1e3,
-                   speedup_vs_tp1=None if ref is None else ref / (t_base * 1e3),
-                   projected_speedup={f"{tau:g}": tau * t_base / t_step for tau in roofline.PUBLISHED_TAU},
-                   collectives=dict(baseline=base_mem.get("collectives"),
-                                    step=r["memory"]["step"].get("collectives")))
-        result["rows"].append(row)
-        timing.write_json(FLAGS.out, result)
-        vs = "" if row["speedup_vs_tp1"] is None else f" ({row['speedup_vs_tp1']:.2f}x tp1)"
-        cli.write(f"tp={tp} B={B:<3} {row['ms_per_token']:7.2f} ms a token ({row['roofline_fraction']:.0%} of "
-                  f"roofline){vs}  {FLAGS.shape} step "
-                  f"{row['step_ms']:7.2f} ms  proj@3.22 {row['projected_speedup']['3.22']:.2f}x  collectives "
-                  f"{sum((row['collectives']['baseline'] or {}).values())}")
+        for reduction in modes:
+            with xla_reduction() if reduction == "xla" else contextlib.nullcontext():
+                timed_batch(cfg, tp, B, shape, reduction, target, draft, result, base_ms)
     del target, draft
     gc.collect()
     jax.clear_caches()

@@ -42,11 +42,11 @@ def test_decode_main_job_on_embedded_default(tmp_path):
     r = json.loads(path.read_text())
     assert r["decode"]["tokens"] == r["baseline"]["tokens"] and all(len(t) == 5 for t in r["decode"]["tokens"])
     assert r["decode"]["metrics"]["mean_accept_length"] >= 1.0
-    # over 4 (fake CPU) devices: the same tokens
+    # over the first 4 of 6 (fake CPU) devices: the same tokens
     mesh_path = tmp_path / "m.json"
     out = run("decode.py", "--prompt", "def f(x):\n    return", "--prompt", "import", "--max_new_tokens", "5",
               "--mesh", "model=2,data=2", "--nobaseline", "--repeats", "2", "--json_out", str(mesh_path),
-              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=6"})
     assert "sharded over {'data': 2, 'model': 2} (4 devices, 1 processes)" in out
     m = json.loads(mesh_path.read_text())
     assert m["decode"]["tokens"] == r["decode"]["tokens"] and m["mesh"] == {"data": 2, "model": 2, "processes": 1}
@@ -104,6 +104,29 @@ def test_bench_reduce_norm_needs_gpus():
     assert "--rows" in fails("bench_reduce_norm.py", "--rows", "0", code=1)
 
 
+def test_reduce_timing_reference(tmp_path):
+    # the reduction benchmarks' reference programs on a one-device "model" axis: s = bf16(x + r) and
+    # y its RMSNorm times the scale; the timed loop feeds each call's outputs to the next
+    import jax
+    import jax.numpy as jnp
+    from lib import reduce_timing
+
+    from eagle3_jax import parallel
+
+    mesh = parallel.make_mesh(model=1, devices=jax.devices()[:1])
+    args = reduce_timing.inputs(mesh, 3, 128, np.random.default_rng(0))
+    once, loop = reduce_timing.fused(mesh, False, chain=2)
+    s, y = (np.asarray(a, np.float64)[0] for a in once(*args))
+    x, r, w = (np.asarray(a, np.float64) for a in args)
+    want = np.asarray(jnp.asarray((x[0] + r).astype(np.float32), jnp.bfloat16), np.float64)
+    np.testing.assert_array_equal(s, want)
+    norm = want / np.sqrt(np.mean(want ** 2, axis=-1, keepdims=True) + reduce_timing.EPS) * w
+    np.testing.assert_allclose(y, norm, rtol=2 ** -7, atol=1e-2)
+    out = np.asarray(loop(*args, jnp.int32(2)), np.float32)
+    assert out.shape == (1, 3, 128) and np.isfinite(out).all() and not np.array_equal(out[0], y)
+    assert np.isfinite(reduce_timing.per_call(loop, args, iters=2, chain=2))
+
+
 def test_bench_tp_rows(tmp_path):
     # tp 1 and 2 over two fake CPU devices: a row each, the ratio against tp 1 of the same run
     from lib import roofline
@@ -126,12 +149,13 @@ def test_bench_tp_rows(tmp_path):
         assert n == 0 if x["tp"] == 1 else 2 * layers <= n <= 2 * layers + 3, (x["tp"], n)
         assert x["reduction"] == (None if x["tp"] == 1 else "xla")  # no GPU: psum, no Mailbox
     assert [(a["tp"], a["rows"]) for a in r["allreduce"]] == [(2, 1), (2, 4)]
-    assert all(a["xla_us"] > 0 for a in r["allreduce"])
+    assert all(a["xla_us"] > 0 and a["kernel_us"] is None and a["reference_us"] is None for a in r["allreduce"])
     assert "tp=2 B=2 " in out and "x tp1)" in out
     # a degree the devices cannot hold, refused before any model is made
     err = fails("bench_tp.py", "--preset", "tiny", "--tp", "1,4",
                 env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     assert err.strip() == "error: --tp: 4 devices, but 2 available", err
+    assert "--reductions" in fails("bench_tp.py", "--reductions", "nccl", code=1)
 
 
 def test_bench_allreduce_routes(tmp_path):

@@ -121,7 +121,8 @@ def mesh_flags() -> None:
     if "mesh" in FLAGS:
         return
     flags.DEFINE_string("mesh", None, "devices as model=M,data=D: a (data, model) mesh (eagle3_jax.parallel) over "
-                        "every device of every process; default: one device")
+                        "the first M*D devices of one process, or every device of every process "
+                        "(--coordinator_address); default: one device")
     flags.DEFINE_string("coordinator_address", None, "host:port of process 0: run as one of --num_processes "
                         "processes through jax.distributed.initialize (e.g. one a host, or one a GPU)")
     flags.DEFINE_integer("num_processes", None, "processes of the run (with --coordinator_address)")
@@ -141,7 +142,8 @@ def parse_mesh(text: str) -> dict:
 
 def setup_devices():
     """jax.distributed.initialize where --coordinator_address is given, then the mesh --mesh names
-    (None without --mesh)."""
+    (None without --mesh): in one process over its first M*D devices (model=2 on a host of 4 GPUs:
+    GPUs 0 and 1), over several processes over all of theirs."""
     import jax
 
     if FLAGS.coordinator_address:
@@ -152,4 +154,7 @@ def setup_devices():
         return None
     from eagle3_jax import parallel
 
-    return parallel.make_mesh(**parse_mesh(FLAGS.mesh))
+    sizes = parse_mesh(FLAGS.mesh)
+    n = sizes.get("model", 1) * sizes.get("data", 1)
+    devices = jax.devices()[:n] if jax.process_count() == 1 and n <= jax.device_count() else None
+    return parallel.make_mesh(**sizes, devices=devices)
