@@ -37,7 +37,7 @@ def mesh_fn(mesh, fn, with_mailbox):
         return s[None], y[None]
 
     every = P(tuple(mesh.axis_names))
-    specs = (P("model"), P(), P()) + ((every, every) if with_mailbox else ())
+    specs = (P("model"), P(), P()) + ((every,) * len(allreduce.Mailbox._fields) if with_mailbox else ())
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P("model"), P("model")),
                                  check_vma=False))
 
@@ -161,7 +161,7 @@ def test_kernel_exact_in_a_loop_gpu():
         return lax.fori_loop(0, n[0, 0], step, (zero, jnp.int32(0)))[1][None]
 
     every = P(tuple(mesh.axis_names))
-    run = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P(), every, every), out_specs=P("model"),
+    run = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P(),) + (every,) * len(mailbox), out_specs=P("model"),
                                 check_vma=False))
     for R in (1, 16, 1):
         n = jax.device_put(jnp.full((R, 1), calls, jnp.int32), NamedSharding(mesh, P()))

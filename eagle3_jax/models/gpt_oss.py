@@ -117,7 +117,7 @@ def reduce_add_norm(part, x, norm: RMSNorm):
     if not kernel:
         return shards.local(body, specs, (shards.ROWS, shards.ROWS))(part, x, norm.scale[...])
     every = Spec(shards.AXES)  # the Mailbox: one shard a device. The concrete mesh: pallas/allreduce.py
-    return jax.shard_map(body, mesh=mesh, in_specs=specs + (every, every), out_specs=(shards.ROWS, shards.ROWS),
+    return jax.shard_map(body, mesh=mesh, in_specs=specs + (every,) * len(mailbox), out_specs=(shards.ROWS, shards.ROWS),
                          check_vma=False)(part, x, norm.scale[...], *mailbox)
 
 

@@ -59,7 +59,7 @@ def fused(mesh, kernel: bool, chain: int = 8):
 
         return lax.fori_loop(0, k, step, op(x[0], r, w, mb))[1][None]
 
-    extra = (every, every) if kernel else ()
+    extra = (every,) * len(allreduce.Mailbox._fields) if kernel else ()
     return (jax.jit(jax.shard_map(once, mesh=mesh, in_specs=(P("model"), P(), P()) + extra,
                                   out_specs=(P("model"), P("model")), check_vma=False)),
             jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P("model"), P(), P(), P()) + extra,
