@@ -22,8 +22,10 @@ the copy bandwidth of this run's first device, over the time), "step_ms", "speed
 ms_per_token at the same batch over this one, both from this run; None before tp 1 has run),
 "projected_speedup" (tau x baseline / step at the published tau), "collectives", "reduction"
 ("kernel" | "xla"; None at tp 1)}; "allreduce": [{"tp", "rows", "xla_us", "kernel_us",
-"reference_us"}] (kernel and reference: None where the mesh has no Mailbox). The JSON is written
-after every row: a run cut short keeps what it measured.
+"reference_us"}] (kernel and reference: None where the mesh has no Mailbox). With --profile a row
+also has "baseline_kernels_ms" (kernel family -> device ms a baseline step, per device) and
+"baseline_launches" (kernels a step, per device); {} and 0 where there is no profile (CPU). The
+JSON is written after every row: a run cut short keeps what it measured.
 """
 
 import contextlib
@@ -50,6 +52,7 @@ flags.DEFINE_list("reductions", ["kernel", "xla"], "how decode and verify sum ov
 flags.DEFINE_list("allreduce_rows", ["1", "4", "16", "64"], "rows of the all-reduce timed alone at each tp > 1")
 flags.DEFINE_integer("iters", 6, "steps per timed loop")
 flags.DEFINE_integer("copy_bytes", 1 << 30, "buffer size of the copy-bandwidth measurement (first device)")
+flags.DEFINE_bool("profile", False, "also each baseline step's device time by kernel family (ms a step and device)")
 flags.DEFINE_string("out", None, "JSON output path")
 cli.progress_flag()
 FLAGS = flags.FLAGS
@@ -61,8 +64,8 @@ flags.register_validator("reductions", lambda v: set(v) <= {"kernel", "xla"} and
 
 def timed_batch(cfg, tp: int, B: int, shape, reduction, target, draft, result, base_ms):
     """Times the baseline and the speculative step at batch B, appending a row to result["rows"]."""
-    base_mem = {}
-    t_base = time_baseline(target, B, FLAGS.context, FLAGS.iters, memory=base_mem)
+    base_mem, kernels = {}, ({} if FLAGS.profile else None)
+    t_base = time_baseline(target, B, FLAGS.context, FLAGS.iters, memory=base_mem, kernels=kernels)
     r = time_step(target, draft, B, shape, FLAGS.context, FLAGS.iters, parts=False)
     t_step = r["seconds"]["step"]
     if tp == 1:
@@ -77,6 +80,10 @@ def timed_batch(cfg, tp: int, B: int, shape, reduction, target, draft, result, b
                projected_speedup={f"{tau:g}": tau * t_base / t_step for tau in roofline.PUBLISHED_TAU},
                collectives=dict(baseline=base_mem.get("collectives"),
                                 step=r["memory"]["step"].get("collectives")))
+    if kernels is not None:  # per device: the records cover every device of the step
+        row["baseline_kernels_ms"] = {k: v * 1e3 / tp for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])
+                                      if k != "launches"}
+        row["baseline_launches"] = kernels.get("launches", 0) / tp
     result["rows"].append(row)
     timing.write_json(FLAGS.out, result)
     vs = "" if row["speedup_vs_tp1"] is None else f" ({row['speedup_vs_tp1']:.2f}x tp1)"

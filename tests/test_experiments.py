@@ -133,7 +133,8 @@ def test_bench_tp_rows(tmp_path):
 
     path = tmp_path / "tp.json"
     out = run("bench_tp.py", "--preset", "tiny", "--tp", "1,2", "--batch_sizes", "2", "--context", "64", "--iters",
-              "1", "--allreduce_rows", "1,4", "--copy_bytes", "1000000", "--noprogress", "--out", str(path),
+              "1", "--allreduce_rows", "1,4", "--copy_bytes", "1000000", "--profile", "--noprogress", "--out",
+              str(path),
               env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     r = json.loads(path.read_text())
     assert r["num_devices"] == 2 and [(x["tp"], x["batch"]) for x in r["rows"]] == [(1, 2), (2, 2)]
@@ -148,6 +149,7 @@ def test_bench_tp_rows(tmp_path):
         n, layers = sum(x["collectives"]["baseline"].values()), GptOssConfig.preset("tiny").num_hidden_layers
         assert n == 0 if x["tp"] == 1 else 2 * layers <= n <= 2 * layers + 3, (x["tp"], n)
         assert x["reduction"] == (None if x["tp"] == 1 else "xla")  # no GPU: psum, no Mailbox
+        assert x["baseline_kernels_ms"] == {} and x["baseline_launches"] == 0  # no device profile on CPU
     assert [(a["tp"], a["rows"]) for a in r["allreduce"]] == [(2, 1), (2, 4)]
     assert all(a["xla_us"] > 0 and a["kernel_us"] is None and a["reference_us"] is None for a in r["allreduce"])
     assert "tp=2 B=2 " in out and "x tp1)" in out

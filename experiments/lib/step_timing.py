@@ -460,18 +460,23 @@ def time_step(target, draft, B, shape, ctx, iters=10, parts=True, profile=False,
     return out
 
 
-def time_baseline(target, B, ctx, iters=10, memory=None, sliding="ring"):
+def time_baseline(target, B, ctx, iters=10, memory=None, sliding="ring", kernels=None):
     """Seconds of one baseline decode step (`step` with no draft: one token per sequence, the target's
     argmax, the commit) at context `ctx`, caches laid out as `sliding` says (`noisy_state`). With
-    `memory` (a dict): filled as `loop_time` fills it."""
+    `memory` (a dict): filled as `loop_time` fills it; with `kernels` (a dict): filled with the
+    device seconds a step of each kernel family, summed over the devices, and "launches" (kernels a
+    step over the devices): `loop_time`'s profile, {} where there is none (CPU)."""
     plan = baseline_plan(ctx)
     graphdef, params = nnx.split((target, None))
 
     def base(m, st):
         return same_context(spec_step.step(m, st, plan), st)
 
-    return loop_time(graphdef, params, base, noisy_state(target, None, B, ctx, plan, sliding), iters,
-                     memory=memory)[0]
+    t, groups = loop_time(graphdef, params, base, noisy_state(target, None, B, ctx, plan, sliding), iters,
+                          profile=kernels is not None, memory=memory)
+    if kernels is not None:
+        kernels.update(groups)
+    return t
 
 
 def random_pair(tcfg, mesh=None):
