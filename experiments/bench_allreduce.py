@@ -36,14 +36,11 @@ ROUTES = {
 }
 
 flags.DEFINE_list("routes", list(ROUTES), "routes to time, of " + ",".join(ROUTES))
-flags.DEFINE_list("tp", ["2", "4"], "devices of the all-reduce (the first n devices; more than there are: skipped)")
-flags.DEFINE_list("rows", ["1", "4", "16", "64"], "message rows (decode: 1-16, verify: up to 64)")
-flags.DEFINE_integer("hidden", 2880, "message width (gpt-oss: 2880)")
+cli.message_flags()
 flags.DEFINE_integer("timeout", 300, "seconds each route's process may take")
 flags.DEFINE_string("out", None, "JSON output path")
 flags.DEFINE_string("child", None, "internal: run one route's measurements in this process and print them")
 FLAGS = flags.FLAGS
-cli.positive_ints("tp", "rows")
 flags.register_validator("routes", lambda rs: set(rs) <= set(ROUTES), "expected names of " + ",".join(ROUTES))
 
 

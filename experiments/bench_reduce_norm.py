@@ -26,15 +26,12 @@ from eagle3_jax import parallel
 from eagle3_jax.pallas import allreduce
 from lib import cli, reduce_timing, timing
 
-flags.DEFINE_list("tp", ["2", "4"], "devices of the reduction (the first n; more than there are: skipped)")
-flags.DEFINE_list("rows", ["1", "4", "16", "64"], "message rows (decode: B, verify: B x draft tokens)")
-flags.DEFINE_integer("hidden", 2880, "message width (gpt-oss: 2880)")
+cli.message_flags()
 flags.DEFINE_integer("chain", 8, "calls a loop iteration")
 flags.DEFINE_integer("iters", 200, "loop iterations timed")
 flags.DEFINE_bool("profile", True, "also the device time per call of each kernel family")
 flags.DEFINE_string("out", None, "JSON output path")
 FLAGS = flags.FLAGS
-cli.positive_ints("tp", "rows")
 
 
 def device_us(run, args, mb, n):

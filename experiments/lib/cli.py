@@ -116,6 +116,15 @@ def positive_ints(*names) -> None:
                                  "expected positive integers")
 
 
+def message_flags() -> None:
+    """Defines --tp, --rows and --hidden, the all-reduce benchmarks' message sizes (bench_allreduce.py,
+    bench_reduce_norm.py): devices of the reduction, [rows, hidden] messages."""
+    flags.DEFINE_list("tp", ["2", "4"], "devices of the reduction (the first n; more than there are: skipped)")
+    flags.DEFINE_list("rows", ["1", "4", "16", "64"], "message rows (decode: B, verify: B x draft tokens)")
+    flags.DEFINE_integer("hidden", 2880, "message width (gpt-oss: 2880)")
+    positive_ints("tp", "rows")
+
+
 def mesh_flags() -> None:
     """Defines --mesh and the jax.distributed flags (idempotent)."""
     if "mesh" in FLAGS:
