@@ -90,9 +90,7 @@ def reduces_fused(x) -> bool:
     """Whether a step on the residual stream x [B, T, H] sums its sublayers' partial outputs with
     `reduce_add_norm` (a mesh with "model" > 1 and at most allreduce.MAX_ROWS rows a device: decode
     and verify), rather than leaving the sums to XLA's all-reduce (prefill, one device)."""
-    m = shards.mesh()
-    return m is not None and shards.model_size() > 1 and x.shape[0] * x.shape[1] // m.shape[shards.DATA] <= \
-        allreduce.MAX_ROWS
+    return shards.model_size() > 1 and shards.rows_per_device(x.shape[0] * x.shape[1]) <= allreduce.MAX_ROWS
 
 
 def reduce_add_norm(part, x, norm: RMSNorm):
@@ -101,8 +99,7 @@ def reduce_add_norm(part, x, norm: RMSNorm):
     (pallas/allreduce.py's function: the sum in f32, s rounded to x.dtype). One kernel on each device
     where `select.tp_reduce` says so (with a Mailbox in context: shards.mailbox), else lax.psum."""
     mailbox, mesh = shards.mailbox()
-    rows = part.shape[1] // shards.mesh().shape[shards.DATA]
-    kernel = select.tp_reduce(x, rows, part.shape[0], mailbox) == "kernel"
+    kernel = select.tp_reduce(x, shards.rows_per_device(part.shape[1]), part.shape[0], mailbox) == "kernel"
 
     def body(p, r, scale, *mb):
         shape = r.shape
@@ -117,8 +114,8 @@ def reduce_add_norm(part, x, norm: RMSNorm):
     if not kernel:
         return shards.local(body, specs, (shards.ROWS, shards.ROWS))(part, x, norm.scale[...])
     every = Spec(shards.AXES)  # the Mailbox: one shard a device. The concrete mesh: pallas/allreduce.py
-    return jax.shard_map(body, mesh=mesh, in_specs=specs + (every,) * len(mailbox), out_specs=(shards.ROWS, shards.ROWS),
-                         check_vma=False)(part, x, norm.scale[...], *mailbox)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs + (every,) * len(mailbox),
+                         out_specs=(shards.ROWS, shards.ROWS), check_vma=False)(part, x, norm.scale[...], *mailbox)
 
 
 def qkv_rope(qkv, bias, cos, sin, num_heads, num_kv_heads, head_dim):

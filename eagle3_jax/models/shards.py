@@ -45,6 +45,12 @@ def model_size() -> int:
     return 1 if m is None else m.shape[MODEL]
 
 
+def rows_per_device(n: int) -> int:
+    """Of n rows split over "data" in the mesh in context, the rows each device holds (n without one)."""
+    m = mesh()
+    return n if m is None else n // m.shape[DATA]
+
+
 def local(fn, in_specs, out_specs):
     """fn on each device's shards (`jax.shard_map` over the mesh in context; specs as shard_map's,
     None arguments pass through), or fn itself where there is no such mesh."""
