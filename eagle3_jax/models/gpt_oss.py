@@ -98,7 +98,7 @@ def reduce_add_norm(part, x, norm: RMSNorm):
     N = B * T), x: the residual stream [B, T, H] -> (s, norm(s)), s = x + the sum of the partials
     (pallas/allreduce.py's function: the sum in f32, s rounded to x.dtype). One kernel on each device
     where `select.tp_reduce` says so (with a Mailbox in context: shards.mailbox), else lax.psum."""
-    mailbox, mesh = shards.mailbox()
+    mailbox = shards.mailbox()
     kernel = select.tp_reduce(x, shards.rows_per_device(part.shape[1]), part.shape[0], mailbox) == "kernel"
 
     def body(p, r, scale, *mb):
@@ -110,12 +110,9 @@ def reduce_add_norm(part, x, norm: RMSNorm):
             s, y = allreduce.allreduce_add_rms_norm_reference(*args, eps=norm.eps, axis=shards.MODEL)
         return s.reshape(shape), y.reshape(shape)
 
-    specs = (Spec(shards.MODEL, shards.DATA), shards.ROWS, Spec())
-    if not kernel:
-        return shards.local(body, specs, (shards.ROWS, shards.ROWS))(part, x, norm.scale[...])
-    every = Spec(shards.AXES)  # the Mailbox: one shard a device. The concrete mesh: pallas/allreduce.py
-    return jax.shard_map(body, mesh=mesh, in_specs=specs + (every,) * len(mailbox),
-                         out_specs=(shards.ROWS, shards.ROWS), check_vma=False)(part, x, norm.scale[...], *mailbox)
+    boxes = tuple(mailbox) if kernel else ()
+    specs = (Spec(shards.MODEL, shards.DATA), shards.ROWS, Spec()) + (Spec(shards.AXES),) * len(boxes)
+    return shards.local(body, specs, (shards.ROWS, shards.ROWS))(part, x, norm.scale[...], *boxes)
 
 
 def qkv_rope(qkv, bias, cos, sin, num_heads, num_kv_heads, head_dim):

@@ -93,14 +93,14 @@ def vocab_logits(h, w):
     return local(body, (ROWS, VOCAB), P(DATA, *([None] * (h.ndim - 2)), MODEL))(h, w)
 
 
-_MAILBOXES: list = []  # (Mailbox, Mesh) of the program being traced (innermost last)
+_MAILBOXES: list = []  # the Mailbox of each program being traced (innermost last)
 
 
 @contextlib.contextmanager
-def mailbox_context(mailbox, mesh=None):
+def mailbox_context(mailbox):
     """Trace under this to give the models `mailbox` (a pallas.allreduce.Mailbox among the program's
-    arguments, or None) and the concrete `mesh` (a jax.sharding.Mesh) the program runs on."""
-    _MAILBOXES.append((mailbox, mesh))
+    arguments, or None)."""
+    _MAILBOXES.append(mailbox)
     try:
         yield
     finally:
@@ -108,5 +108,5 @@ def mailbox_context(mailbox, mesh=None):
 
 
 def mailbox():
-    """(Mailbox, Mesh) in context (`mailbox_context`), or (None, None)."""
-    return _MAILBOXES[-1] if _MAILBOXES else (None, None)
+    """The Mailbox in context (`mailbox_context`), or None."""
+    return _MAILBOXES[-1] if _MAILBOXES else None

@@ -10,20 +10,21 @@ residual.dtype, y = s * rsqrt(mean(s^2) + eps) * scale in f32, rounded likewise;
 
 One block (one warpgroup) a row: TMA brings the rows of x, the residual and the scale into shared
 memory ([H / 64, 64], zero rows padding to a multiple of 8: thread t holds the same elements on
-every device); each thread stores its elements into slot `me` of its own and every peer's inbox
-(`plgpu.remote_ref`), each beside a flag (the call's number) in one 8-byte half of a 16-byte store,
-so data and signal arrive together with no fence; it reloads slot k of its own inbox, k = 0 .. M-1,
-until every flag is this call's, sums in device order, adds the residual, normalizes. The inbox
-and call counts are a `Mailbox` (`new_mailbox`), passed to every program as an argument; calls
-alternate between two slots, reused with no handshake (a peer writes call c + 2 only after reading
-our call c + 1). After MAX_SPINS reloads a kernel traps (an error, not a hang). Every device must
-make the same calls in the same order, as one mesh's SPMD programs do.
+every device); each thread stores its elements into slot `rank` of its own and every peer's inbox,
+each beside a flag (the call's number) in one 8-byte half of a 16-byte volatile store, so data and
+signal arrive together with no fence; it reloads slot k of its own inbox, k = 0 .. M-1, until every
+flag is this call's, sums in device order, adds the residual, normalizes. Peers are reached through
+plain device addresses (a table in the `Mailbox`; the GPUs of one process have peer access, which
+XLA's GPU client enables), not through `plgpu.remote_ref` or `lax.axis_index`: a kernel reading
+XLA's collective metadata makes XLA launch a barrier (5-7 us) before every call. Calls alternate
+between two slots, reused with no handshake (a peer writes call c + 2 only after reading our call
+c + 1). After MAX_SPINS reloads a kernel traps (an error, not a hang). Every device must make the
+same calls in the same order, as one mesh's SPMD programs do.
 
-4 H100s, JAX 0.11.2 (experiments/results/reduce_norm_h100x4.json, chains of 8 calls): 15.0-16.5 us
-a call for 1-16 rows over 2 devices, 17.2-23.7 over 4; of that, 5-7 us is the barrier XLA launches
-before every Mosaic GPU kernel using peer memory (docs/perf/multi_gpu.md). Requires H % 64 == 0,
-R <= MAX_ROWS, the mesh's devices in this process, and a shard_map over the concrete `Mesh` (under
-an abstract one Mosaic GPU records no device ids: "No replica ids found" at run time).
+4 H100s, JAX 0.11.2 (experiments/results/reduce_norm_h100x4.json, chains of 8 calls): 8.7 / 9.4 /
+11.0 / 18.8 us a call at 1 / 4 / 16 / 64 rows over 2 devices, 12.0 / 12.0 / 18.6 / 56.2 over 4
+(XLA's all-reduce + add + norm: 19.8-23.6 and 21.1-27.2). Requires H % 64 == 0, R <= MAX_ROWS and
+every device of the mesh in this process.
 """
 
 from __future__ import annotations
@@ -59,19 +60,43 @@ class Mailbox(NamedTuple):
     """Per device (global arrays sharded on their first axis over every device of the mesh):
     inbox int32 [2, M, MAX_ROWS, P * 64 * 2]: [c % 2, k, b] device k's row b of x at call c of that
     row (counted from 0), element e as words 2e (its f32 bits) and 2e + 1 (c + 1); calls int32
-    [MAX_ROWS, 128]: [b, t] the calls row b's thread t has made."""
+    [MAX_ROWS, 128]: [b, t] the calls row b's thread t has made; peers int32 [M, 2]: the (low, high)
+    32 bits of the address of inbox on device k of this device's model group; rank int32 [1, 1]:
+    this device's index k in its group. The kernel writes inbox and calls in place: a program must
+    not copy them (`copied`), and the arrays must live as long as the programs that use them."""
     inbox: jax.Array
     calls: jax.Array
+    peers: jax.Array
+    rank: jax.Array
 
 
 def new_mailbox(mesh, hidden: int, axis: str = "model") -> Mailbox:
-    """A zeroed Mailbox for every device of `mesh` (model groups along `axis`), for rows of `hidden`."""
+    """A zeroed Mailbox for every device of `mesh` (model groups along `axis`), for rows of `hidden`,
+    with each device's table of its group's inbox addresses. Raises ValueError unless every device of
+    the mesh belongs to this process (the addresses are this process's)."""
+    if mesh.is_multi_process:
+        raise ValueError(f"new_mailbox: the mesh spans {jax.process_count()} processes; the one-shot kernel "
+                         "needs every device in this process")
     M, n = mesh.shape[axis], mesh.size
     words = _padded(hidden // LANES) * LANES * 2
     sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
     inbox = jax.jit(lambda: jnp.zeros((n * 2, M, MAX_ROWS, words), I32), out_shardings=sharding)()
     calls = jax.jit(lambda: jnp.zeros((n * MAX_ROWS, THREADS), I32), out_shardings=sharding)()
-    return Mailbox(inbox, calls)
+    address = {s.device: s.data.unsafe_buffer_pointer() for s in inbox.addressable_shards}
+    names = list(mesh.axis_names)
+    k_axis = names.index(axis)
+    devices = mesh.devices  # order of the flattened mesh = the order of the shards along axis 0
+    table = np.zeros((n, M, 2), np.int64)
+    rank = np.zeros((n, 1), np.int32)
+    for i, d in enumerate(devices.flat):
+        idx = np.argwhere(devices == d)[0]
+        rank[i] = idx[k_axis]
+        for k in range(M):
+            peer = tuple(idx[:k_axis]) + (k,) + tuple(idx[k_axis + 1:])
+            a = address[devices[peer]]
+            table[i, k] = (a & 0xFFFFFFFF, a >> 32)
+    peers = jax.device_put(table.astype(np.uint32).view(np.int32).reshape(n * M, 2), sharding)
+    return Mailbox(inbox, calls, peers, jax.device_put(rank, sharding))
 
 
 def copied(hlo_text: str, mailbox: Mailbox) -> bool:
@@ -81,7 +106,7 @@ def copied(hlo_text: str, mailbox: Mailbox) -> bool:
     without the Mailbox (XLA's all-reduce) where this is True."""
     names = {jnp.float32: "f32", jnp.int32: "s32"}
     shapes = {f"{names[jnp.dtype(a.dtype).type]}[{','.join(map(str, a.sharding.shard_shape(a.shape)))}]"
-              for a in mailbox}
+              for a in (mailbox.inbox, mailbox.calls)}  # the kernel only reads peers and rank
     return any(m.group(1) in shapes for m in re.finditer(r"=\s*(\w+\[[\d,]*\])\{[^}]*\}\s+copy(?:-start)?\(",
                                                              hlo_text))
 
@@ -140,15 +165,15 @@ def _trap_if(cond):
 
 
 def _exchange(M: int, shape, layout):
-    """(inbox, calls, peers' inboxes, x, me, row) -> the sum over the M devices of x (f32, [P, 64] in
-    `layout`), in device order. Each thread writes its elements of x into slot `me` of every inbox
-    (its own and its peers') with the flag c + 1 beside each (c: the calls its row made before),
-    then reads slot k of its own inbox for k = 0 .. M - 1, loading its lines again until every flag
-    says c + 1. A flag and its element travel in one 8-byte half of a 16-byte store, so no fence
+    """(inbox, calls, peers, x, me, row) -> the sum over the M devices of x (f32, [P, 64] in `layout`),
+    in device order; peers and me: the Mailbox's address table and rank. Each thread writes its
+    elements of x into slot `me` of every inbox of its group (peers[k], its own among them) with the
+    flag c + 1 beside each (c: the calls its row made before), then reads slot k of its own inbox for
+    k = 0 .. M - 1, loading its lines again until every flag says c + 1. A flag and its element travel in one 8-byte half of a 16-byte store, so no fence
     and no separate signal precede the data. Calls alternate between two slots by c % 2: a device
     writes call c + 2 only after reading this device's call c + 1, that is after this device's
     kernel of call c has finished reading."""
-    arg_types = (plgpu.RefType(), plgpu.RefType(), (plgpu.RefType(),) * (M - 1), layout, SPLAT, SPLAT)
+    arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), layout, plgpu.RefType(), SPLAT)
 
     @plgpu.inline_mgpu(arg_types=arg_types, return_type=plgpu.ShapeDtypeStruct(shape, F32, layout=layout))
     def f(ctx, inbox, calls, peers, x, me, row):
@@ -173,9 +198,17 @@ def _exchange(M: int, shape, layout):
         regs = x.registers.flat
         vec_i32 = ir.VectorType.get((VEC,), i32)
         bits = [[vector.extract(arith.bitcast(vec_i32, r), [], [j]) for j in range(VEC)] for r in regs]
-        me64 = arith.extui(i64, me.registers.item())
+        zero = arith.constant(ir.IndexType.get(), 0)
+        me64 = arith.extui(i64, memref.load(me, [zero, zero]))
         own = _address(inbox)
-        for base in (own, *map(_address, peers)):
+        index = ir.IndexType.get()
+
+        def peer_address(k):
+            lo, hi = (arith.extui(i64, memref.load(peers, [arith.constant(index, k), arith.constant(index, j)]))
+                      for j in (0, 1))
+            return arith.ori(lo, arith.shli(hi, _int(32, 64)))
+
+        for base in [peer_address(k) for k in range(M)]:
             for i, b in enumerate(bits):
                 for half in range(2):
                     _store_line(line(base, me64, i, half), [b[2 * half], flag, b[2 * half + 1], flag])
@@ -212,12 +245,12 @@ def _exchange(M: int, shape, layout):
     return f
 
 
-def _body(x_ref, r_ref, w_ref, inbox, calls, s_ref, y_ref, xs, rs, ws, ss, ys, bar, *, axis, M, H, eps):
+def _body(x_ref, r_ref, w_ref, inbox, calls, peers, rank, s_ref, y_ref, xs, rs, ws, ss, ys, bar, *, M, H, eps):
     """Row `row` of the call. x_ref / r_ref / s_ref / y_ref [R, H/64, 64], w_ref [H/64, 64] in GMEM;
-    inbox, calls: the Mailbox shards (inputs written in place); xs, rs, ws, ss, ys [P, 64] shared
+    inbox, calls, peers, rank: the Mailbox shards (inbox and calls written in place); xs, rs, ws, ss, ys [P, 64] shared
     memory; bar: the three loads' TMA barrier. Thread t of every device holds the same elements
     (padding rows zero), so each thread exchanges its own elements only."""
-    row, me = lax.axis_index("row"), lax.axis_index(axis)
+    row = lax.axis_index("row")
     n, Pr = H // LANES, xs.shape[0]
     layout = plgpu.Layout.WG_STRIDED((Pr, LANES), vec_size=VEC)
     zeros = plgpu.layout_cast(jnp.zeros((Pr, LANES), F32), layout)
@@ -227,9 +260,8 @@ def _body(x_ref, r_ref, w_ref, inbox, calls, s_ref, y_ref, xs, rs, ws, ss, ys, b
     plgpu.copy_gmem_to_smem(x_ref.at[row], xs.at[pl.ds(0, n)], bar)
     plgpu.copy_gmem_to_smem(r_ref.at[row], rs.at[pl.ds(0, n)], bar)
     plgpu.copy_gmem_to_smem(w_ref, ws.at[pl.ds(0, n)], bar)
-    peers = tuple(plgpu.remote_ref(inbox, {axis: lax.rem(me + off, M)}) for off in range(1, M))
     plgpu.barrier_wait(bar)
-    t = _exchange(M, (Pr, LANES), layout)(inbox, calls, peers, _load(xs, layout).astype(F32), me, row)
+    t = _exchange(M, (Pr, LANES), layout)(inbox, calls, peers, _load(xs, layout).astype(F32), rank, row)
     s = (t + _load(rs, layout).astype(F32)).astype(ss.dtype)
     s32 = s.astype(F32)
     inv = lax.rsqrt(jnp.sum(s32 * s32) / H + eps)
@@ -249,18 +281,21 @@ def allreduce_add_rms_norm(x, residual, scale, mailbox: Mailbox, *, eps: float, 
     R, H = x.shape
     n = H // LANES
     Pr = _padded(n)
-    inbox, calls = mailbox
-    if inbox.shape[1:] != (M, MAX_ROWS, Pr * LANES * 2) or calls.shape != (MAX_ROWS, THREADS):
-        raise ValueError(f"allreduce_add_rms_norm: mailbox inbox {inbox.shape} / calls {calls.shape} are not for "
-                         f"H={H} over {M} devices (new_mailbox(mesh, {H}))")
+    inbox, calls, peers, rank = mailbox
+    if (inbox.shape[1:] != (M, MAX_ROWS, Pr * LANES * 2) or calls.shape != (MAX_ROWS, THREADS)
+            or peers.shape != (M, 2) or rank.shape != (1, 1)):
+        raise ValueError(f"allreduce_add_rms_norm: mailbox inbox {inbox.shape} / calls {calls.shape} / peers "
+                         f"{peers.shape} / rank {rank.shape} are not for H={H} over {M} devices "
+                         f"(new_mailbox(mesh, {H}))")
     dt = residual.dtype
     out = jax.ShapeDtypeStruct((R, n, LANES), dt)
     smem = [plgpu.SMEM((Pr, LANES), t) for t in (x.dtype, dt, scale.dtype, dt, dt)]
     s, y = plgpu.kernel(
-        functools.partial(_body, axis=axis, M=M, H=H, eps=float(eps)),
+        functools.partial(_body, M=M, H=H, eps=float(eps)),
         out_type=(out, out), scratch_types=(*smem, plgpu.Barrier(num_arrivals=3)),
         grid=(R,), grid_names=("row",),
-    )(x.reshape(R, n, LANES), residual.reshape(R, n, LANES), scale.reshape(n, LANES), inbox, calls)
+    )(x.reshape(R, n, LANES), residual.reshape(R, n, LANES), scale.reshape(n, LANES), inbox, calls, peers,
+      rank)
     return s.reshape(R, H), y.reshape(R, H)
 
 

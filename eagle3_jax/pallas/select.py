@@ -37,7 +37,7 @@ MAX_HEAD_DIM = 256  # head_dim the attention kernels take
 MOSAIC_MIN_CACHE = 4096  # cache slots from which full layers take the Mosaic GPU kernel (with Nq >= 2)
 MOE_KERNEL_MAX_TOKENS = moe.MAX_TOKENS  # every decode and verify size: 64
 GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which the jnp MoE gathers each pair's weights
-TP_KERNEL_ROW_PEERS = 16  # rows x peers up to which the one-shot sum beat XLA's (reduce_norm_h100x4.json)
+TP_KERNEL_ROW_PEERS = 64  # rows x peers up to which the one-shot sum beat XLA's (reduce_norm_h100x4.json)
 DENSE_MAX_EXPERTS_PER_TOPK = 4  # E <= 4 k: every expert on every token costs at most 4x the selected FLOPs
 RANK_TOP_K_ROWS = 64  # router rows up to which the jnp top k counts ranks (one fusion) instead of sorting
 MOE_PATHS = ("kernel", "gathered", "grouped", "dense")
@@ -115,8 +115,8 @@ def tp_reduce(x, rows: int, devices: int, mailbox, platform: str | None = None) 
     residual add and the norm after it (x: the residual stream [..., H]; rows: this device's rows):
     "kernel" (the one-shot kernel of pallas/allreduce.py: `tp_kernel`, bf16, the program's Mailbox)
     or "reference". The kernel sends every row to every peer, each element with a flag: on 4 H100s
-    it beat XLA's all-reduce + add + norm up to 16 rows on 2 devices and 4 rows on 4, and lost from
-    64 and 16 (`TP_KERNEL_ROW_PEERS`; experiments/results/reduce_norm_h100x4.json)."""
+    it beat XLA's all-reduce + add + norm up to 64 rows on 2 devices and 16 rows on 4, and lost at
+    64 rows on 4 (`TP_KERNEL_ROW_PEERS`; experiments/results/reduce_norm_h100x4.json)."""
     ok = (mailbox is not None and glue_kernels(x, platform) and tp_kernel(x.shape[-1], platform)
           and rows <= allreduce.MAX_ROWS and rows * (devices - 1) <= TP_KERNEL_ROW_PEERS)
     return "kernel" if ok else "reference"

@@ -88,7 +88,7 @@ def on_mesh(mesh):
 
 
 def _program(graphdef, params, mailbox, *args, plan: Plan, mesh=None):
-    with on_mesh(mesh), shards.mailbox_context(mailbox, mesh):
+    with on_mesh(mesh), shards.mailbox_context(mailbox):
         final = run(nnx.merge(graphdef, params), *args, plan, mesh)
     results = final.out, final.n_out, final.steps, final.counters
     # whole on every device: each process reads them (several processes: jax.distributed)

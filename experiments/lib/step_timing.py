@@ -140,12 +140,11 @@ def compile_call(fn, *args, donate_argnums=(), mailbox=None):
     would copy it is compiled again without it (`spec_loop.compile_with_mailbox`)."""
     if mailbox is not None:  # traced as decode's programs are: the Mailbox an argument (spec/loop.py)
         donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-        mesh = parallel.mesh_of(mailbox)
 
         def build(mb):
             if mb is None:
                 return compile_call(fn, *args, donate_argnums=donate_argnums)
-            return WithMailbox(compile_call(lambda m, *a: _with_mailbox(fn, m, mesh, *a), mb, *args,
+            return WithMailbox(compile_call(lambda m, *a: _with_mailbox(fn, m, *a), mb, *args,
                                             donate_argnums=tuple(1 + i for i in donate)), mb)
 
         return spec_loop.compile_with_mailbox(build, mailbox, getattr(fn, "__name__", str(fn)))[0]
@@ -159,8 +158,8 @@ def compile_call(fn, *args, donate_argnums=(), mailbox=None):
     return traced.lower().compile()
 
 
-def _with_mailbox(fn, mailbox, mesh, *args):
-    with shards.mailbox_context(mailbox, mesh):
+def _with_mailbox(fn, mailbox, *args):
+    with shards.mailbox_context(mailbox):
         return fn(*args)
 
 
