@@ -9,7 +9,7 @@ from reference_np import reference_forward, reference_greedy
 
 from eagle3_jax.convert import load_gpt_oss
 from eagle3_jax.formats.packed_mask import MASK_WORD, mask_words
-from eagle3_jax.models import gpt_oss
+from eagle3_jax.models import gpt_oss, layers
 from eagle3_jax.pallas import select
 from eagle3_jax.spec import generate
 
@@ -159,6 +159,28 @@ def test_route_one_token_and_many_agree(ckpt):
         ids1, w1 = moe.route(x[i:i + 1])
         np.testing.assert_array_equal(np.asarray(ids1[0]), np.asarray(ids[i]))
         np.testing.assert_allclose(np.asarray(w1[0]), np.asarray(w[i]), rtol=1e-6)
+
+
+def _dot_rows(fn, *shapes):
+    """The lhs row counts of the dots in fn's jaxpr for arguments of these shapes (f32)."""
+    jaxpr = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes))
+    return [e.invars[0].aval.shape[0] for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+
+
+def test_rows_dot_pads_one_row_where_a_device_holds_a_small_matrix():
+    rng = np.random.default_rng(np.random.randint(1 << 30))
+    w = jnp.asarray(rng.integers(-3, 4, (40, 24)), jnp.float32)  # integers: every order gives the same sums
+    for shape in [(1, 40), (1, 1, 40), (3, 40), (2, 3, 40)]:
+        x = jnp.asarray(rng.integers(-3, 4, shape), jnp.float32)
+        got = layers.rows_dot(x, w, preferred_element_type=jnp.float32)
+        assert got.shape == shape[:-1] + (24,)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(x @ w))
+    small, big = (2880, 512), (2880, 3600)  # 1.5M and 10.4M elements
+    assert _dot_rows(layers.rows_dot, (1, 1, 2880), small) == [2]
+    assert _dot_rows(layers.rows_dot, (1, 1, 2880), big) == [1]  # one device holds it whole: a GEMM
+    assert _dot_rows(layers.rows_dot, (3, 2880), small) == [3]
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1, 2), ("data", "model"))):
+        assert _dot_rows(layers.rows_dot, (1, 1, 2880), big) == [2]  # split over 2: 5.2M a device
 
 
 @pytest.mark.parametrize("B", [1, 3])

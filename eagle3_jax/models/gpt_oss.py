@@ -32,7 +32,7 @@ from eagle3_jax.formats import mxfp4
 from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.models import rope, shards
 from eagle3_jax.models.config import GptOssConfig
-from eagle3_jax.models.layers import F32, keep_position, normal, over_chunks, shape_of
+from eagle3_jax.models.layers import F32, keep_position, normal, over_chunks, rows_dot, shape_of
 from eagle3_jax.pallas import allreduce, moe_route, select
 from eagle3_jax.pallas import moe as moe_kernel
 from eagle3_jax.pallas import norm as norm_kernel
@@ -143,8 +143,8 @@ def qkv_order(num_heads: int, num_kv_heads: int, head_dim: int, blocks: int) -> 
 class Attention(nnx.Module):
     """Weights in [in, out] layout: wqkv [H, (Hq + 2 Hkv) * D] (q, k, v columns side by side),
     wo [Hq*D, H]; biases bqkv, bo; sinks f32 [Hq]. q, k and v share one matrix so that a single token
-    is one GEMM: XLA on GPUs turns a one-row dot with a small matrix (k, v: [2880, 512]) into a
-    multiply that writes every product plus a reduce (docs/perf/glue.md: 9.8 against 24.7 us).
+    is one GEMM (apart, k and v's [2880, 512] became multiply + reduce fusions: docs/perf/glue.md,
+    9.8 against 24.7 us); one row goes through the projections as two (`layers.rows_dot`).
     qkv_blocks: the columns of wqkv and bqkv in `qkv_order(..., qkv_blocks)`: 1 (q|k|v) on one
     device; a model placed on a mesh (`parallel.shard` and the loaders with mesh=) holds them in
     model-size head-aligned blocks, so that each device's columns are its own heads' q, k and v."""
@@ -161,7 +161,7 @@ class Attention(nnx.Module):
         self.sinks = nnx.Param(normal(rngs, (Hq,), 1.0, F32))
 
     def _proj(self, x, w, b):
-        y = x @ w[...]
+        y = rows_dot(x, w[...])
         return y if b is None else y + b[...]
 
     def __call__(self, x, cos, sin, k_cache, v_cache, lengths, positions, mask, *, ring=False, n_write=None,
@@ -177,7 +177,7 @@ class Attention(nnx.Module):
         them; o_proj's bias on the first device's)."""
         B, T, _ = x.shape
         bqkv = None if self.bqkv is None else self.bqkv[...]
-        qkv = x @ self.wqkv[...]
+        qkv = rows_dot(x, self.wqkv[...])
         kernel = select.target_attention(x, k_cache) == "rope_kernel"
         attend = functools.partial(self._attend, kernel=kernel, ring=ring)
         if shards.mesh() is None:
@@ -205,7 +205,7 @@ class Attention(nnx.Module):
         """o [B, T, Hq, D] (heads over "model") -> f32 [M, B * T, H]: each device's heads through its
         rows of wo, the bias on device 0's."""
         def body(o, wo, *bo):
-            y = jnp.dot(o.reshape(-1, wo.shape[0]), wo, preferred_element_type=F32)
+            y = rows_dot(o.reshape(-1, wo.shape[0]), wo, preferred_element_type=F32)
             if bo:
                 y = y + jnp.where(jax.lax.axis_index(shards.MODEL) == 0, bo[0].astype(F32), 0.0)
             return y[None]
@@ -297,12 +297,10 @@ class MoE(nnx.Module):
     def route(self, x):
         """x [N, H] -> (expert ids int32 [N, k], combine weights f32 [N, k]).
 
-        One token goes through the router as two rows (the second zero): XLA on GPUs turns a one-row
-        dot with a small matrix ([2880, 128]) into a multiply writing every product plus a reduce.
-        Up to select.RANK_TOP_K_ROWS tokens take the top k by rank counting instead of lax.top_k's sort."""
+        One token goes through the router as two rows (`rows_dot`). Up to select.RANK_TOP_K_ROWS
+        tokens take the top k by rank counting instead of lax.top_k's sort."""
         N = x.shape[0]
-        xr = jnp.pad(x, ((0, 1), (0, 0))) if N == 1 else x
-        logits = jnp.dot(xr, self.router_w[...], preferred_element_type=F32)[:N] + self.router_b[...].astype(F32)
+        logits = rows_dot(x, self.router_w[...], preferred_element_type=F32) + self.router_b[...].astype(F32)
         rank = select.router_top_k(N) == "rank"
         top, ids = top_k_by_rank(logits, self.top_k) if rank else jax.lax.top_k(logits, self.top_k)
         return ids, jax.nn.softmax(top, axis=-1)

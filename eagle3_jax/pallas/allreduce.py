@@ -169,10 +169,10 @@ def _exchange(M: int, shape, layout):
     in device order; peers and me: the Mailbox's address table and rank. Each thread writes its
     elements of x into slot `me` of every inbox of its group (peers[k], its own among them) with the
     flag c + 1 beside each (c: the calls its row made before), then reads slot k of its own inbox for
-    k = 0 .. M - 1, loading its lines again until every flag says c + 1. A flag and its element travel in one 8-byte half of a 16-byte store, so no fence
-    and no separate signal precede the data. Calls alternate between two slots by c % 2: a device
-    writes call c + 2 only after reading this device's call c + 1, that is after this device's
-    kernel of call c has finished reading."""
+    k = 0 .. M - 1, loading its lines again until every flag says c + 1. A flag and its element
+    travel in one 8-byte half of a 16-byte store, so no fence and no separate signal precede the
+    data. Calls alternate between two slots by c % 2: a device writes call c + 2 only after reading
+    this device's call c + 1, that is after this device's kernel of call c has finished reading."""
     arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), layout, plgpu.RefType(), SPLAT)
 
     @plgpu.inline_mgpu(arg_types=arg_types, return_type=plgpu.ShapeDtypeStruct(shape, F32, layout=layout))
