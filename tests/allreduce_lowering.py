@@ -2,7 +2,8 @@
 trunk on (data 1, model 2) and (data 2, model 2) meshes, with the fused all-reduce kernel chosen
 (select.tp_reduce forced: this machine has no GPU) and a Mailbox in context, lowered for CUDA. There
 must be one kernel call a sublayer (two a layer), none reading XLA's collective metadata (device
-ids, peer refs: XLA would launch a barrier before each call). Prints "ok"."""
+ids, peer refs: XLA would launch a barrier before each call). Each device's Mailbox must hold its
+index along "model" and its model group's inbox addresses in group order. Prints "ok"."""
 
 import os
 import re
@@ -10,6 +11,7 @@ import re
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -21,6 +23,17 @@ from eagle3_jax.pallas import allreduce, select  # noqa: E402
 from eagle3_jax.spec import loop  # noqa: E402
 
 
+def check_table(mesh, mailbox):
+    """Device (d, m)'s rank is m and its row k of peers is device (d, k)'s inbox shard address."""
+    address = {s.device: s.data.unsafe_buffer_pointer() for s in mailbox.inbox.addressable_shards}
+    rank = {s.device: int(np.asarray(s.data)[0, 0]) for s in mailbox.rank.addressable_shards}
+    peers = {s.device: np.asarray(s.data).view(np.uint32).astype(np.int64) for s in mailbox.peers.addressable_shards}
+    for (d, m), dev in np.ndenumerate(mesh.devices):
+        assert rank[dev] == m, (dev, rank[dev], m)
+        got = [int(lo) | (int(hi) << 32) for lo, hi in peers[dev]]
+        assert got == [address[mesh.devices[d, k]] for k in range(mesh.shape["model"])], (dev, got)
+
+
 def main():
     select.tp_reduce = lambda x, rows, devices, mailbox, platform=None: "reference" if mailbox is None else "kernel"
     cfg = GptOssConfig.preset("tiny")
@@ -29,6 +42,7 @@ def main():
         target = parallel.shard(gpt_oss.GptOss(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), mesh)
         graphdef, params = nnx.split(target)
         mailbox = allreduce.new_mailbox(mesh, cfg.hidden_size)
+        check_table(mesh, mailbox)
 
         def trunk(params, mailbox, tokens, lengths):
             with loop.on_mesh(mesh), shards.mailbox_context(mailbox):
@@ -40,6 +54,8 @@ def main():
         text = jax.jit(trunk).trace(params, mailbox, tokens, lengths).lower(lowering_platforms=("cuda",)).as_text()
         uses = re.findall(r"uses_xla_collective_metadata = (\w+)", text)
         assert uses == ["false"] * (2 * cfg.num_hidden_layers), (data, model, uses)
+    mesh = parallel.make_mesh(model=4, data=1, devices=jax.devices()[:4])
+    check_table(mesh, allreduce.new_mailbox(mesh, cfg.hidden_size))
     print("ok")
 
 

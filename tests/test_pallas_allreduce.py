@@ -6,6 +6,7 @@ read too early, a slot overwritten before its peer read it or a lost flag fails 
 import os
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -87,6 +88,8 @@ def test_bad_input_and_dispatch():
     assert select.tp_reduce(x, 6, 2, box, platform="cpu") == "reference"
     assert select.tp_reduce(z((1, 1, 2880 + 32), jnp.bfloat16), 1, 2, box, platform="gpu") == "reference"
     assert select.tp_kernel(2880, "gpu") and not select.tp_kernel(2912, "gpu") and not select.tp_kernel(2880, "cpu")
+    with pytest.raises(ValueError, match="new_mailbox: the mesh spans .* processes"):
+        allreduce.new_mailbox(types.SimpleNamespace(is_multi_process=True), 2880)
 
 
 def test_copied_finds_copies_of_the_mailbox_shapes():
