@@ -19,7 +19,7 @@ name. `platform` defaults to the default backend (`util.on_gpu`). Kernels have n
 | | "grouped" | otherwise |
 | `moe_grouped(x, packed, interpret)` | "kernel" | MXFP4 experts, bf16, glue kernels or interpret; else "scan" |
 | `router_top_k(rows)` | "rank" | rows <= RANK_TOP_K_ROWS; else "sort" |
-| `tp_reduce(x, rows, devices, mailbox)` | "kernel" | a Mailbox, glue kernels, H % 64, one process, rows x peers <= 16 |
+| `tp_reduce(x, rows, devices, mailbox)` | "kernel" | a Mailbox, glue kernels, H % 64, one process, rows x peers <= 64 |
 | | "reference" | otherwise: `lax.psum`, then the add and the norm in jnp |
 | `spec_op(interpret)` | "kernel" | GPU or interpret=True; else "reference" (tree_mask, accept, kv_rewind) |
 
