@@ -1,7 +1,8 @@
 """Models, caches and decode state over a `Mesh` of devices, through jax.sharding alone.
 
 A mesh has two axes: "data" splits the batch, "model" splits the weights (tensor parallel attention,
-expert parallel MoE, vocabulary-parallel embedding and head). Parameters carry `NamedSharding`s
+expert parallel MoE or, placed with experts="tensor", every expert's units split: `split_experts`,
+vocabulary-parallel embedding and head). Parameters carry `NamedSharding`s
 (`shard`); jit's sharding propagation (GSPMD) partitions every computation on them and inserts the
 collectives, so the models' code is the same on one device and on many. `generate` / `decode` read
 the mesh from the parameters (`mesh_of`) and lay the KV caches and the loop state out over it
@@ -38,6 +39,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.checks import ArgumentError, int_arg
+from eagle3_jax.formats import mxfp4
 from eagle3_jax.models import eagle3, gpt_oss
 from eagle3_jax.models.config import Eagle3Config, GptOssConfig
 from eagle3_jax.models.kv_cache import KVCache
@@ -57,9 +59,11 @@ GPT_OSS_SHARDING = (
     (r"layers/\d+/self_attn/bqkv", P("model")),
     (r"layers/\d+/self_attn/sinks", P("model")),  # [Hq]: one per query head, with its head
     (r"layers/\d+/self_attn/wo", P("model", None)),  # [Hq * D, H]: row parallel, rows = heads
-    # experts (packed blocks, scales and biases, or dense): the leading E axis, expert parallel
+    # experts (packed blocks, scales and biases, or dense): the leading E axis, expert parallel; a
+    # model placed with experts="tensor" splits every expert's units instead (`gpt_oss.expert_spec`)
     (r"layers/\d+/mlp/experts/\w+", P("model")),
 )
+_EXPERT = re.compile(r"layers/(\d+)/mlp/experts/(\w+)")
 
 
 def make_mesh(model: int = 1, data: int = 1, devices=None) -> Mesh:
@@ -131,10 +135,14 @@ def param_sharding(module, mesh: Mesh, path) -> NamedSharding:
 
 def param_spec(module, path) -> P:
     """The PartitionSpec of the module's variable at `path` (a tuple of keys or "/"-joined text):
-    GptOss by `GPT_OSS_SHARDING`; Eagle3 replicated but for `embed` / `lm_head` when they are the
-    target's (config.own_embed / own_lm_head False: the target's rows over "model")."""
+    GptOss by `GPT_OSS_SHARDING`, its experts by their layer's split (`gpt_oss.expert_spec`); Eagle3
+    replicated but for `embed` / `lm_head` when they are the target's (config.own_embed / own_lm_head
+    False: the target's rows over "model")."""
     name = path if isinstance(path, str) else path_name(path)
     if isinstance(module, gpt_oss.GptOss):
+        m = _EXPERT.fullmatch(name)
+        if m:
+            return gpt_oss.expert_spec(m.group(2), module.layers[int(m.group(1))].mlp.expert_split)
         return gpt_oss_spec(name)
     if isinstance(module, eagle3.Eagle3):
         c = module.config
@@ -143,13 +151,16 @@ def param_spec(module, path) -> P:
     raise ArgumentError(f"param_spec: expected a gpt_oss.GptOss or eagle3.Eagle3, got {type(module).__name__}")
 
 
-def shard(module, mesh: Mesh):
+def shard(module, mesh: Mesh, experts: str = "expert"):
     """Places every variable of `module` (gpt_oss.GptOss or eagle3.Eagle3) on `mesh` with the
     NamedSharding of `param_spec`, in place, and returns the module. Variables shared with another
-    module (a draft borrowing the target's embedding) move for both. Checks `check_mesh` first."""
+    module (a draft borrowing the target's embedding) move for both. A GptOss's experts are split as
+    `experts` says (`split_experts`). Checks `check_mesh` first."""
     if not isinstance(module, (gpt_oss.GptOss, eagle3.Eagle3)):
         raise ArgumentError(f"shard: expected a gpt_oss.GptOss or eagle3.Eagle3, got {type(module).__name__}")
     check_mesh(module.config, mesh)
+    if isinstance(module, gpt_oss.GptOss):
+        split_experts(module, mesh, experts)
     for path, var in variables(module):
         var.set_value(jax.device_put(var.get_value(), param_sharding(module, mesh, path)))
     if isinstance(module, gpt_oss.GptOss):
@@ -180,6 +191,47 @@ def align_heads(model: gpt_oss.GptOss, mesh: Mesh) -> gpt_oss.GptOss:
                 moves[key] = jax.jit(lambda a, idx=idx: jnp.take(a, idx, axis=-1), out_shardings=sharding)
             var.set_value(moves[key](var.get_value()))
         att.qkv_blocks = M
+    return model
+
+
+def expert_units(config: GptOssConfig, mesh: Mesh, experts: str) -> int:
+    """The intermediate units each expert array holds when `mesh` splits the experts as `experts`
+    says: config.intermediate_size, or under "tensor" that rounded up to what "model" divides in
+    whole units of the layout (32-input groups of packed experts: gpt-oss-120b's 2880 over 4
+    devices holds 2944)."""
+    if experts not in gpt_oss.EXPERT_SPLITS:
+        raise ArgumentError(f"experts: {experts!r}, expected one of {gpt_oss.EXPERT_SPLITS}")
+    I = config.intermediate_size
+    if experts == "expert":
+        return I
+    step = model_size(mesh) * (mxfp4.BLOCK if config.experts_format == "mxfp4" else 1)
+    return -(-I // step) * step
+
+
+def split_experts(model: gpt_oss.GptOss, mesh: Mesh, experts: str = "expert") -> gpt_oss.GptOss:
+    """Sets every layer's `MoE.expert_split` to `experts` ("expert": each device E / model whole
+    experts; "tensor": each device its share of every expert's intermediate units, the arrays padded
+    to `expert_units` with units that add nothing, `gpt_oss.resize_units`) and places the expert
+    arrays so (jit on the devices, the new sharding out), in place. `shard` and the loaders with
+    mesh= call it; the writers store the experts unpadded."""
+    units = expert_units(model.config, mesh, experts)
+    moves = {}
+    for i, layer in enumerate(model.layers):
+        moe = layer.mlp
+        if moe.expert_split == experts and moe.experts.gate_up_bias.shape[1] == 2 * units:
+            continue  # already so (the loaders' table placement is "expert")
+        moe.expert_split = experts
+        for name, var in vars(moe.experts).items():
+            if not isinstance(var, nnx.Variable):
+                continue
+            if name not in moves:  # one program per array (every layer has the same shapes)
+                sharding = param_sharding(model, mesh, f"layers/{i}/mlp/experts/{name}")
+                moves[name] = jax.jit(lambda a, name=name: gpt_oss.resize_units(name, a, units),
+                                      out_shardings=sharding)
+            value = var.get_value()
+            if value.sharding.device_set != set(mesh.devices.flat):  # first onto the mesh, whole experts each
+                value = jax.device_put(value, NamedSharding(mesh, gpt_oss.expert_spec(name, "expert")))
+            var.set_value(moves[name](value))
     return model
 
 

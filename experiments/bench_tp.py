@@ -21,7 +21,9 @@ models of one degree are freed before the next is made, so one GPU must hold the
 the copy bandwidth of this run's first device, over the time), "step_ms", "speedup_vs_tp1" (tp 1's
 ms_per_token at the same batch over this one, both from this run; None before tp 1 has run),
 "projected_speedup" (tau x baseline / step at the published tau), "collectives", "reduction"
-("kernel" | "xla"; None at tp 1)}; "allreduce": [{"tp", "rows", "xla_us", "kernel_us",
+("kernel" | "xla"; None at tp 1), "experts" (how --experts split them, each split its own model
+timed in turn: "expert" whole experts a device, "tensor" every expert's units over the devices,
+`parallel.split_experts`; None at tp 1)}; "allreduce": [{"tp", "rows", "xla_us", "kernel_us",
 "reference_us"}] (kernel and reference: None where the mesh has no Mailbox). With --profile a row
 also has "baseline_kernels_ms" (kernel family -> device ms a baseline step, per device) and
 "baseline_launches" (kernels a step, per device); {} and 0 where there is no profile (CPU). The
@@ -50,6 +52,8 @@ flags.DEFINE_string("shape", "chain3", "draft shape of the speculative step")
 flags.DEFINE_list("reductions", ["kernel", "xla"], "how decode and verify sum over 'model' at tp > 1 "
                   "(kernel: where the mesh has a Mailbox)")
 flags.DEFINE_list("allreduce_rows", ["1", "4", "16", "64"], "rows of the all-reduce timed alone at each tp > 1")
+flags.DEFINE_list("experts", ["expert"], "how the experts are split over 'model' at tp > 1 (parallel.split_experts: "
+                  "expert, tensor); each its own model, timed in turn")
 flags.DEFINE_integer("iters", 6, "steps per timed loop")
 flags.DEFINE_integer("copy_bytes", 1 << 30, "buffer size of the copy-bandwidth measurement (first device)")
 flags.DEFINE_bool("profile", False, "also each baseline step's device time by kernel family (ms a step and device)")
@@ -60,9 +64,11 @@ cli.positive_ints("tp", "batch_sizes", "allreduce_rows")
 validate_shape_flags("shape")
 flags.register_validator("reductions", lambda v: set(v) <= {"kernel", "xla"} and len(v) > 0,
                          "--reductions: a list of kernel, xla")
+flags.register_validator("experts", lambda v: set(v) <= {"expert", "tensor"} and len(v) > 0,
+                         "--experts: a list of expert, tensor")
 
 
-def timed_batch(cfg, tp: int, B: int, shape, reduction, target, draft, result, base_ms):
+def timed_batch(cfg, tp: int, B: int, shape, reduction, experts, target, draft, result, base_ms):
     """Times the baseline and the speculative step at batch B, appending a row to result["rows"]."""
     base_mem, kernels = {}, ({} if FLAGS.profile else None)
     t_base = time_baseline(target, B, FLAGS.context, FLAGS.iters, memory=base_mem, kernels=kernels)
@@ -71,8 +77,8 @@ def timed_batch(cfg, tp: int, B: int, shape, reduction, target, draft, result, b
     if tp == 1:
         base_ms[B] = t_base * 1e3
     ref = base_ms.get(B)
-    nbytes = roofline.target_bytes(cfg, B, 1, FLAGS.context, model=tp)["total"]  # the busiest device's
-    row = dict(tp=tp, batch=B, context=FLAGS.context, shape=FLAGS.shape, reduction=reduction,
+    nbytes = roofline.target_bytes(cfg, B, 1, FLAGS.context, model=tp, experts=experts or "expert")["total"]
+    row = dict(tp=tp, batch=B, context=FLAGS.context, shape=FLAGS.shape, reduction=reduction, experts=experts,
                ms_per_token=t_base * 1e3,
                tokens_per_second=B / t_base, roofline_fraction=nbytes / result["copy_bandwidth"] / t_base,
                step_ms=t_step * 1e3,
@@ -87,7 +93,7 @@ def timed_batch(cfg, tp: int, B: int, shape, reduction, target, draft, result, b
     result["rows"].append(row)
     timing.write_json(FLAGS.out, result)
     vs = "" if row["speedup_vs_tp1"] is None else f" ({row['speedup_vs_tp1']:.2f}x tp1)"
-    cli.write(f"tp={tp} B={B:<3} {reduction or '':6} {row['ms_per_token']:7.2f} ms a token "
+    cli.write(f"tp={tp} B={B:<3} {reduction or '':6} {experts or '':6} {row['ms_per_token']:7.2f} ms a token "
               f"({row['roofline_fraction']:.0%} of roofline){vs}  {FLAGS.shape} step {row['step_ms']:7.2f} ms  "
               f"proj@3.22 {row['projected_speedup']['3.22']:.2f}x  collectives "
               f"{sum((row['collectives']['baseline'] or {}).values())}")
@@ -96,7 +102,6 @@ def timed_batch(cfg, tp: int, B: int, shape, reduction, target, draft, result, b
 def degree(cfg, tp: int, batches, shape, result, base_ms):
     """Times every batch at one degree, appending to result["rows"] (and result["allreduce"])."""
     mesh = None if tp == 1 else parallel.make_mesh(model=tp, devices=jax.devices()[:tp])
-    target, draft = random_pair(cfg, mesh)
     mailbox = None if mesh is None else parallel.mailbox(mesh, cfg.hidden_size)
     modes = [None] if mesh is None else [m for m in FLAGS.reductions if m == "xla" or mailbox is not None]
     if mesh is not None:
@@ -112,13 +117,15 @@ def degree(cfg, tp: int, batches, shape, result, base_ms):
             result["allreduce"].append(a)
             cli.write(f"tp={tp} {rows} rows: XLA all-reduce {a['xla_us']:.1f} us, fused kernel "
                       f"{a['kernel_us'] or float('nan'):.1f} us, reference {a['reference_us'] or float('nan'):.1f} us")
-    for B in batches:
-        for reduction in modes:
-            with xla_reduction() if reduction == "xla" else contextlib.nullcontext():
-                timed_batch(cfg, tp, B, shape, reduction, target, draft, result, base_ms)
-    del target, draft
-    gc.collect()
-    jax.clear_caches()
+    for experts in [None] if mesh is None else FLAGS.experts:  # one model at a time
+        target, draft = random_pair(cfg, mesh, experts or "expert")
+        for B in batches:
+            for reduction in modes:
+                with xla_reduction() if reduction == "xla" else contextlib.nullcontext():
+                    timed_batch(cfg, tp, B, shape, reduction, experts, target, draft, result, base_ms)
+        del target, draft
+        gc.collect()
+        jax.clear_caches()
 
 
 def main(argv):

@@ -1,8 +1,8 @@
 """Run by tests/test_parallel.py in a fresh process with 4 CPU devices: generate and decode (chain,
 tree) on sharded models give the one-device tokens (also for a batch the data axis does not
-divide), and parameters, caches and state are split; a verify step sums its sublayers through the
-fused reduction and equals the unfused one; a bf16 step through the GPU's kernels (interpreted) on
-a mesh gives one device's logits.
+divide, and with the experts split "tensor"), and parameters, caches and state are split; a verify
+step sums its sublayers through the fused reduction and equals the unfused one; a bf16 step through
+the GPU's kernels (interpreted) on a mesh gives one device's logits.
 
 Prints one line per mesh and "ok" at the end; any mismatch is an AssertionError (exit status 1)."""
 
@@ -272,26 +272,44 @@ def check_vocab_split(mesh):
                                                                                 ops(rows.as_text()))
 
 
-def check_moe_paths(mesh):
-    """Each MoE path, expert parallel over the mesh (models/shards.py), equals the one-device module:
-    gathered (few pairs), dense and grouped (many), packed and dense experts."""
+def check_moe_paths(mesh, split="expert"):
+    """Each MoE path, its experts split over the mesh (models/shards.py) as `split` says, equals the
+    one-device module: gathered (few pairs), dense and grouped (many), packed and dense experts. Split
+    "tensor", on intermediate sizes the mesh does not divide (96 in 32-input groups, 65): padded."""
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.normal(size=(4, 24, CONFIG.hidden_size)), jnp.float32)
-    for experts in ("mxfp4", "dense"):
-        cfg = CONFIG.replace(experts_format=experts)
+    M = mesh.shape["model"]
+    for experts, size in (("mxfp4", 96), ("dense", 65)):
+        cfg = CONFIG.replace(experts_format=experts, **({"intermediate_size": size} if split == "tensor" else {}))
         one = gpt_oss.GptOss(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3)).layers[0].mlp
-        split = parallel.shard(gpt_oss.GptOss(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3)), mesh).layers[0].mlp
-        assert shard_shape(split.experts.gate_up_bias.get_value())[0] == cfg.num_local_experts // mesh.shape["model"]
+        split_moe = parallel.shard(gpt_oss.GptOss(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3)), mesh, experts=split)
+        split_moe = split_moe.layers[0].mlp
+        local = shard_shape(split_moe.experts.gate_up_bias.get_value())
+        units = parallel.expert_units(cfg, mesh, split)
+        want_local = (cfg.num_local_experts // M, 2 * units) if split == "expert" else (cfg.num_local_experts,
+                                                                                        2 * units // M)
+        assert split_moe.expert_split == split and local == want_local, (split, local, want_local)
         for path, rows in (("gathered", x[:, :2]), ("dense", x), ("grouped", x)):
             want = np.asarray(one(rows, path=path))
 
             @jax.jit
-            def run(rows, path=path, split=split):
+            def run(rows, path=path, moe=split_moe):
                 with loop.on_mesh(mesh):
-                    return split(rows, path=path)
+                    return moe(rows, path=path)
 
             got = np.asarray(run(jax.device_put(rows, NamedSharding(mesh, P("data")))))
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{experts} {path}")
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{split} {experts} {path}")
+
+
+def check_tensor_experts(mesh, prompts, want):
+    """The target placed with experts="tensor": generate and chain decode give the one-device tokens."""
+    t, d = pair()
+    parallel.shard(t, mesh, experts="tensor")
+    parallel.shard(d, mesh)
+    for name in ("generate", "chain"):
+        kw = RUNS[name]
+        got = (generate(t, prompts, NEW, **KW) if kw is None else decode(t, d, prompts, NEW, **kw, **KW)).tokens
+        assert got == want[name], (mesh.shape, name, got, want[name])
 
 
 def check_errors(prompts):
@@ -333,6 +351,9 @@ def main():
             got = decode(t, d, prompts[:3], NEW, **RUNS["tree"], **KW)
             assert (got.tokens, got.metrics["slot_steps"]) == (odd.tokens, odd.metrics["slot_steps"]), got.metrics
         check_moe_paths(mesh)
+        check_moe_paths(mesh, "tensor")
+        if (data, model) != (1, 2):  # model = 4: the units padded, 64 -> 128
+            check_tensor_experts(mesh, prompts, want)
         check_vocab_split(mesh)
         check_fused_reduction(mesh)
         if (data, model) == (1, 2):

@@ -70,6 +70,7 @@ def same(got, want, what):
     a GptOss's q|k|v columns are in the same order."""
     if hasattr(got, "layers"):
         assert [x.self_attn.qkv_blocks for x in got.layers] == [x.self_attn.qkv_blocks for x in want.layers], what
+        assert [x.mlp.expert_split for x in got.layers] == [x.mlp.expert_split for x in want.layers], what
     g, w = parallel.variables(got), parallel.variables(want)
     assert [p for p, _ in g] == [p for p, _ in w], what
     for (path, x), (_, y) in zip(g, w):
@@ -132,6 +133,13 @@ def check_gpt_oss(root):
                 check_reads(reads.log, tensors, model, (experts, data, model))
                 if dtype == jnp.bfloat16:  # written back from the mesh (q|k|v in head-aligned blocks): the same file
                     check_written(got, tensors, os.path.join(root, "written"), (experts, data, model))
+                    # the experts split "tensor" (units padded 64 -> 128 over 4 devices): placed as shard
+                    # places them, and written back unpadded
+                    got = load_gpt_oss(path, dtype=dtype, mesh=mesh, experts="tensor", progress=False)
+                    same(got, parallel.shard(load_gpt_oss(path, dtype=dtype, progress=False), mesh, experts="tensor"),
+                         (experts, data, model, "tensor"))
+                    check_table(got, mesh, (experts, data, model, "tensor"))
+                    check_written(got, tensors, os.path.join(root, "written"), (experts, data, model, "tensor"))
                 if experts == "mxfp4" and (data, model) == (1, 2) and dtype == jnp.float32:
                     target = (path, got)
         print(f"load_gpt_oss {experts}: meshes {MESHES} equal parallel.shard, byte ranges only: "
@@ -184,6 +192,12 @@ def check_orbax(root, target_path, target):
     same(restore_checkpoint(directory, mesh=mesh), parallel.shard(restore_checkpoint(directory), mesh), "orbax")
     bad = parallel.make_mesh(model=3, devices=jax.devices()[:3])
     raises(lambda: restore_checkpoint(directory, mesh=bad), r'mesh axis "model" of size 3 must divide')
+    # a model with its experts split "tensor" (padded over 4 devices) saves the unpadded experts
+    mesh = mesh_of(1, 4)
+    split = parallel.shard(restore_checkpoint(directory), mesh, experts="tensor")
+    save_checkpoint(split, os.path.join(root, "orbax_tensor"))
+    same(restore_checkpoint(os.path.join(root, "orbax_tensor")), restore_checkpoint(directory), "orbax tensor")
+    same(restore_checkpoint(directory, mesh=mesh, experts="tensor"), split, "orbax tensor")
     print(f"restore_checkpoint: equals parallel.shard: {time.perf_counter() - t0:.1f} s", flush=True)
 
 
@@ -193,9 +207,11 @@ def check_random():
     for experts, (data, model) in (("mxfp4", (2, 2)), ("dense", (1, 4))):  # seconds a build (compiling)
         c = cfg.replace(experts_format=experts)
         mesh = mesh_of(data, model)
-        got = random_gpt_oss(c, seed=7, dtype=jnp.float32, mesh=mesh)
-        same(got, parallel.shard(random_gpt_oss(c, seed=7, dtype=jnp.float32), mesh), (experts, data, model))
-        check_table(got, mesh, ("random", experts, data, model))
+        for split in ("expert", "tensor") if experts == "mxfp4" else ("expert",):
+            got = random_gpt_oss(c, seed=7, dtype=jnp.float32, mesh=mesh, experts=split)
+            same(got, parallel.shard(random_gpt_oss(c, seed=7, dtype=jnp.float32), mesh, experts=split),
+                 (experts, data, model, split))
+            check_table(got, mesh, ("random", experts, data, model, split))
     raises(lambda: random_gpt_oss(GptOssConfig.preset("tiny"), mesh=mesh_of(1, 4)),
            r'mesh axis "model" of size 4 must divide num_key_value_heads=2$')
     print(f"random_gpt_oss: equals parallel.shard of the one-device weights: {time.perf_counter() - t0:.1f} s",

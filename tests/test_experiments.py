@@ -133,14 +133,16 @@ def test_bench_tp_rows(tmp_path):
 
     path = tmp_path / "tp.json"
     out = run("bench_tp.py", "--preset", "tiny", "--tp", "1,2", "--batch_sizes", "2", "--context", "64", "--iters",
-              "1", "--allreduce_rows", "1,4", "--copy_bytes", "1000000", "--profile", "--noprogress", "--out",
-              str(path),
+              "1", "--allreduce_rows", "1,4", "--copy_bytes", "1000000", "--profile", "--experts", "expert,tensor",
+              "--noprogress", "--out", str(path),
               env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     r = json.loads(path.read_text())
-    assert r["num_devices"] == 2 and [(x["tp"], x["batch"]) for x in r["rows"]] == [(1, 2), (2, 2)]
+    assert r["num_devices"] == 2 and [(x["tp"], x["batch"], x["experts"]) for x in r["rows"]] == [
+        (1, 2, None), (2, 2, "expert"), (2, 2, "tensor")]
     for x in r["rows"]:
         assert x["ms_per_token"] > 0 and x["step_ms"] > 0 and 0 < x["roofline_fraction"]
-        nbytes = roofline.target_bytes(GptOssConfig.preset("tiny"), 2, 1, 64, model=x["tp"])["total"]
+        nbytes = roofline.target_bytes(GptOssConfig.preset("tiny"), 2, 1, 64, model=x["tp"],
+                                       experts=x["experts"] or "expert")["total"]
         assert x["roofline_fraction"] == pytest.approx(nbytes / r["copy_bandwidth"] / (x["ms_per_token"] / 1e3))
         assert x["tokens_per_second"] == pytest.approx(x["batch"] / x["ms_per_token"] * 1e3)
         one = next(y for y in r["rows"] if y["tp"] == 1 and y["batch"] == x["batch"])
@@ -158,6 +160,7 @@ def test_bench_tp_rows(tmp_path):
                 env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     assert err.strip() == "error: --tp: 4 devices, but 2 available", err
     assert "--reductions" in fails("bench_tp.py", "--reductions", "nccl", code=1)
+    assert "--experts" in fails("bench_tp.py", "--experts", "heads", code=1)
 
 
 def test_bench_allreduce_routes(tmp_path):

@@ -9,12 +9,14 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from eagle3_jax import parallel
+from eagle3_jax.convert import random_gpt_oss
 from eagle3_jax.models import Eagle3Config, GptOssConfig, eagle3, gpt_oss
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -73,6 +75,39 @@ def test_sharding_table(experts):
     draft = nnx.eval_shape(lambda: eagle3.random_eagle3(d, target=model))
     dspecs = {path: parallel.param_spec(draft, path) for path, _ in parallel.variables(draft)}
     assert dspecs.pop("embed") == P("model", None) and set(dspecs.values()) == {P()}, dspecs
+
+
+@pytest.mark.parametrize("experts", ["mxfp4", "dense"])
+def test_tensor_expert_split(experts):
+    """experts="tensor": every expert's units over "model" (gate_up's rows, down's groups or columns),
+    down's bias replicated; the units padded to what the mesh divides in whole groups, padding that
+    adds nothing, cut off again by resize_units."""
+    cfg = GptOssConfig.preset("tiny").replace(experts_format=experts, intermediate_size=96)
+    model = nnx.eval_shape(lambda: gpt_oss.GptOss(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    for layer in model.layers:
+        layer.mlp.expert_split = "tensor"
+    specs = {p.split("/")[-1]: parallel.param_spec(model, p) for p, _ in parallel.variables(model) if "/experts/" in p}
+    want = {"gate_up_bias": P(None, "model"), "down_bias": P()}
+    want.update({"gate_up_blocks": P(None, "model"), "gate_up_scales": P(None, "model"),
+                 "down_blocks": P(None, None, "model"), "down_scales": P(None, None, "model")} if experts == "mxfp4"
+                else {"gate_up": P(None, "model"), "down": P(None, None, "model")})
+    assert specs == want, specs
+    assert parallel.expert_units(cfg, abstract(1, 4), "tensor") == (128 if experts == "mxfp4" else 96)
+    assert parallel.expert_units(cfg, abstract(1, 4), "expert") == 96
+    assert parallel.expert_units(cfg.replace(intermediate_size=2880), abstract(1, 4), "tensor") == (
+        2944 if experts == "mxfp4" else 2880)
+    rng = np.random.default_rng(np.random.randint(1 << 30))
+    scales = jnp.asarray(rng.integers(0, 256, (2, 6, 3)), jnp.uint8)  # [E, 2I, H/32], I = 3
+    grown = gpt_oss.resize_units("gate_up_scales", scales, 5)
+    assert grown.shape == (2, 10, 3) and (np.asarray(grown[:, 6:]) == 127).all()
+    np.testing.assert_array_equal(np.asarray(gpt_oss.resize_units("gate_up_scales", grown, 3)), np.asarray(scales))
+    down = jnp.asarray(rng.integers(0, 256, (2, 4, 3, 16)), jnp.uint8)  # [E, H, I/32, 16], I = 96
+    assert gpt_oss.resize_units("down_blocks", down, 128).shape == (2, 4, 4, 16)
+    assert not np.asarray(gpt_oss.resize_units("down_blocks", down, 128)[:, :, 3]).any()
+    with pytest.raises(ValueError, match=r"experts: 'heads', expected one of \('expert', 'tensor'\)"):
+        parallel.expert_units(cfg, abstract(1, 2), "heads")
+    with pytest.raises(ValueError, match=r"experts='tensor' splits the experts over a mesh; pass mesh="):
+        random_gpt_oss(cfg, experts="tensor")
 
 
 def test_one_device_shard_and_cache_layout():

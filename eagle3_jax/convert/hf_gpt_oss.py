@@ -6,6 +6,8 @@
 With `mesh=`, each parameter is placed by parallel.py's table as it is read, every device's shard
 from the byte ranges it covers (`params.place`): no host or device holds a whole sharded tensor.
 `random_gpt_oss(config, seed, dtype, mesh=None)`: random weights, created split on `mesh` likewise.
+`experts=` ("expert" or "tensor", with a mesh): how the experts are split (`parallel.split_experts`);
+the writers store them as the checkpoint does whatever the split.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from eagle3_jax import parallel
+from eagle3_jax.checks import ArgumentError
 from eagle3_jax.convert import params
 from eagle3_jax.convert import safetensors_io as stio
 from eagle3_jax.models import gpt_oss
@@ -106,7 +109,7 @@ def _param(state, path):
 
 
 def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConfig | None = None, *,
-                 mesh=None, progress: bool | None = None) -> GptOss:
+                 mesh=None, experts: str = "expert", progress: bool | None = None) -> GptOss:
     """HF GPT-OSS checkpoint folder -> GptOss on the default device, or split over `mesh`.
 
     dtype: storage/compute dtype of the unquantized weights and activations (bf16, or f32 for
@@ -117,6 +120,7 @@ def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConf
     jax.make_array_from_callback from the byte ranges of each local device's shard only (under
     jax.distributed every process reads just its own devices' shards). A mesh that does not divide
     the heads, experts or vocabulary raises ValueError (parallel.check_mesh) before any tensor is read.
+    experts: how the mesh splits the experts (`parallel.split_experts`: "expert" or "tensor").
     progress: a tqdm bar over the checkpoint's bytes on stderr (a widget in notebooks); None shows
     it only for checkpoints worth waiting for (over 1 GiB or several shards: gpt-oss-120b is 65 GB
     in 15), True always, False never.
@@ -126,8 +130,7 @@ def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConf
     if config is None:
         config = GptOssConfig.from_hf(path)
     config = config.replace(experts_format=layout(tensors))
-    if mesh is not None:
-        parallel.check_mesh(config, mesh)
+    _check_split(config, mesh, experts)
     table = entries(config)
     stio.check_all_used(tensors, {e.key for e in table}, path, "GPT-OSS config")  # e.g. biases, attention_bias false
     abstract = nnx.eval_shape(lambda: GptOss(config, dtype=dtype, rngs=nnx.Rngs(0)))
@@ -148,31 +151,49 @@ def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConf
     with stio.load_progress(tensors, progress, f"loading {name}") as bar:
         params.place_all(groups, lambda p: _param(state, p),
                          lambda p: parallel.param_sharding(abstract, mesh, "/".join(map(str, p))), bar)
-    return parallel.align_heads(nnx.merge(graphdef, state), mesh)
+    return parallel.split_experts(parallel.align_heads(nnx.merge(graphdef, state), mesh), mesh, experts)
 
 
-def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16, mesh=None) -> GptOss:
+def _check_split(config: GptOssConfig, mesh, experts: str) -> None:
+    """Raises ValueError for a mesh that does not divide the config (parallel.check_mesh), an unknown
+    expert split, or experts="tensor" without a mesh."""
+    if mesh is None:
+        if experts != "expert":
+            raise ArgumentError(f'experts={experts!r} splits the experts over a mesh; pass mesh= (or "expert")')
+        return
+    parallel.check_mesh(config, mesh)
+    parallel.expert_units(config, mesh, experts)
+
+
+def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16, mesh=None,
+                   experts: str = "expert") -> GptOss:
     """`gpt_oss.random_gpt_oss` (the same values for the same seed), on the default device, or with
     `mesh=` created already split by `parallel.param_sharding` (as `parallel.shard` would place
-    it; no device ever holds a whole sharded parameter). Raises ValueError for a mesh that does
-    not divide the config (parallel.check_mesh) before building anything."""
+    it; no device ever holds a whole sharded parameter), the experts then split as `experts` says
+    (`parallel.split_experts`). Raises ValueError for a mesh that does not divide the config
+    (parallel.check_mesh) before building anything."""
+    _check_split(config, mesh, experts)
     if mesh is None:
         return gpt_oss.random_gpt_oss(config, seed, dtype)
-    parallel.check_mesh(config, mesh)
     spec = lambda p: NamedSharding(mesh, parallel.gpt_oss_spec(p))  # noqa: E731
-    return parallel.align_heads(gpt_oss.random_gpt_oss(config, seed, dtype, shardings=spec), mesh)
+    model = parallel.align_heads(gpt_oss.random_gpt_oss(config, seed, dtype, shardings=spec), mesh)
+    return parallel.split_experts(model, mesh, experts)
 
 
-def _qkv_in_order(model: GptOss):
-    """The model's nnx state with each layer's wqkv / bqkv columns in q|k|v order (a model placed on a
-    mesh holds them in head-aligned blocks: `parallel.align_heads`); what the writers store."""
+def _stored_state(model: GptOss):
+    """The model's nnx state as the writers store it: each layer's wqkv / bqkv columns in q|k|v order
+    (a model placed on a mesh holds them in head-aligned blocks: `parallel.align_heads`), experts
+    without the units a "tensor" split pads (`parallel.split_experts`)."""
     state = nnx.clone(nnx.state(model))
+    units = model.config.intermediate_size
     for i, layer in enumerate(model.layers):
         att = layer.self_attn
         for name in ("wqkv", "bqkv"):
             if getattr(att, name) is not None and att.qkv_blocks != 1:
                 var = state["layers"][i]["self_attn"][name]
                 var.set_value(att.qkv_columns(var.get_value()))
+        for name, var in state["layers"][i]["mlp"]["experts"].items():
+            var.set_value(gpt_oss.resize_units(name, var.get_value(), units))
     return state
 
 
@@ -182,7 +203,7 @@ def save_gpt_oss(model: GptOss, path: str | os.PathLike, max_shard_bytes: int = 
     as stored."""
     cfg = model.config
     os.makedirs(path, exist_ok=True)
-    state = _qkv_in_order(model)
+    state = _stored_state(model)
     shards, cur, size = [], {}, 0
     for e in entries(cfg):
         a = params.columns(_param(state, e.path).get_value(), e.cols)
@@ -226,15 +247,15 @@ def save_checkpoint(model: GptOss, directory: str | os.PathLike) -> None:
     with open(os.path.join(directory, "eagle3_jax.json"), "w") as f:
         json.dump(meta, f, indent=1)
     with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(os.path.join(directory, "state"), nnx.to_pure_dict(_qkv_in_order(model)), force=True)
+        ckpt.save(os.path.join(directory, "state"), nnx.to_pure_dict(_stored_state(model)), force=True)
 
 
-def restore_checkpoint(directory: str | os.PathLike, mesh=None) -> GptOss:
+def restore_checkpoint(directory: str | os.PathLike, mesh=None, experts: str = "expert") -> GptOss:
     """The GptOss `save_checkpoint` wrote, on the default device, or with `mesh=` restored directly
     into `parallel.param_sharding`'s placement (orbax reads each local device's shard; the same
     as `parallel.shard(restore_checkpoint(directory), mesh)`). Raises ValueError for a folder that
     is not such a checkpoint, another parameter layout, or a mesh that does not divide the config
-    (before reading any parameter)."""
+    (before reading any parameter). experts: as in `load_gpt_oss`."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(os.fspath(directory))
@@ -249,8 +270,7 @@ def restore_checkpoint(directory: str | os.PathLike, mesh=None) -> GptOss:
     c = dict(meta["config"])
     c["rope"] = RopeConfig(**c["rope"])
     config = GptOssConfig(**c)
-    if mesh is not None:
-        parallel.check_mesh(config, mesh)
+    _check_split(config, mesh, experts)
     abstract = nnx.eval_shape(lambda: GptOss(config, dtype=jnp.dtype(meta["dtype"]), rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     # without a mesh: the default device (orbax would otherwise restore the placement it was saved from)
@@ -263,4 +283,4 @@ def restore_checkpoint(directory: str | os.PathLike, mesh=None) -> GptOss:
         restored = ckpt.restore(os.path.join(directory, "state"), target)
     nnx.replace_by_pure_dict(state, restored)
     model = nnx.merge(graphdef, state)
-    return model if mesh is None else parallel.align_heads(model, mesh)
+    return model if mesh is None else parallel.split_experts(parallel.align_heads(model, mesh), mesh, experts)

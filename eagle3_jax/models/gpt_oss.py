@@ -282,8 +282,43 @@ class DenseExperts(nnx.Module):
         return self.gate_up[...][e], self.gate_up_bias[...][e], self.down[...][e], self.down_bias[...][e]
 
 
+EXPERT_SPLITS = ("expert", "tensor")  # how a mesh's "model" axis splits the experts (MoE.expert_split)
+# expert arrays with intermediate units (I): (the units' axis, its entries a unit)
+_UNITS = {"gate_up_blocks": (1, 2), "gate_up_scales": (1, 2), "gate_up_bias": (1, 2), "gate_up": (1, 2),
+          "down_blocks": (2, 1 / mxfp4.BLOCK), "down_scales": (2, 1 / mxfp4.BLOCK), "down": (2, 1)}
+
+
+def expert_spec(name: str, split: str) -> Spec:
+    """The PartitionSpec of the expert array `name` (an Mxfp4Experts or DenseExperts attribute) under
+    `split`: "expert", the leading E axis over "model" (each device whole experts); "tensor", every
+    expert's intermediate units over "model" (gate_up's rows, down's input groups or columns; down's
+    bias replicated, added by one device)."""
+    if split == "expert":
+        return Spec(shards.MODEL)
+    if name not in _UNITS:
+        return Spec()
+    return Spec(*([None] * _UNITS[name][0]), shards.MODEL)
+
+
+def resize_units(name: str, a, units: int):
+    """Expert array `name` holding `units` intermediate units: cut, or padded at the end with zero
+    blocks and biases and scale byte 127 (x 1), so that a padded unit's activation is 0 and adds
+    nothing. Arrays without units are returned as they are."""
+    if name not in _UNITS:
+        return a
+    axis, per = _UNITS[name]
+    n = int(units * per)
+    if n <= a.shape[axis]:
+        return a[(slice(None),) * axis + (slice(0, n),)]
+    width = [(0, 0)] * a.ndim
+    width[axis] = (0, n - a.shape[axis])
+    return jnp.pad(a, width, constant_values=127 if name.endswith("_scales") else 0)
+
+
 class MoE(nnx.Module):
-    """Router (f32 logits, top-k, softmax over the selected) and the experts' clamped SwiGLU."""
+    """Router (f32 logits, top-k, softmax over the selected) and the experts' clamped SwiGLU.
+    expert_split: how a mesh's "model" axis splits the experts (`EXPERT_SPLITS`, `expert_spec`): set
+    by `parallel.shard` and the loaders; "tensor" arrays hold I padded to what the mesh divides."""
 
     def __init__(self, cfg: GptOssConfig, dtype, rngs: nnx.Rngs):
         H, E = cfg.hidden_size, cfg.num_local_experts
@@ -291,6 +326,7 @@ class MoE(nnx.Module):
         self.router_w = nnx.Param(normal(rngs, (H, E), H ** -0.5, dtype))
         self.router_b = nnx.Param(normal(rngs, (E,), 0.1, dtype))
         self.path: str | None = None  # see __call__; set it (e.g. "dense" for training) to fix the path
+        self.expert_split = "expert"
         cls = Mxfp4Experts if cfg.experts_format == "mxfp4" else DenseExperts
         self.experts = cls(cfg, dtype, rngs)
 
@@ -369,22 +405,34 @@ class MoE(nnx.Module):
         return ids, (ids >= 0) & (ids < self.num_held)
 
     def _on_shards(self, x, path, norm, partial=False):
-        """Expert parallel over the mesh in context (models/shards.py): each device routes its rows
-        (router replicated), runs the pairs of the experts it holds (E / model of them, numbered from
-        its index times that) and the partial outputs are summed over "model": f32 [N, H]; partial:
-        not summed, f32 [M, N, H] (P("model", "data"))."""
+        """The experts over the mesh in context (models/shards.py): each device routes its rows (router
+        replicated) and, split "expert", runs the pairs of the experts it holds (E / model of them,
+        numbered from its index times that) or, split "tensor", every pair on its share of each
+        expert's units (down's bias on the first device); the partial outputs are summed over
+        "model": f32 [N, H]; partial: not summed, f32 [M, N, H] (P("model", "data"))."""
         graphdef, state = nnx.split(self)
         norm_def, norm_state = nnx.split(norm) if norm is not None else (None, None)
-        expert = lambda p, _: Spec(shards.MODEL) if getattr(p[0], "key", None) == "experts" else Spec()  # noqa: E731
+        split = self.expert_split
+
+        def spec(p, _):
+            keys = [getattr(k, "key", None) for k in p]
+            return expert_spec(keys[1], split) if keys[0] == "experts" else Spec()
+
         held = self.num_held // shards.model_size()
 
         def body(state, norm_state, x):
             local = nnx.merge(graphdef, state)
             n = None if norm_def is None else nnx.merge(norm_def, norm_state)
-            out = local._run(x, path, n, jax.lax.axis_index(shards.MODEL) * held)
+            me = jax.lax.axis_index(shards.MODEL)
+            if split == "tensor":
+                bias = local.experts.down_bias
+                bias.set_value(jnp.where(me == 0, bias.get_value(), jnp.zeros((), bias.get_value().dtype)))
+                out = local._run(x, path, n)
+            else:
+                out = local._run(x, path, n, me * held)
             return out[None] if partial else jax.lax.psum(out, shards.MODEL)
 
-        specs = jax.tree_util.tree_map_with_path(expert, state)
+        specs = jax.tree_util.tree_map_with_path(spec, state)
         out_spec = Spec(shards.MODEL, shards.DATA) if partial else shards.ROWS
         return shards.local(body, (specs, Spec(), shards.ROWS), out_spec)(state, norm_state, x)
 

@@ -64,8 +64,10 @@ def busiest_experts(c: GptOssConfig, distinct: float, model: int) -> float:
 
 
 def target_bytes(c: GptOssConfig, batch: int, tokens: int, context: int, distinct_experts=None, *, data: int = 1,
-                 model: int = 1) -> dict:
-    """Bytes of one target pass: dict of parts and 'total' (on a mesh: one device's, module docstring)."""
+                 model: int = 1, experts: str = "expert") -> dict:
+    """Bytes of one target pass: dict of parts and 'total' (on a mesh: one device's, module docstring).
+    experts: the experts' split over "model" ("expert": the busiest device's whole experts; "tensor":
+    1/model of every routed expert, its units padded as parallel.expert_units pads them)."""
     H, D, Hq, Hkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
     L = c.num_hidden_layers
     rows = batch / data
@@ -73,7 +75,12 @@ def target_bytes(c: GptOssConfig, batch: int, tokens: int, context: int, distinc
     router = (H + 1) * c.num_local_experts * BF16
     d = expected_distinct(c, rows * tokens) if distinct_experts is None else distinct_experts
     kv_pos = sum(min(context, c.sliding_window) if c.is_sliding(i) else context for i in range(L))
-    parts = dict(attention_weights=L * (attn_w + router + 2 * H * 4), experts=L * busiest_experts(c, d, model) * expert_bytes(c),
+    if experts == "tensor":
+        step = model * (32 if c.experts_format == "mxfp4" else 1)
+        expert = L * d * expert_bytes(c.replace(intermediate_size=-(-c.intermediate_size // step) * step)) / model
+    else:
+        expert = L * busiest_experts(c, d, model) * expert_bytes(c)
+    parts = dict(attention_weights=L * (attn_w + router + 2 * H * 4), experts=expert,
                  lm_head=c.vocab_size * H * BF16 / model, kv_read=rows * kv_pos * 2 * Hkv * D * BF16 / model,
                  kv_write=rows * tokens * L * 2 * Hkv * D * BF16 / model)
     parts["total"] = sum(parts.values())

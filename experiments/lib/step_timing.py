@@ -478,11 +478,11 @@ def time_baseline(target, B, ctx, iters=10, memory=None, sliding="ring", kernels
     return t
 
 
-def random_pair(tcfg, mesh=None):
+def random_pair(tcfg, mesh=None, experts: str = "expert"):
     """Random packed target of `tcfg` and a random draft of the published gpt-oss-120b EAGLE-3 shape
     scaled to it (hidden = target hidden, MLP 6x, draft vocab 32000 or the whole vocab if smaller).
-    mesh: the target created split over it (`convert.random_gpt_oss`), the draft placed by
-    `parallel.shard`."""
+    mesh: the target created split over it (`convert.random_gpt_oss`, its experts as `experts`
+    says), the draft placed by `parallel.shard`."""
     dcfg = Eagle3Config(
         hidden_size=tcfg.hidden_size, intermediate_size=6 * tcfg.hidden_size,
         num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
@@ -491,5 +491,5 @@ def random_pair(tcfg, mesh=None):
         target_num_layers=tcfg.num_hidden_layers, max_position_embeddings=tcfg.max_position_embeddings)
     if mesh is None:
         return gpt_oss.random_gpt_oss(tcfg, seed=0), eagle3.random_eagle3(dcfg, seed=1)
-    target = convert.random_gpt_oss(tcfg, seed=0, mesh=mesh)
+    target = convert.random_gpt_oss(tcfg, seed=0, mesh=mesh, experts=experts)
     return target, parallel.shard(eagle3.random_eagle3(dcfg, seed=1), mesh)
