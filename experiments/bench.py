@@ -206,13 +206,14 @@ def main(argv):
         raise ValueError(f"--scenarios: rows {', '.join(uneven)} have a batch that is not a multiple of the "
                          f"mesh's data axis ({data}); choose scenarios or --batch_sizes that it divides")
     cfg = GptOssConfig.preset(FLAGS.preset)
-    target, draft = random_pair(cfg, mesh)
+    target, draft = random_pair(cfg, mesh, FLAGS.experts)
     bw = timing.copy_bandwidth(FLAGS.copy_bytes)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, base_cache = [], {}
     result = dict(timing.device_info(), preset=FLAGS.preset, copy_bandwidth=bw, iters=FLAGS.iters,
                   kv_bytes_per_token=kv_bytes_per_token(target), num_devices=1 if mesh is None else mesh.size,
-                  mesh=None if mesh is None else dict(mesh.shape), num_processes=jax.process_count(),
+                  mesh=None if mesh is None else dict(mesh.shape, experts=FLAGS.experts),
+                  num_processes=jax.process_count(),
                   tau_published=roofline.PUBLISHED_TAU, tau_trained=FLAGS.tau_trained, scenarios=rows)
     if mesh is not None and mesh.shape["model"] > 1:  # what one all-reduce of the residual costs, in this run
         result["allreduce_seconds"] = {str(n): timing.allreduce_seconds(mesh, n, cfg.hidden_size)

@@ -223,13 +223,14 @@ def main(argv):
     if FLAGS.max_batch < FLAGS.min_batch:
         raise ValueError(f"--max_batch {FLAGS.max_batch} is below --min_batch {FLAGS.min_batch}")
     mesh = cli.setup_devices()
-    target, draft = random_pair(GptOssConfig.preset(FLAGS.preset), mesh)
+    target, draft = random_pair(GptOssConfig.preset(FLAGS.preset), mesh, FLAGS.experts)
     jax.block_until_ready((jax.tree.leaves(target), jax.tree.leaves(draft)))
     mem = timing.memory_stats()
     free = mem["bytes_limit"] - mem["bytes_in_use"] if mem and "bytes_limit" in mem else None
     rows = []
     result = dict(timing.device_info(), num_devices=1 if mesh is None else mesh.size,
-                  mesh=None if mesh is None else dict(mesh.shape), preset=FLAGS.preset, iters=FLAGS.iters, margin=FLAGS.margin,
+                  mesh=None if mesh is None else dict(mesh.shape, experts=FLAGS.experts),
+                  preset=FLAGS.preset, iters=FLAGS.iters, margin=FLAGS.margin,
                   min_batch=FLAGS.min_batch, max_batch_bound=FLAGS.max_batch, max_trials=FLAGS.max_trials,
                   memory_after_weights=mem, free_bytes=free, rows=rows)
     cli.write(f"{FLAGS.preset}: {timing.gib(mem['bytes_in_use']) if mem else '-'} in use after the weights, "

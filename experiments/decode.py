@@ -124,7 +124,7 @@ def main(argv):
     dtype = jnp.dtype(FLAGS.dtype) if FLAGS.dtype else assets.default_dtype()
     load = dict(dtype=dtype, progress=cli.load_progress(), mesh=mesh)  # with a mesh: each process reads its shards
     _say(f"loading target {os.path.abspath(FLAGS.target)} ({dtype.name}, {jax.devices()[0].device_kind})")
-    target = load_gpt_oss(FLAGS.target, **load)
+    target = load_gpt_oss(FLAGS.target, **load, **({} if mesh is None else {"experts": FLAGS.experts}))
     draft = None
     if FLAGS.draft.lower() != "none":
         _say(f"loading draft {os.path.abspath(FLAGS.draft)}")
@@ -166,7 +166,7 @@ def main(argv):
         print(textwrap.fill(CPU_NOTE, 100), flush=True)
     if FLAGS.json_out and jax.process_index() == 0:
         if mesh is not None:
-            result["mesh"] = dict(mesh.shape, processes=jax.process_count())
+            result["mesh"] = dict(mesh.shape, processes=jax.process_count(), experts=FLAGS.experts)
         with open(FLAGS.json_out, "w") as f:
             json.dump(result, f, indent=1)
 

@@ -45,11 +45,13 @@ def test_decode_main_job_on_embedded_default(tmp_path):
     # over the first 4 of 6 (fake CPU) devices: the same tokens
     mesh_path = tmp_path / "m.json"
     out = run("decode.py", "--prompt", "def f(x):\n    return", "--prompt", "import", "--max_new_tokens", "5",
-              "--mesh", "model=2,data=2", "--nobaseline", "--repeats", "2", "--json_out", str(mesh_path),
+              "--mesh", "model=2,data=2", "--experts", "tensor", "--nobaseline", "--repeats", "2", "--json_out",
+              str(mesh_path),
               env={"XLA_FLAGS": "--xla_force_host_platform_device_count=6"})
     assert "sharded over {'data': 2, 'model': 2} (4 devices, 1 processes)" in out
     m = json.loads(mesh_path.read_text())
-    assert m["decode"]["tokens"] == r["decode"]["tokens"] and m["mesh"] == {"data": 2, "model": 2, "processes": 1}
+    assert m["decode"]["tokens"] == r["decode"]["tokens"] and m["mesh"] == {"data": 2, "model": 2, "processes": 1,
+                                                                 "experts": "tensor"}
     assert m["decode"]["metrics"]["compile_seconds"] == 0.0  # the second run, reported, reused the executable
 
 
@@ -60,7 +62,7 @@ def test_bench_on_a_mesh(tmp_path):
         "--copy_bytes", "1000000", "--out", str(path), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     r = json.loads(path.read_text())
     row = r["scenarios"][0]
-    assert r["num_devices"] == 2 and r["mesh"] == {"data": 1, "model": 2} and row["step_seconds"]["step"] > 0
+    assert r["num_devices"] == 2 and r["mesh"] == {"data": 1, "model": 2, "experts": "expert"} and row["step_seconds"]["step"] > 0
     from lib import roofline  # the roofline of one device: its half of the split weights and K/V
 
     cfg = GptOssConfig.preset("tiny")
@@ -261,6 +263,8 @@ def test_bad_flags_stop_at_parse():
     assert err.strip().endswith("error: --mesh: 'model=x', expected model=M,data=D with integers >= 1 (each at most once)")
     err = fails("decode.py", "--mesh", "model=2")  # one CPU device here
     assert err.count("\n") == 1 and err.startswith("error: make_mesh: ") and "2" in err
+    err = fails("decode.py", "--experts", "tensor")
+    assert err.strip() == "error: --experts tensor: splits the experts over a mesh; pass --mesh", err
 
 
 def test_gates_names_file_and_missing_key(tmp_path):

@@ -126,7 +126,7 @@ def message_flags() -> None:
 
 
 def mesh_flags() -> None:
-    """Defines --mesh and the jax.distributed flags (idempotent)."""
+    """Defines --mesh, --experts and the jax.distributed flags (idempotent)."""
     if "mesh" in FLAGS:
         return
     flags.DEFINE_string("mesh", None, "devices as model=M,data=D: a (data, model) mesh (eagle3_jax.parallel) over "
@@ -136,6 +136,8 @@ def mesh_flags() -> None:
                         "processes through jax.distributed.initialize (e.g. one a host, or one a GPU)")
     flags.DEFINE_integer("num_processes", None, "processes of the run (with --coordinator_address)")
     flags.DEFINE_integer("process_id", None, "this process's index in [0, num_processes)")
+    flags.DEFINE_enum("experts", "expert", ["expert", "tensor"], "how --mesh splits the target's experts over "
+                      "'model' (parallel.split_experts): whole experts a device, or every expert's units")
 
 
 def parse_mesh(text: str) -> dict:
@@ -151,8 +153,9 @@ def parse_mesh(text: str) -> dict:
 
 def setup_devices():
     """jax.distributed.initialize where --coordinator_address is given, then the mesh --mesh names
-    (None without --mesh): in one process over its first M*D devices (model=2 on a host of 4 GPUs:
-    GPUs 0 and 1), over several processes over all of theirs."""
+    (None without --mesh; --experts other than "expert" without it: ValueError): in one process over
+    its first M*D devices (model=2 on a host of 4 GPUs: GPUs 0 and 1), over several processes over
+    all of theirs."""
     import jax
 
     if FLAGS.coordinator_address:
@@ -160,6 +163,8 @@ def setup_devices():
             raise ValueError("--coordinator_address needs --num_processes and --process_id")
         jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     if not FLAGS.mesh:
+        if FLAGS.experts != "expert":
+            raise ValueError(f"--experts {FLAGS.experts}: splits the experts over a mesh; pass --mesh")
         return None
     from eagle3_jax import parallel
 
