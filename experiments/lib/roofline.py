@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import math
 
+from jax.sharding import AbstractMesh
+
+from eagle3_jax import parallel
 from eagle3_jax.models.config import Eagle3Config, GptOssConfig
 
 BF16 = 2
@@ -76,8 +79,8 @@ def target_bytes(c: GptOssConfig, batch: int, tokens: int, context: int, distinc
     d = expected_distinct(c, rows * tokens) if distinct_experts is None else distinct_experts
     kv_pos = sum(min(context, c.sliding_window) if c.is_sliding(i) else context for i in range(L))
     if experts == "tensor":
-        step = model * (32 if c.experts_format == "mxfp4" else 1)
-        expert = L * d * expert_bytes(c.replace(intermediate_size=-(-c.intermediate_size // step) * step)) / model
+        units = parallel.expert_units(c, AbstractMesh((data, model), ("data", "model")), "tensor")
+        expert = L * d * expert_bytes(c.replace(intermediate_size=units)) / model
     else:
         expert = L * busiest_experts(c, d, model) * expert_bytes(c)
     parts = dict(attention_weights=L * (attn_w + router + 2 * H * 4), experts=expert,
