@@ -52,8 +52,8 @@ flags.DEFINE_string("shape", "chain3", "draft shape of the speculative step")
 flags.DEFINE_list("reductions", ["kernel", "xla"], "how decode and verify sum over 'model' at tp > 1 "
                   "(kernel: where the mesh has a Mailbox)")
 flags.DEFINE_list("allreduce_rows", ["1", "4", "16", "64"], "rows of the all-reduce timed alone at each tp > 1")
-flags.DEFINE_list("experts", ["expert"], "how the experts are split over 'model' at tp > 1 (parallel.split_experts: "
-                  "expert, tensor); each its own model, timed in turn")
+flags.DEFINE_list("experts", [parallel.EXPERTS], "how the experts are split over 'model' at tp > 1 "
+                  "(parallel.split_experts: tensor, expert); each its own model, timed in turn")
 flags.DEFINE_integer("iters", 6, "steps per timed loop")
 flags.DEFINE_integer("copy_bytes", 1 << 30, "buffer size of the copy-bandwidth measurement (first device)")
 flags.DEFINE_bool("profile", False, "also each baseline step's device time by kernel family (ms a step and device)")
@@ -77,7 +77,7 @@ def timed_batch(cfg, tp: int, B: int, shape, reduction, experts, target, draft, 
     if tp == 1:
         base_ms[B] = t_base * 1e3
     ref = base_ms.get(B)
-    nbytes = roofline.target_bytes(cfg, B, 1, FLAGS.context, model=tp, experts=experts or "expert")["total"]
+    nbytes = roofline.target_bytes(cfg, B, 1, FLAGS.context, model=tp, experts=experts)["total"]
     row = dict(tp=tp, batch=B, context=FLAGS.context, shape=FLAGS.shape, reduction=reduction, experts=experts,
                ms_per_token=t_base * 1e3,
                tokens_per_second=B / t_base, roofline_fraction=nbytes / result["copy_bandwidth"] / t_base,
@@ -118,7 +118,7 @@ def degree(cfg, tp: int, batches, shape, result, base_ms):
             cli.write(f"tp={tp} {rows} rows: XLA all-reduce {a['xla_us']:.1f} us, fused kernel "
                       f"{a['kernel_us'] or float('nan'):.1f} us, reference {a['reference_us'] or float('nan'):.1f} us")
     for experts in [None] if mesh is None else FLAGS.experts:  # one model at a time
-        target, draft = random_pair(cfg, mesh, experts or "expert")
+        target, draft = random_pair(cfg, mesh, experts)
         for B in batches:
             for reduction in modes:
                 with xla_reduction() if reduction == "xla" else contextlib.nullcontext():

@@ -62,9 +62,12 @@ def shard_shape(x):
 
 
 def check_params(t, d, data, model):
-    """The large parameters are split over "model" (each device holds 1/model of them), the rest whole."""
-    split = {r"embed|lm_head": 0, r".*/self_attn/wqkv": 1, r".*/self_attn/(bqkv|sinks|wo)": 0, r".*/mlp/experts/.*": 0}
+    """The large parameters are split over "model" (each device holds 1/model of them), the rest whole;
+    the experts as the default split places them (every expert's units; down's bias whole)."""
+    split = {r"embed|lm_head": 0, r".*/self_attn/wqkv": 1, r".*/self_attn/(bqkv|sinks|wo)": 0,
+             r".*/mlp/experts/gate_up\w*": 1, r".*/mlp/experts/(down|down_blocks|down_scales)": 2}
     seen = set()
+    assert {layer.mlp.expert_split for layer in t.layers} == {"tensor"}
     for path, var in parallel.variables(t):
         x = var.get_value()
         key = next((k for k in split if re.fullmatch(k, path)), None)
@@ -272,7 +275,7 @@ def check_vocab_split(mesh):
                                                                                 ops(rows.as_text()))
 
 
-def check_moe_paths(mesh, split="expert"):
+def check_moe_paths(mesh, split):
     """Each MoE path, its experts split over the mesh (models/shards.py) as `split` says, equals the
     one-device module: gathered (few pairs), dense and grouped (many), packed and dense experts. Split
     "tensor", on intermediate sizes the mesh does not divide (96 in 32-input groups, 65): padded."""
@@ -301,10 +304,12 @@ def check_moe_paths(mesh, split="expert"):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{split} {experts} {path}")
 
 
-def check_tensor_experts(mesh, prompts, want):
-    """The target placed with experts="tensor": generate and chain decode give the one-device tokens."""
+def check_whole_experts(mesh, prompts, want):
+    """The target placed with experts="expert" (whole experts a device; the main loop places the
+    default, parallel.EXPERTS = "tensor"): generate and chain decode give the one-device tokens."""
+    assert parallel.EXPERTS == "tensor"
     t, d = pair()
-    parallel.shard(t, mesh, experts="tensor")
+    parallel.shard(t, mesh, experts="expert")
     parallel.shard(d, mesh)
     for name in ("generate", "chain"):
         kw = RUNS[name]
@@ -350,10 +355,10 @@ def main():
         if data > 1:  # padded with an empty prompt that starts done: same tokens, same counted slot steps
             got = decode(t, d, prompts[:3], NEW, **RUNS["tree"], **KW)
             assert (got.tokens, got.metrics["slot_steps"]) == (odd.tokens, odd.metrics["slot_steps"]), got.metrics
-        check_moe_paths(mesh)
+        check_moe_paths(mesh, "expert")
         check_moe_paths(mesh, "tensor")
-        if (data, model) != (1, 2):  # model = 4: the units padded, 64 -> 128
-            check_tensor_experts(mesh, prompts, want)
+        if (data, model) != (1, 2):
+            check_whole_experts(mesh, prompts, want)
         check_vocab_split(mesh)
         check_fused_reduction(mesh)
         if (data, model) == (1, 2):

@@ -135,7 +135,7 @@ def test_capacity_on_a_mesh(tmp_path):
                             "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(path.read_text())
-    assert out["num_devices"] == 4 and out["mesh"] == {"data": 2, "model": 2, "experts": "expert"}
+    assert out["num_devices"] == 4 and out["mesh"] == {"data": 2, "model": 2, "experts": "tensor"}
     (row,) = out["rows"]
     assert (row["max_batch"], row["note"]) == (4, "cap reached")
     assert [t["batch"] for t in row["trials"]] == [2, 4] and all(t["ok"] for t in row["trials"])

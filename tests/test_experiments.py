@@ -62,7 +62,7 @@ def test_bench_on_a_mesh(tmp_path):
         "--copy_bytes", "1000000", "--out", str(path), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     r = json.loads(path.read_text())
     row = r["scenarios"][0]
-    assert r["num_devices"] == 2 and r["mesh"] == {"data": 1, "model": 2, "experts": "expert"}
+    assert r["num_devices"] == 2 and r["mesh"] == {"data": 1, "model": 2, "experts": "tensor"}
     assert row["step_seconds"]["step"] > 0
     from lib import roofline  # the roofline of one device: its half of the split weights and K/V
 

@@ -106,8 +106,10 @@ def test_tensor_expert_split(experts):
     assert not np.asarray(gpt_oss.resize_units("down_blocks", down, 128)[:, :, 3]).any()
     with pytest.raises(ValueError, match=r"experts: 'heads', expected one of \('expert', 'tensor'\)"):
         parallel.expert_units(cfg, abstract(1, 2), "heads")
-    with pytest.raises(ValueError, match=r"experts='tensor' splits the experts over a mesh; pass mesh="):
-        random_gpt_oss(cfg, experts="tensor")
+    for split in gpt_oss.EXPERT_SPLITS:  # a split without a mesh: no default to fall back on
+        with pytest.raises(ValueError, match=rf"experts='{split}' splits the experts over a mesh; pass mesh= or leave"):
+            random_gpt_oss(cfg, experts=split)
+    assert parallel.EXPERTS == "tensor"  # the default split (docs/perf/multi_gpu.md: faster at B=1 and 4)
 
 
 def test_one_device_shard_and_cache_layout():

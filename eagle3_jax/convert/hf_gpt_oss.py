@@ -6,8 +6,8 @@
 With `mesh=`, each parameter is placed by parallel.py's table as it is read, every device's shard
 from the byte ranges it covers (`params.place`): no host or device holds a whole sharded tensor.
 `random_gpt_oss(config, seed, dtype, mesh=None)`: random weights, created split on `mesh` likewise.
-`experts=` ("expert" or "tensor", with a mesh): how the experts are split (`parallel.split_experts`);
-the writers store them as the checkpoint does whatever the split.
+`experts=` (with a mesh: "tensor", the default `parallel.EXPERTS`, or "expert"): how the experts are
+split (`parallel.split_experts`); the writers store them as the checkpoint does whatever the split.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def _param(state, path):
 
 
 def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConfig | None = None, *,
-                 mesh=None, experts: str = "expert", progress: bool | None = None) -> GptOss:
+                 mesh=None, experts: str | None = None, progress: bool | None = None) -> GptOss:
     """HF GPT-OSS checkpoint folder -> GptOss on the default device, or split over `mesh`.
 
     dtype: storage/compute dtype of the unquantized weights and activations (bf16, or f32 for
@@ -120,7 +120,8 @@ def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConf
     jax.make_array_from_callback from the byte ranges of each local device's shard only (under
     jax.distributed every process reads just its own devices' shards). A mesh that does not divide
     the heads, experts or vocabulary raises ValueError (parallel.check_mesh) before any tensor is read.
-    experts: how the mesh splits the experts (`parallel.split_experts`: "expert" or "tensor").
+    experts: how the mesh splits the experts (`parallel.split_experts`: "tensor" or "expert"; None,
+    `parallel.EXPERTS`); only with mesh=.
     progress: a tqdm bar over the checkpoint's bytes on stderr (a widget in notebooks); None shows
     it only for checkpoints worth waiting for (over 1 GiB or several shards: gpt-oss-120b is 65 GB
     in 15), True always, False never.
@@ -154,19 +155,19 @@ def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConf
     return parallel.split_experts(parallel.align_heads(nnx.merge(graphdef, state), mesh), mesh, experts)
 
 
-def _check_split(config: GptOssConfig, mesh, experts: str) -> None:
+def _check_split(config: GptOssConfig, mesh, experts: str | None) -> None:
     """Raises ValueError for a mesh that does not divide the config (parallel.check_mesh), an unknown
-    expert split, or experts="tensor" without a mesh."""
+    expert split, or a split without a mesh."""
     if mesh is None:
-        if experts != "expert":
-            raise ArgumentError(f'experts={experts!r} splits the experts over a mesh; pass mesh= (or "expert")')
+        if experts is not None:
+            raise ArgumentError(f"experts={experts!r} splits the experts over a mesh; pass mesh= or leave it out")
         return
     parallel.check_mesh(config, mesh)
     parallel.expert_units(config, mesh, experts)
 
 
 def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16, mesh=None,
-                   experts: str = "expert") -> GptOss:
+                   experts: str | None = None) -> GptOss:
     """`gpt_oss.random_gpt_oss` (the same values for the same seed), on the default device, or with
     `mesh=` created already split by `parallel.param_sharding` (as `parallel.shard` would place
     it; no device ever holds a whole sharded parameter), the experts then split as `experts` says
@@ -250,7 +251,7 @@ def save_checkpoint(model: GptOss, directory: str | os.PathLike) -> None:
         ckpt.save(os.path.join(directory, "state"), nnx.to_pure_dict(_stored_state(model)), force=True)
 
 
-def restore_checkpoint(directory: str | os.PathLike, mesh=None, experts: str = "expert") -> GptOss:
+def restore_checkpoint(directory: str | os.PathLike, mesh=None, experts: str | None = None) -> GptOss:
     """The GptOss `save_checkpoint` wrote, on the default device, or with `mesh=` restored directly
     into `parallel.param_sharding`'s placement (orbax reads each local device's shard; the same
     as `parallel.shard(restore_checkpoint(directory), mesh)`). Raises ValueError for a folder that

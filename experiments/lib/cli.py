@@ -136,8 +136,8 @@ def mesh_flags() -> None:
                         "processes through jax.distributed.initialize (e.g. one a host, or one a GPU)")
     flags.DEFINE_integer("num_processes", None, "processes of the run (with --coordinator_address)")
     flags.DEFINE_integer("process_id", None, "this process's index in [0, num_processes)")
-    flags.DEFINE_enum("experts", "expert", ["expert", "tensor"], "how --mesh splits the target's experts over "
-                      "'model' (parallel.split_experts): whole experts a device, or every expert's units")
+    flags.DEFINE_enum("experts", "tensor", ["tensor", "expert"], "with --mesh: how it splits the target's experts "
+                      "over 'model' (parallel.split_experts): every expert's units, or whole experts a device")
 
 
 def parse_mesh(text: str) -> dict:
@@ -153,7 +153,7 @@ def parse_mesh(text: str) -> dict:
 
 def setup_devices():
     """jax.distributed.initialize where --coordinator_address is given, then the mesh --mesh names
-    (None without --mesh; --experts other than "expert" without it: ValueError): in one process over
+    (None without --mesh; --experts given without it: ValueError): in one process over
     its first M*D devices (model=2 on a host of 4 GPUs: GPUs 0 and 1), over several processes over
     all of theirs."""
     import jax
@@ -163,7 +163,7 @@ def setup_devices():
             raise ValueError("--coordinator_address needs --num_processes and --process_id")
         jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     if not FLAGS.mesh:
-        if FLAGS.experts != "expert":
+        if FLAGS["experts"].present:
             raise ValueError(f"--experts {FLAGS.experts}: splits the experts over a mesh; pass --mesh")
         return None
     from eagle3_jax import parallel

@@ -67,10 +67,11 @@ def busiest_experts(c: GptOssConfig, distinct: float, model: int) -> float:
 
 
 def target_bytes(c: GptOssConfig, batch: int, tokens: int, context: int, distinct_experts=None, *, data: int = 1,
-                 model: int = 1, experts: str = "expert") -> dict:
+                 model: int = 1, experts: str | None = None) -> dict:
     """Bytes of one target pass: dict of parts and 'total' (on a mesh: one device's, module docstring).
-    experts: the experts' split over "model" ("expert": the busiest device's whole experts; "tensor":
-    1/model of every routed expert, its units padded as parallel.expert_units pads them)."""
+    experts: the experts' split over "model" (None: parallel.EXPERTS; "expert": the busiest device's
+    whole experts; "tensor": 1/model of every routed expert, its units padded as
+    parallel.expert_units pads them)."""
     H, D, Hq, Hkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
     L = c.num_hidden_layers
     rows = batch / data
@@ -78,7 +79,7 @@ def target_bytes(c: GptOssConfig, batch: int, tokens: int, context: int, distinc
     router = (H + 1) * c.num_local_experts * BF16
     d = expected_distinct(c, rows * tokens) if distinct_experts is None else distinct_experts
     kv_pos = sum(min(context, c.sliding_window) if c.is_sliding(i) else context for i in range(L))
-    if experts == "tensor":
+    if (parallel.EXPERTS if experts is None else experts) == "tensor":
         units = parallel.expert_units(c, AbstractMesh((data, model), ("data", "model")), "tensor")
         expert = L * d * expert_bytes(c.replace(intermediate_size=units)) / model
     else:

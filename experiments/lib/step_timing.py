@@ -478,7 +478,7 @@ def time_baseline(target, B, ctx, iters=10, memory=None, sliding="ring", kernels
     return t
 
 
-def random_pair(tcfg, mesh=None, experts: str = "expert"):
+def random_pair(tcfg, mesh=None, experts: str | None = None):
     """Random packed target of `tcfg` and a random draft of the published gpt-oss-120b EAGLE-3 shape
     scaled to it (hidden = target hidden, MLP 6x, draft vocab 32000 or the whole vocab if smaller).
     mesh: the target created split over it (`convert.random_gpt_oss`, its experts as `experts`
