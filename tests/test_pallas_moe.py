@@ -189,6 +189,17 @@ def test_f16_pairs_layout_round_trips():
     assert (np.abs(lo) < 2 ** 14).all() and (np.abs(hi) < 2 ** 14).all()
 
 
+@pytest.mark.parametrize("fma", [0, 2])
+def test_interpret_units_not_a_multiple_of_the_k_step(fma):
+    # a device's share of every expert under parallel's units split is any whole number of 32-input
+    # groups (gpt-oss-120b over 4 devices: 736 = 23 groups, not a multiple of the default 4-group K
+    # step): I = 96 is 3 groups, the down projection's K step 2 groups, its last step partial
+    cfg = moe.MoeConfig(block_i=32, block_h=64, groups=2, fma_tokens=fma, fma_groups=2)
+    _check(_case(40 + fma, 5, E=12, H=64, I=96), cfg)
+    grouped = moe.GroupedConfig(block_i=64, block_h=32, groups=2)  # 96 = 1.5 blocks of act columns
+    _check_grouped(_grouped_case(41 + fma, 16, [0, 3, 1, 2], 3, E=4, H=64, I=96), 3, grouped)
+
+
 @pytest.mark.parametrize("T,seed,fma", [(1, 0, 0), (1, 0, 2), (3, 1, 2), (16, 2, 0), (21, 3, 2)])
 def test_interpret_random_routing(T, seed, fma):
     # 12 experts, 4 per token: experts are shared between tokens; H = 96 is 3 scale groups (not a
@@ -364,6 +375,18 @@ def test_gpu_matches_reference(decode, T):
     cfg = moe.MoeConfig(decode=dec, fma_tokens=int(variant[3:]) if variant.startswith("fma") else 2)
     for seed in (T, T + 100):  # fresh inputs through the same executable
         _check(_case(seed, T, E=16, H=2880, I=2880), cfg, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("I", [1440, 736])
+@pytest.mark.parametrize("T", [1, 16])
+def test_gpu_units_split_widths(I, T):
+    # each device's share of every expert under parallel's units split (the default on a mesh):
+    # gpt-oss-120b's 2880 units over 2 devices, and over 4 padded to 2944 (23 groups a device);
+    # the decode kernel and the grouped kernel at those widths against the references
+    for seed in (T, T + 100):
+        _check(_case(seed, T, E=16, H=2880, I=I), interpret=False)
+    _check_grouped(_grouped_case(T, 64, [0, 3, 3, 1, 4, 2, 0], 6, E=5, H=2880, I=I), 6, interpret=False)
 
 
 @pytest.mark.gpu
