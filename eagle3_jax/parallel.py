@@ -214,6 +214,20 @@ def expert_units(config: GptOssConfig, mesh: Mesh, experts: str | None = None) -
     return -(-I // step) * step
 
 
+def placement_split(model: gpt_oss.GptOss, mesh: Mesh, experts: str | None = None) -> gpt_oss.GptOss:
+    """Sets every layer's `MoE.expert_split` of `model` (an abstract GptOss that a loader or
+    `random_gpt_oss` is about to fill, nnx.eval_shape) to the split its experts can be created in
+    directly, so that `param_sharding` places them so as they are read: `experts` (None: EXPERTS)
+    where it needs no padding (`expert_units` == intermediate_size: gpt-oss-120b over 2 devices),
+    else "expert" (whole experts), from which `split_experts` then pads and moves them. In place;
+    returns `model`."""
+    experts = EXPERTS if experts is None else experts
+    direct = experts if expert_units(model.config, mesh, experts) == model.config.intermediate_size else "expert"
+    for layer in model.layers:
+        layer.mlp.expert_split = direct
+    return model
+
+
 def split_experts(model: gpt_oss.GptOss, mesh: Mesh, experts: str | None = None) -> gpt_oss.GptOss:
     """Sets every layer's `MoE.expert_split` to `experts` (None: EXPERTS; "expert": each device
     E / model whole experts; "tensor": each device its share of every expert's intermediate units,
@@ -226,7 +240,7 @@ def split_experts(model: gpt_oss.GptOss, mesh: Mesh, experts: str | None = None)
     for i, layer in enumerate(model.layers):
         moe = layer.mlp
         if moe.expert_split == experts and moe.experts.gate_up_bias.shape[1] == 2 * units:
-            continue  # already so (the loaders' table placement is "expert")
+            continue  # already so (created so: `placement_split`)
         moe.expert_split = experts
         for name, var in vars(moe.experts).items():
             if not isinstance(var, nnx.Variable):

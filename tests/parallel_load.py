@@ -90,14 +90,17 @@ def check_table(model, mesh, what):
     assert wqkv.addressable_shards[0].data.shape[1] == wqkv.shape[1] // m, (what, wqkv.sharding)
 
 
-def check_reads(log, tensors, model, what):
+def check_reads(log, tensors, model, what, units=False):
     """Every tensor is read exactly once in all (a block that local devices share: once), and no
     read of a tensor split over "model" is more than its device's share: 1/model of the parameter
-    it fills (for q/k/v: of the fused wqkv / bqkv, whose column blocks a whole q, k or v may fit)."""
+    it fills (for q/k/v: of the fused wqkv / bqkv, whose column blocks a whole q, k or v may fit).
+    units: the experts were placed split by their units as read (down's bias whole on every device)."""
     total = {}
     for key, nbytes, whole, full in log:
         total[key] = total.get(key, 0) + nbytes
-        if re.fullmatch(SHARDED_KEYS, key):
+        if units and key.endswith("down_proj_bias"):  # replicated under the units split: read whole
+            assert nbytes == full, (what, key, nbytes, full)
+        elif re.fullmatch(SHARDED_KEYS, key):
             fused = re.fullmatch(r"(.*self_attn\.)[qkv](_proj\.\w+)", key)
             param = sum(tensors[fused[1] + c + fused[2]].nbytes for c in "qkv") if fused else full
             assert nbytes <= param // model, (what, key, nbytes, param)
@@ -130,7 +133,11 @@ def check_gpt_oss(root):
                     got = load_gpt_oss(path, dtype=dtype, mesh=mesh, progress=False)
                 same(got, want, (experts, data, model))
                 check_table(got, mesh, (experts, data, model))
-                check_reads(reads.log, tensors, model, (experts, data, model))
+                # the default units split, placed as read where the mesh divides the units in whole
+                # 32-input groups (64 units: 2 devices; over 4 they are padded, so placed whole-expert first)
+                direct = HF["intermediate_size"] % ((32 if experts == "mxfp4" else 1) * model) == 0
+                assert {layer.mlp.expert_split for layer in got.layers} == {"tensor"}
+                check_reads(reads.log, tensors, model, (experts, data, model), units=direct)
                 if dtype == jnp.bfloat16:  # written back from the mesh (q|k|v in head-aligned blocks): the same file
                     check_written(got, tensors, os.path.join(root, "written"), (experts, data, model))
                     # the experts split "tensor" (units padded 64 -> 128 over 4 devices): placed as shard

@@ -7,7 +7,9 @@ With `mesh=`, each parameter is placed by parallel.py's table as it is read, eve
 from the byte ranges it covers (`params.place`): no host or device holds a whole sharded tensor.
 `random_gpt_oss(config, seed, dtype, mesh=None)`: random weights, created split on `mesh` likewise.
 `experts=` (with a mesh: "tensor", the default `parallel.EXPERTS`, or "expert"): how the experts are
-split (`parallel.split_experts`); the writers store them as the checkpoint does whatever the split.
+split (`parallel.split_experts`), read in that split where it needs no padding (else whole experts a
+device, then padded and moved: `parallel.placement_split`); the writers store them as the
+checkpoint does whatever the split.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import ml_dtypes
 import numpy as np
 import safetensors.numpy
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from eagle3_jax import parallel
 from eagle3_jax.checks import ArgumentError
@@ -135,6 +136,8 @@ def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConf
     table = entries(config)
     stio.check_all_used(tensors, {e.key for e in table}, path, "GPT-OSS config")  # e.g. biases, attention_bias false
     abstract = nnx.eval_shape(lambda: GptOss(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    if mesh is not None:
+        parallel.placement_split(abstract, mesh, experts)
     graphdef, state = nnx.split(abstract)
     name = os.path.basename(os.path.normpath(path))
     if mesh is None:
@@ -176,9 +179,12 @@ def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16, mesh
     _check_split(config, mesh, experts)
     if mesh is None:
         return gpt_oss.random_gpt_oss(config, seed, dtype)
-    spec = lambda p: NamedSharding(mesh, parallel.gpt_oss_spec(p))  # noqa: E731
-    model = parallel.align_heads(gpt_oss.random_gpt_oss(config, seed, dtype, shardings=spec), mesh)
-    return parallel.split_experts(model, mesh, experts)
+    abstract = parallel.placement_split(
+        nnx.eval_shape(lambda: GptOss(config, dtype=dtype, rngs=nnx.Rngs(0))), mesh, experts)
+    model = gpt_oss.random_gpt_oss(config, seed, dtype, shardings=lambda p: parallel.param_sharding(abstract, mesh, p))
+    for layer, placed in zip(model.layers, abstract.layers):
+        layer.mlp.expert_split = placed.mlp.expert_split
+    return parallel.split_experts(parallel.align_heads(model, mesh), mesh, experts)
 
 
 def _stored_state(model: GptOss):
@@ -273,6 +279,8 @@ def restore_checkpoint(directory: str | os.PathLike, mesh=None, experts: str | N
     config = GptOssConfig(**c)
     _check_split(config, mesh, experts)
     abstract = nnx.eval_shape(lambda: GptOss(config, dtype=jnp.dtype(meta["dtype"]), rngs=nnx.Rngs(0)))
+    if mesh is not None:
+        parallel.placement_split(abstract, mesh, experts)
     graphdef, state = nnx.split(abstract)
     # without a mesh: the default device (orbax would otherwise restore the placement it was saved from)
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
