@@ -59,8 +59,9 @@ GPT_OSS_SHARDING = (
     (r"layers/\d+/self_attn/bqkv", P("model")),
     (r"layers/\d+/self_attn/sinks", P("model")),  # [Hq]: one per query head, with its head
     (r"layers/\d+/self_attn/wo", P("model", None)),  # [Hq * D, H]: row parallel, rows = heads
-    # experts (packed blocks, scales and biases, or dense): the leading E axis, expert parallel; then
-    # `split_experts` splits every expert's units instead (EXPERTS, the default: `gpt_oss.expert_spec`)
+    # experts (packed blocks, scales and biases, or dense): the leading E axis, expert parallel; a layer
+    # whose MoE.expert_split is "tensor" (EXPERTS, the default) splits every expert's units instead
+    # (`param_spec` -> `gpt_oss.expert_spec`; set by `split_experts` and `placement_split`)
     (r"layers/\d+/mlp/experts/\w+", P("model")),
 )
 _EXPERT = re.compile(r"layers/(\d+)/mlp/experts/(\w+)")
