@@ -182,8 +182,7 @@ def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16, mesh
     abstract = parallel.placement_split(
         nnx.eval_shape(lambda: GptOss(config, dtype=dtype, rngs=nnx.Rngs(0))), mesh, experts)
     model = gpt_oss.random_gpt_oss(config, seed, dtype, shardings=lambda p: parallel.param_sharding(abstract, mesh, p))
-    for layer, placed in zip(model.layers, abstract.layers):
-        layer.mlp.expert_split = placed.mlp.expert_split
+    model = parallel.placement_split(model, mesh, experts)  # the split its experts were created in
     return parallel.split_experts(parallel.align_heads(model, mesh), mesh, experts)
 
 
