@@ -28,12 +28,13 @@ def gpus():
     return [d for d in jax.devices() if d.platform == "gpu"]
 
 
-def moe_out(moe, x, mesh=None):
-    """The layer's f32 output for bf16 rows x [T, H], traced under the mesh as decode traces it."""
+def moe_out(moe, x, mesh=None, path=None):
+    """The layer's f32 output for bf16 rows x [T, H] through `path` (None: chosen by size), traced
+    under the mesh as decode traces it."""
     @jax.jit
     def run(moe, rows):
         with loop.on_mesh(mesh):
-            return moe(rows, dtype=jnp.float32)
+            return moe(rows, path=path, dtype=jnp.float32)
 
     rows = x if mesh is None else jax.device_put(x, NamedSharding(mesh, P()))
     return np.asarray(run(moe, rows), np.float64)
@@ -56,10 +57,12 @@ def test_split_layers_equal_one_gpu(split):
     units = -(-I // step) * step if split == "tensor" else I
     assert split_moe.experts.gate_up_bias.get_value().shape == (CONFIG.num_local_experts, 2 * units)
     rng = np.random.default_rng(np.random.randint(1 << 30))
-    for T in (1, 16, 300):  # the decode kernel (1, 16 rows) and the grouped kernel (300)
+    # the decode kernel (1, 16 rows, chosen by size) and the grouped kernel (300 rows; by size 16 experts
+    # would run dense)
+    for T, path in ((1, None), (16, None), (300, "grouped")):
         x = jnp.asarray(rng.normal(0, 4, (T, CONFIG.hidden_size)), jnp.bfloat16)
-        assert one._path_for(x) == ("grouped" if T == 300 else "kernel"), one._path_for(x)
-        want, got = moe_out(one, x), moe_out(split_moe, x, mesh)
+        assert path or one._path_for(x) == "kernel", one._path_for(x)
+        want, got = moe_out(one, x, path=path), moe_out(split_moe, x, mesh, path)
         assert np.isfinite(got).all()
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
         assert err < 1e-2, (split, M, T, err)

@@ -44,12 +44,17 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
 
 
 def device_info() -> dict:
+    """The first device's kind and platform, the JAX version, today's date, the command line and
+    "xla_flags": the XLA_FLAGS environment variable the run saw (None if unset; XLA options such
+    as command buffers change timings without changing the command)."""
     import datetime
+    import os
     import sys
 
     d = jax.devices()[0]
     return dict(device=d.device_kind, platform=d.platform, jax_version=jax.__version__,
-                date=datetime.date.today().isoformat(), command=" ".join(["python"] + sys.argv))
+                date=datetime.date.today().isoformat(), command=" ".join(["python"] + sys.argv),
+                xla_flags=os.environ.get("XLA_FLAGS"))
 
 
 def memory_stats(device=None) -> dict | None:
