@@ -178,9 +178,10 @@ def check_kernel_step():
 
 
 def check_fused_reduction(mesh):
-    """A verify-sized step on the mesh sums each sublayer through `gpt_oss.reduce_add_norm` (two calls
-    a layer, the fused structure; lax.psum here, no GPU) and gives the step of the unfused structure
-    (XLA's all-reduce, then the add and the norm) and of one device, float32."""
+    """A verify-sized step on the mesh sums the embedding lookup and each sublayer through
+    `gpt_oss.reduce_add_norm` (one call for the lookup, two a layer: the fused structure; lax.psum
+    here, no GPU) and gives the step of the unfused structure (XLA's all-reduce, then the add and
+    the norm) and of one device, float32."""
     B, S, T = 2, 64, 4
     rng = np.random.default_rng(4)
     tokens = jnp.asarray(rng.integers(3, 256, (B, T)), jnp.int32)
@@ -207,9 +208,9 @@ def check_fused_reduction(mesh):
     assert not calls
     split = parallel.shard(gpt_oss.GptOss(CONFIG, dtype=jnp.float32, rngs=nnx.Rngs(0)), mesh)
     fused = logits(split, mesh)
-    assert len(calls) == 2 * CONFIG.num_hidden_layers, len(calls)
+    assert len(calls) == 2 * CONFIG.num_hidden_layers + 1, len(calls)  # two a layer and the embedding's
     unfused = logits(split, mesh, fused=False)
-    assert len(calls) == 2 * CONFIG.num_hidden_layers
+    assert len(calls) == 2 * CONFIG.num_hidden_layers + 1
     np.testing.assert_allclose(fused, unfused, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(fused, want, rtol=1e-5, atol=1e-5)
 
@@ -263,8 +264,17 @@ def check_vocab_split(mesh):
     split = jax.device_put(table, NamedSharding(mesh, shards.VOCAB))
     with loop.on_mesh(mesh):
         rows = jax.jit(shards.vocab_rows).trace(split, ids).lower().compile()
+        parts = jax.jit(functools.partial(shards.vocab_rows, partial=True)).trace(split, ids).lower().compile()
         head = jax.jit(shards.vocab_logits).trace(h, split).lower().compile()
-    np.testing.assert_array_equal(np.asarray(rows(split, ids)), np.asarray(table)[np.asarray(ids)])
+    want = np.asarray(table)[np.asarray(ids)]
+    np.testing.assert_array_equal(np.asarray(rows(split, ids)), want)
+    # not summed: each id's row on the device holding it, zeros on the others, in N = B * T rows
+    part = np.asarray(parts(split, ids))
+    owner = np.asarray(ids).reshape(-1) // (V // M)
+    assert part.shape == (M, ids.size, H) and part.dtype == np.float32
+    np.testing.assert_array_equal(part[owner, np.arange(ids.size)], want.reshape(-1, H))
+    np.testing.assert_array_equal(part.sum(0), want.reshape(-1, H))
+    assert (np.abs(part).sum(-1) > 0).sum(0).tolist() == [1] * ids.size
     got = head(h, split)
     np.testing.assert_allclose(np.asarray(got), np.einsum("bth,vh->btv", h, table), rtol=1e-5, atol=1e-5)
     assert got.sharding.spec[-1] == "model", got.sharding
@@ -273,6 +283,7 @@ def check_vocab_split(mesh):
 
     assert ops(head.as_text()) == [] and ops(rows.as_text()) == ["all-reduce"], (ops(head.as_text()),
                                                                                 ops(rows.as_text()))
+    assert ops(parts.as_text()) == [], ops(parts.as_text())
 
 
 def check_moe_paths(mesh, split):

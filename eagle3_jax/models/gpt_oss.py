@@ -87,9 +87,10 @@ class RMSNorm(nnx.Module):
 
 
 def reduces_fused(x) -> bool:
-    """Whether a step on the residual stream x [B, T, H] sums its sublayers' partial outputs with
-    `reduce_add_norm` (a mesh with "model" > 1 and at most allreduce.MAX_ROWS rows a device: decode
-    and verify), rather than leaving the sums to XLA's all-reduce (prefill, one device)."""
+    """Whether a step of tokens [B, T] (or on the residual stream x [B, T, H]) sums its embedding
+    lookup and its sublayers' partial outputs with `reduce_add_norm` (a mesh with "model" > 1 and at
+    most allreduce.MAX_ROWS rows a device: decode and verify), rather than leaving the sums to XLA's
+    all-reduce (prefill, one device)."""
     return shards.model_size() > 1 and shards.rows_per_device(x.shape[0] * x.shape[1]) <= allreduce.MAX_ROWS
 
 
@@ -656,16 +657,19 @@ def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCac
     """
     cfg = model.config
     B, T = tokens.shape
-    x = shards.vocab_rows(model.embed[...], tokens)
     inv_freq, scale = rope.inv_freq_and_scale(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
     cos, sin = rope.cos_sin(positions, inv_freq, scale)
     hidden = []  # hidden[j]: the input of layer j (j = L: the final norm's input)
     new_k, new_v = [], []
     moe_out = None  # each block's MoE output is added to the stream by the next norm's kernel
-    fused = reduces_fused(x)  # or each block's sums fused with the add and the next norm
+    fused = reduces_fused(tokens)  # or each sum over "model" fused with the add and the next norm
     norms = [block.input_layernorm for block in model.layers] + [model.norm]
-    if fused:
-        x, h = norms[0].add(x, None)
+    table = model.embed[...]
+    if fused:  # the lookup's sum over "model" (exact: one device's row and zeros) with the first norm
+        zeros = jnp.zeros((B, T, cfg.hidden_size), table.dtype)
+        x, h = reduce_add_norm(shards.vocab_rows(table, tokens, partial=True), zeros, norms[0])
+    else:
+        x = shards.vocab_rows(table, tokens)
     for i, block in enumerate(model.layers):
         with jax.named_scope(f"layer{i}"):
             if cache is None:

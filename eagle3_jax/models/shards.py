@@ -10,8 +10,9 @@ vocabulary rows the same way (`vocab_rows`, `vocab_logits`). Everything else (th
 XLA's sharding propagation. With no such mesh in context `local(fn, ...)` is
 `fn`: one device, and code traced without the context (gpt_oss.forward on its own, training).
 
-With "model" > 1, decode-sized steps sum each sublayer's partial outputs over "model" in one call
-fused with the residual add and the next norm (`gpt_oss.reduce_add_norm`): on GPUs the one-shot
+With "model" > 1, decode-sized steps sum the embedding lookup and each sublayer's partial outputs
+over "model" in one call fused with the residual add and the next norm (`gpt_oss.reduce_add_norm`;
+`vocab_rows(..., partial=True)` gives the lookup's partials): on GPUs the one-shot
 kernel of pallas/allreduce.py, whose `Mailbox` (buffers that outlive each call) a program passes in
 as an argument and traces under `mailbox_context` (`spec/loop.py`); without one, `lax.psum`.
 """
@@ -63,11 +64,13 @@ def local(fn, in_specs, out_specs):
 VOCAB = P(MODEL, None)  # an embedding or head [V, H]: vocabulary rows over "model"
 
 
-def vocab_rows(table, ids):
+def vocab_rows(table, ids, partial: bool = False):
     """table[ids] for a table [V, H] split as VOCAB: each device looks up the ids in its rows (zero
     rows for the others') and the rows are summed over "model" (one value and zeros: exact).
     ids [B, ...] over "data". Stated rather than left to XLA's partitioner, which at one row (batch
-    1 decode on GPUs) gathered the whole table instead."""
+    1 decode on GPUs) gathered the whole table instead. partial=True (under a mesh): each device's
+    lookup instead, not summed, f32 [M, N, H] (P("model", "data"), N = ids.size), for a caller that
+    sums it with its next step (`gpt_oss.reduce_add_norm`)."""
     if mesh() is None:
         return table[ids]
 
@@ -75,9 +78,12 @@ def vocab_rows(table, ids):
         n = t.shape[0]
         j = i - lax.axis_index(MODEL) * n
         mine = (j >= 0) & (j < n)
-        return lax.psum(jnp.where(mine[..., None], t[jnp.clip(j, 0, n - 1)], jnp.zeros((), t.dtype)), MODEL)
+        rows = jnp.where(mine[..., None], t[jnp.clip(j, 0, n - 1)], jnp.zeros((), t.dtype))
+        if partial:
+            return rows.reshape(1, -1, t.shape[-1]).astype(jnp.float32)
+        return lax.psum(rows, MODEL)
 
-    return local(body, (VOCAB, ROWS), ROWS)(table, ids)
+    return local(body, (VOCAB, ROWS), P(MODEL, DATA) if partial else ROWS)(table, ids)
 
 
 def vocab_logits(h, w):
