@@ -37,7 +37,7 @@ ROUTES = {
 
 flags.DEFINE_list("routes", list(ROUTES), "routes to time, of " + ",".join(ROUTES))
 cli.message_flags()
-flags.DEFINE_integer("timeout", 300, "seconds each route's process may take")
+flags.DEFINE_integer("timeout", 300, "seconds each route's process may take", lower_bound=1)
 flags.DEFINE_string("out", None, "JSON output path")
 flags.DEFINE_string("child", None, "internal: run one route's measurements in this process and print them")
 FLAGS = flags.FLAGS

@@ -23,11 +23,11 @@ from eagle3_jax.spec import generate
 from lib import cli, timing
 
 flags.DEFINE_string("preset", "gpt-oss-120b", "GptOssConfig preset")
-flags.DEFINE_integer("batch", 1, "sequences")
-flags.DEFINE_integer("prompt_len", 2048, "prompt tokens per sequence")
-flags.DEFINE_integer("new_tokens", 32, "generated tokens timed")
-flags.DEFINE_integer("prefill_chunk", 2048, "prefill chunk (tokens)")
-flags.DEFINE_integer("repeats", 2, "timed runs per measurement (best kept)")
+flags.DEFINE_integer("batch", 1, "sequences", lower_bound=1)
+flags.DEFINE_integer("prompt_len", 2048, "prompt tokens per sequence", lower_bound=1)
+flags.DEFINE_integer("new_tokens", 32, "generated tokens timed", lower_bound=1)
+flags.DEFINE_integer("prefill_chunk", 2048, "prefill chunk (tokens)", lower_bound=1)
+flags.DEFINE_integer("repeats", 2, "timed runs per measurement (best kept)", lower_bound=1)
 flags.DEFINE_string("out", None, "JSON output path")
 FLAGS = flags.FLAGS
 

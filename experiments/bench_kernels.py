@@ -31,13 +31,13 @@ flags.DEFINE_list("moe_sweep", [], "MoeConfig variants to time at --moe_sweep_to
 flags.DEFINE_list("moe_sweep_tokens", ["1", "16"], "token counts of the sweep (the sum of device kernel times ranks "
                   "variants; wall times where the profiler gives none)")
 flags.DEFINE_integer("moe_routings", 4, "distinct random routings cycled inside one timed call (defeats L2 reuse; "
-                     "each is its own kernel instance, compiled separately)")
+                     "each is its own kernel instance, compiled separately)", lower_bound=1)
 flags.DEFINE_bool("moe_e2e", False, "also build the random full-size gpt-oss-120b and time B=1 decode and its parts")
-flags.DEFINE_integer("moe_e2e_prompt", 128, "committed context (tokens) of the end-to-end decode step")
-flags.DEFINE_integer("moe_e2e_new", 16, "decode steps per timed loop")
+flags.DEFINE_integer("moe_e2e_prompt", 128, "committed context (tokens) of the end-to-end decode step", lower_bound=1)
+flags.DEFINE_integer("moe_e2e_new", 16, "decode steps per timed loop", lower_bound=1)
 flags.DEFINE_bool("moe_jnp", True, "also time the MoE layer's jnp paths (slow to compile)")
 flags.DEFINE_string("moe_preset", "gpt-oss-120b", "GptOssConfig preset of the benchmarked layer (tiny: CPU smoke run)")
-flags.DEFINE_integer("moe_copy_bytes", 4 << 30, "bytes of the copy-bandwidth measurement")
+flags.DEFINE_integer("moe_copy_bytes", 4 << 30, "bytes of the copy-bandwidth measurement", lower_bound=1 << 10)
 flags.DEFINE_string("moe_config", "", "MoeConfig the model and the main table use ('key=value/...'; default: "
                     "moe.DEFAULT_CONFIG), e.g. fma_warps=1")
 
@@ -68,7 +68,7 @@ def bench_moe():
     res = dict(timing.device_info())
     if FLAGS.moe_config:  # the model's MoE layers call mxfp4_moe with the module's default
         mk.DEFAULT_CONFIG = _parse_moe_config(FLAGS.moe_config)
-    bw = timing.copy_bandwidth(FLAGS.moe_copy_bytes)
+    bw = timing.copy_bandwidth(FLAGS.moe_copy_bytes, "--moe_copy_bytes")
     res["copy_bandwidth_bytes_per_s"] = bw
     interp = jax.default_backend() != "gpu"  # CPU smoke run: the kernels interpreted
 

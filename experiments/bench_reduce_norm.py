@@ -27,8 +27,8 @@ from eagle3_jax.pallas import allreduce
 from lib import cli, reduce_timing, timing
 
 cli.message_flags()
-flags.DEFINE_integer("chain", 8, "calls a loop iteration")
-flags.DEFINE_integer("iters", 200, "loop iterations timed")
+flags.DEFINE_integer("chain", 8, "calls a loop iteration", lower_bound=1)
+flags.DEFINE_integer("iters", 200, "loop iterations timed", lower_bound=1)
 flags.DEFINE_bool("profile", True, "also the device time per call of each kernel family")
 flags.DEFINE_string("out", None, "JSON output path")
 FLAGS = flags.FLAGS

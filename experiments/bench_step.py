@@ -23,14 +23,14 @@ from eagle3_jax.spec import decode
 from lib import cli, timing
 from lib.step_timing import parse_shape, random_pair, time_step, validate_shape_flags
 
-flags.DEFINE_integer("layers", 8, "target layers")
-flags.DEFINE_integer("experts", 32, "target experts (top-4)")
+flags.DEFINE_integer("layers", 8, "target layers", lower_bound=1)
+flags.DEFINE_integer("experts", 32, "target experts (top-4)", lower_bound=1)
 flags.DEFINE_list("batch", ["1", "4"], "batch sizes")
-flags.DEFINE_integer("context", 2048, "committed tokens per sequence")
+flags.DEFINE_integer("context", 2048, "committed tokens per sequence", lower_bound=1)
 flags.DEFINE_list("shapes", ["chain3", "tree3x4n8"], "chainK or treeDxKnN")
 flags.DEFINE_list("proposals", ["deterministic"], "decode proposals to time: deterministic (greedy), sample "
                   "(drafts drawn at temperature 1, recursive rejection)")
-flags.DEFINE_integer("iters", 10, "steps per timed loop")
+flags.DEFINE_integer("iters", 10, "steps per timed loop", lower_bound=1)
 flags.DEFINE_bool("profile", True, "also record each timing's device kernel seconds by kernel family (GPU)")
 flags.DEFINE_string("preset", None, "use this GptOssConfig preset instead (e.g. tiny, for a smoke run)")
 flags.DEFINE_string("out", None, "JSON output path")

@@ -47,15 +47,16 @@ from lib.step_timing import (parse_shape, random_pair, time_baseline, time_step,
 flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
 flags.DEFINE_list("tp", ["1", "2", "4"], "tensor-parallel degrees (the mesh's model axis), in order")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "batches timed at each degree")
-flags.DEFINE_integer("context", 2048, "committed tokens per sequence")
+flags.DEFINE_integer("context", 2048, "committed tokens per sequence", lower_bound=1)
 flags.DEFINE_string("shape", "chain3", "draft shape of the speculative step")
 flags.DEFINE_list("reductions", ["kernel", "xla"], "how decode and verify sum over 'model' at tp > 1 "
                   "(kernel: where the mesh has a Mailbox)")
 flags.DEFINE_list("allreduce_rows", ["1", "4", "16", "64"], "rows of the all-reduce timed alone at each tp > 1")
 flags.DEFINE_list("experts", [parallel.EXPERTS], "how the experts are split over 'model' at tp > 1 "
                   "(parallel.split_experts: tensor, expert); each its own model, timed in turn")
-flags.DEFINE_integer("iters", 6, "steps per timed loop")
-flags.DEFINE_integer("copy_bytes", 1 << 30, "buffer size of the copy-bandwidth measurement (first device)")
+flags.DEFINE_integer("iters", 6, "steps per timed loop", lower_bound=1)
+flags.DEFINE_integer("copy_bytes", 1 << 30, "buffer size of the copy-bandwidth measurement (first device)",
+                     lower_bound=1 << 10)
 flags.DEFINE_bool("profile", False, "also each baseline step's device time by kernel family (ms a step and device)")
 flags.DEFINE_string("out", None, "JSON output path")
 cli.progress_flag()

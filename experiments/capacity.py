@@ -48,9 +48,10 @@ flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
 flags.DEFINE_list("contexts", ["8192", "32768", "131072"], "committed tokens per sequence")
 flags.DEFINE_list("modes", ["baseline", "chain3"], "baseline, or draft shapes (chainK, treeDxKnN)")
 flags.DEFINE_integer("max_trials", 6, "trials per (context, mode) cell")
-flags.DEFINE_integer("iters", 2, "steps per timed loop of a trial")
+flags.DEFINE_integer("iters", 2, "steps per timed loop of a trial", lower_bound=1)
 flags.DEFINE_integer("min_batch", 1, "smallest batch tried")
-flags.DEFINE_integer("max_batch", 1024, "largest batch tried (reached: the cell ends with 'cap reached')")
+flags.DEFINE_integer("max_batch", 1024, "largest batch tried (reached: the cell ends with 'cap reached')",
+                     lower_bound=1)
 flags.DEFINE_float("margin", 0.1, "fraction of the free device memory the prediction leaves to temporaries")
 flags.DEFINE_string("out", None, "JSON output path")
 cli.progress_flag()
@@ -72,6 +73,7 @@ flags.register_validator("modes", _check_modes)
 cli.positive_ints("contexts")
 flags.register_validator("max_trials", lambda n: n >= 1, "expected >= 1")
 flags.register_validator("min_batch", lambda n: n >= 1, "expected >= 1")
+flags.register_validator("margin", lambda m: 0 <= m < 1, "expected a fraction in [0, 1)")
 
 
 def is_oom(e: BaseException) -> bool:

@@ -34,14 +34,15 @@ flags.DEFINE_string("draft", assets.DRAFT_DIR, "HF EAGLE-3 draft folder, or 'non
 flags.DEFINE_multi_string("prompt", None, "prompt: text when the target has a tokenizer.json, else comma-separated ids")
 flags.DEFINE_string("prompts_file", None, "JSON list of prompts (id lists or strings); default: two held-out "
                     "stdlib snippets of the embedded pair")
-flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate per prompt")
-flags.DEFINE_integer("num_spec_tokens", 3, "draft depth")
-flags.DEFINE_integer("topk", 1, "children per expanded draft node (1 = chain)")
-flags.DEFINE_integer("num_draft_tokens", None, "tree nodes including the root (default: chain length + 1)")
-flags.DEFINE_float("temperature", 0.0, "0 = greedy")
+flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate per prompt", lower_bound=1)
+flags.DEFINE_integer("num_spec_tokens", 3, "draft depth", lower_bound=1)
+flags.DEFINE_integer("topk", 1, "children per expanded draft node (1 = chain)", lower_bound=1)
+flags.DEFINE_integer("num_draft_tokens", None, "tree nodes including the root (default: chain length + 1)",
+                     lower_bound=2)
+flags.DEFINE_float("temperature", 0.0, "0 = greedy", lower_bound=0.0)
 flags.DEFINE_enum("proposal", "deterministic", ["deterministic", "sample"], "drafts: top-k (deterministic), or "
                   "drawn from the draft at --temperature > 0 and verified by rejection with its probabilities")
-flags.DEFINE_integer("seed", 0, "sampling seed")
+flags.DEFINE_integer("seed", 0, "sampling seed", lower_bound=0)
 flags.DEFINE_bool("baseline", True, "also run generate() in the same process and compare")
 flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "weights / activations dtype (default: bfloat16 on "
                   "GPUs, float32 on CPUs, where it is faster and decode == generate holds bit for bit)")

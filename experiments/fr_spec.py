@@ -53,20 +53,20 @@ flags.DEFINE_string("corpus", None, ".npy token ids for the frequencies (default
                     "generations on the prompts)")
 flags.DEFINE_string("prompts_file", None, "JSON list of prompts (token id lists)")
 flags.DEFINE_string("eval_data", None, ".npy eval token ids: prompts are windows of it")
-flags.DEFINE_integer("num_prompts", 4, "prompts taken from --eval_data (or random ids)")
-flags.DEFINE_integer("prompt_len", 16, "tokens per prompt taken from --eval_data (or random ids)")
-flags.DEFINE_integer("eval_eos_id", 0, "windows of --eval_data contain no such token")
+flags.DEFINE_integer("num_prompts", 4, "prompts taken from --eval_data (or random ids)", lower_bound=1)
+flags.DEFINE_integer("prompt_len", 16, "tokens per prompt taken from --eval_data (or random ids)", lower_bound=1)
+flags.DEFINE_integer("eval_eos_id", 0, "windows of --eval_data contain no such token", lower_bound=0)
 flags.DEFINE_list("ks", ["256", "512", "1024", "2048", "full"], "draft vocabulary sizes; 'full' = the draft's own")
 flags.DEFINE_enum("source", "draft", ["draft", "target"], "rows of the restricted head: the draft's own head, "
                   "or the target's lm_head")
-flags.DEFINE_integer("num_spec_tokens", 3, "draft depth (chain)")
-flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate per prompt")
-flags.DEFINE_integer("batch", 1, "batch of the head and step timings")
-flags.DEFINE_integer("context", 512, "committed tokens per sequence in the step timing")
-flags.DEFINE_integer("iters", 10, "steps per timed loop (step timing)")
+flags.DEFINE_integer("num_spec_tokens", 3, "draft depth (chain)", lower_bound=1)
+flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate per prompt", lower_bound=1)
+flags.DEFINE_integer("batch", 1, "batch of the head and step timings", lower_bound=1)
+flags.DEFINE_integer("context", 512, "committed tokens per sequence in the step timing", lower_bound=1)
+flags.DEFINE_integer("iters", 10, "steps per timed loop (step timing)", lower_bound=1)
 flags.DEFINE_integer("copy_bytes", 1 << 30, "buffer of the copy-bandwidth measurement (head roofline); 0 skips")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights / activations dtype")
-flags.DEFINE_integer("seed", 0, "prompt sampling seed")
+flags.DEFINE_integer("seed", 0, "prompt sampling seed", lower_bound=0)
 flags.DEFINE_string("json_out", None, "JSON output path")
 flags.DEFINE_string("plot", None, "PNG output path (needs matplotlib)")
 flags.DEFINE_string("plot_from", None, "only draw --plot from this results JSON (no study)")
@@ -75,6 +75,7 @@ FLAGS = flags.FLAGS
 for _name in ("corpus", "prompts_file", "eval_data"):  # checked when flags are parsed: before the loads
     flags.register_validator(_name, lambda p: p is None or (os.path.isfile(p) and os.access(p, os.R_OK)),
                              "expected a readable file")
+flags.register_validator("copy_bytes", lambda n: n == 0 or n >= 1 << 10, "expected 0 (skip) or at least 1024")
 
 
 def _say(msg):

@@ -14,8 +14,9 @@ from eagle3_jax.train.data import build_dataset
 from lib import cli
 
 flags.DEFINE_string("out_dir", "data/stdlib", "output directory")
-flags.DEFINE_integer("vocab_size", 4096, "BPE vocabulary size, eos and the 256 bytes included")
-flags.DEFINE_float("eval_fraction", 0.02, "fraction of files (by sha256 of the path) in the eval split")
+flags.DEFINE_integer("vocab_size", 4096, "BPE vocabulary size, eos and the 256 bytes included", lower_bound=257)
+flags.DEFINE_float("eval_fraction", 0.02, "fraction of files (by sha256 of the path) in the eval split",
+                   lower_bound=0.0, upper_bound=1.0)
 flags.DEFINE_string("root", None, "corpus root (default: this Python's standard library)")
 FLAGS = flags.FLAGS
 

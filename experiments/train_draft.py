@@ -31,14 +31,15 @@ from lib.timing import device_info
 train_flags.define("runs/draft", steps=6000, batch=32)
 
 flags.DEFINE_string("target", "runs/target", "HF GPT-OSS checkpoint folder (the frozen target)")
-flags.DEFINE_integer("draft_vocab", 2048, "draft vocabulary size (most frequent train tokens)")
+flags.DEFINE_integer("draft_vocab", 2048, "draft vocabulary size (most frequent train tokens)", lower_bound=1)
 flags.DEFINE_list("aux_layer_ids", ["1", "3", "5"], "target blocks whose outputs the draft reads")
-flags.DEFINE_integer("ttt_length", 7, "training-time-test steps")
-flags.DEFINE_integer("eval_batches", 4, "eval-split windows for the eval TTT figures")
+flags.DEFINE_integer("ttt_length", 7, "training-time-test steps", lower_bound=1)
+flags.DEFINE_integer("eval_batches", 4, "eval-split windows for the eval TTT figures", lower_bound=1)
 flags.DEFINE_integer("regenerate", 8192, "train on this many target-written sequences (a train-split prompt of "
-                     "--prompt_len tokens, then the target's greedy continuation to seq_len; 0: corpus windows)")
-flags.DEFINE_integer("prompt_len", 64, "prompt tokens of each regenerated sequence")
-flags.DEFINE_integer("regenerate_batch", 2048, "sequences per generate call")
+                     "--prompt_len tokens, then the target's greedy continuation to seq_len; 0: corpus windows)",
+                     lower_bound=0)
+flags.DEFINE_integer("prompt_len", 64, "prompt tokens of each regenerated sequence", lower_bound=1)
+flags.DEFINE_integer("regenerate_batch", 2048, "sequences per generate call", lower_bound=1)
 FLAGS = flags.FLAGS
 
 

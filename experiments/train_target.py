@@ -30,7 +30,7 @@ from lib.timing import device_info
 
 train_flags.define("runs/target", steps=2500, batch=64)
 
-flags.DEFINE_integer("eval_batches", 8, "eval-split windows of batch x seq_len for the eval loss")
+flags.DEFINE_integer("eval_batches", 8, "eval-split windows of batch x seq_len for the eval loss", lower_bound=1)
 flags.DEFINE_string("size", "small", "small (the shipped pair) or tiny (smoke tests)")
 FLAGS = flags.FLAGS
 

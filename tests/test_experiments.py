@@ -268,6 +268,36 @@ def test_bad_flags_stop_at_parse():
     assert err.strip() == "error: --experts tensor: splits the experts over a mesh; pass --mesh", err
 
 
+def test_numeric_flags_state_their_range():
+    # every integer and float flag of the scripts is checked when flags are parsed (a lower_bound or a
+    # validator of its own), so a negative count or size stops a script in one line, not in a traceback
+    # or a silent nonsense figure (bench_tp.py --context -1 once timed a step at context -1)
+    import ast
+    import glob
+
+    unchecked = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py")) +
+                       glob.glob(os.path.join(ROOT, "experiments", "lib", "*.py"))):
+        calls = [c for c in ast.walk(ast.parse(open(path).read())) if isinstance(c, ast.Call)]
+        validated = {c.args[0].value for c in calls if getattr(c.func, "attr", "") == "register_validator"
+                     and isinstance(c.args[0], ast.Constant)}
+        for c in calls:
+            if getattr(c.func, "attr", "") in ("DEFINE_integer", "DEFINE_float"):
+                name = c.args[0].value
+                if name not in validated and not any(k.arg == "lower_bound" for k in c.keywords):
+                    unchecked.append(f"{os.path.relpath(path, ROOT)}: --{name}")
+    assert not unchecked, unchecked
+    err = fails("bench_tp.py", "--iters", "0")
+    assert "flag --iters=0: 0 is not a positive integer" in err, err
+
+
+def test_copy_buffer_that_does_not_fit_is_named():
+    from lib import timing
+    with pytest.raises(ValueError, match=r"^--moe_copy_bytes 35184372088832: the copy-bandwidth buffer does not "
+                                         r"fit on .*; pass a smaller --moe_copy_bytes$"):
+        timing.copy_bandwidth(1 << 45, "--moe_copy_bytes")
+
+
 def test_gates_names_file_and_missing_key(tmp_path):
     import gates
     path = tmp_path / "not_bench.json"

@@ -121,7 +121,7 @@ def message_flags() -> None:
     bench_reduce_norm.py): devices of the reduction, [rows, hidden] messages."""
     flags.DEFINE_list("tp", ["2", "4"], "devices of the reduction (the first n; more than there are: skipped)")
     flags.DEFINE_list("rows", ["1", "4", "16", "64"], "message rows (decode: B, verify: B x draft tokens)")
-    flags.DEFINE_integer("hidden", 2880, "message width (gpt-oss: 2880)")
+    flags.DEFINE_integer("hidden", 2880, "message width (gpt-oss: 2880)", lower_bound=1)
     positive_ints("tp", "rows")
 
 
@@ -134,8 +134,8 @@ def mesh_flags() -> None:
                         "(--coordinator_address); default: one device")
     flags.DEFINE_string("coordinator_address", None, "host:port of process 0: run as one of --num_processes "
                         "processes through jax.distributed.initialize (e.g. one a host, or one a GPU)")
-    flags.DEFINE_integer("num_processes", None, "processes of the run (with --coordinator_address)")
-    flags.DEFINE_integer("process_id", None, "this process's index in [0, num_processes)")
+    flags.DEFINE_integer("num_processes", None, "processes of the run (with --coordinator_address)", lower_bound=1)
+    flags.DEFINE_integer("process_id", None, "this process's index in [0, num_processes)", lower_bound=0)
     flags.DEFINE_enum("experts", "tensor", ["tensor", "expert"], "with --mesh: how it splits the target's experts "
                       "over 'model' (parallel.split_experts): every expert's units, or whole experts a device")
 

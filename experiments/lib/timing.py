@@ -34,11 +34,19 @@ def time_fn(fn, *args, calls: int = 20, repeats: int = 5, warmup: int = 2) -> fl
     return statistics.median(per)
 
 
-def copy_bandwidth(nbytes: int = 4 << 30) -> float:
-    """Bytes per second (read + write) of copying an nbytes bf16 buffer on the default device."""
-    x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
+def copy_bandwidth(nbytes: int = 4 << 30, flag: str = "--copy_bytes") -> float:
+    """Bytes per second (read + write) of copying an nbytes bf16 buffer on the default device. A
+    buffer the device cannot hold (with its random fill and the copy) raises ValueError naming the
+    size, the device and `flag`, the script's option that sets it."""
     copy = jax.jit(lambda a: a * jnp.bfloat16(1.0001))  # forces a read and a write of every element
-    t = time_fn(copy, x, calls=5, repeats=5)
+    try:
+        x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
+        t = time_fn(copy, x, calls=5, repeats=5)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
+            raise
+        raise ValueError(f"{flag} {nbytes}: the copy-bandwidth buffer does not fit on {jax.devices()[0]} "
+                         f"({str(e).splitlines()[0]}); pass a smaller {flag}") from None
     del x
     return 2 * nbytes / t
 

@@ -14,14 +14,15 @@ def define(out_dir: str, steps: int, batch: int) -> None:
     flags.DEFINE_string("data_dir", "data/stdlib", "make_data.py output (train.npy, eval.npy, tokenizer.json)")
     flags.DEFINE_string("out_dir", out_dir, "HF checkpoint folder to write")
     flags.DEFINE_string("ckpt_dir", None, "orbax checkpoints (resume); default <out_dir>.ckpt")
-    flags.DEFINE_integer("steps", steps, "optimizer steps")
-    flags.DEFINE_integer("batch", batch, "sequences per step")
-    flags.DEFINE_integer("seq_len", 512, "tokens per sequence")
-    flags.DEFINE_float("lr", 2e-3, "peak learning rate")
-    flags.DEFINE_integer("warmup", 200, "warmup steps")
-    flags.DEFINE_integer("seed", 0, "init and data seed")
-    flags.DEFINE_integer("save_every", 500, "checkpoint period (steps)")
-    flags.DEFINE_integer("log_every", 500, "period (steps) of the records in train_log.json (loss, eval loss)")
+    flags.DEFINE_integer("steps", steps, "optimizer steps", lower_bound=1)
+    flags.DEFINE_integer("batch", batch, "sequences per step", lower_bound=1)
+    flags.DEFINE_integer("seq_len", 512, "tokens per sequence", lower_bound=1)
+    flags.DEFINE_float("lr", 2e-3, "peak learning rate", lower_bound=0.0)
+    flags.DEFINE_integer("warmup", 200, "warmup steps", lower_bound=0)
+    flags.DEFINE_integer("seed", 0, "init and data seed", lower_bound=0)
+    flags.DEFINE_integer("save_every", 500, "checkpoint period (steps)", lower_bound=1)
+    flags.DEFINE_integer("log_every", 500, "period (steps) of the records in train_log.json (loss, eval loss)",
+                         lower_bound=1)
     flags.DEFINE_bool("progress", True, "a progress bar over the steps (loss, tokens/s) on stderr; --noprogress: "
                       "print each logged record instead")
 
