@@ -27,6 +27,7 @@ from lib import cli, timing
 flags.DEFINE_integer("length", 32768, "committed keys a sequence", lower_bound=1)
 flags.DEFINE_list("batches", ["1", "4"], "batch sizes B")
 flags.DEFINE_list("nqs", ["1", "4", "8", "16"], "query tokens Nq")
+cli.positive_ints("batches", "nqs")
 flags.DEFINE_string("out", None, "JSON output path")
 FLAGS = flags.FLAGS
 

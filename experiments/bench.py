@@ -62,8 +62,8 @@ flags.DEFINE_list("plot_from", None, "only draw --plot from these results JSONs 
 cli.progress_flag()
 cli.mesh_flags()
 FLAGS = flags.FLAGS
-cli.positive_ints("batch_sizes")
-flags.register_validator("scenarios", lambda names: set(names) <= set(SCENARIOS),
+cli.positive_ints("batch_sizes", "large_contexts")
+flags.register_validator("scenarios", lambda names: len(names) > 0 and set(names) <= set(SCENARIOS),
                          "expected names of " + ",".join(SCENARIOS))
 validate_shape_flags("sweep_shapes")
 
@@ -198,8 +198,13 @@ def main(argv):
                 rows += [r for r in json.load(f)["scenarios"] if "step_seconds" in r]
         plot(rows, FLAGS.plot)
         return
-    mesh = cli.setup_devices()
     work = [args for sc in FLAGS.scenarios for args in (["stress"] if sc == "stress" else rows_for(sc))]
+    names = list(dict.fromkeys(args[0] for args in work if args != "stress"))
+    unknown = [n for n in FLAGS.dense_rows if n not in names]
+    if unknown:
+        raise ValueError(f"--dense_rows: {unknown} are not rows of --scenarios {','.join(FLAGS.scenarios)} "
+                         f"(its rows: {', '.join(names) or 'none'})")
+    mesh = cli.setup_devices()
     data = 1 if mesh is None else mesh.shape["data"]
     uneven = [f"{args[0]} (batch {args[1]})" for args in work if args != "stress" and args[1] % data]
     if uneven:  # before the weights are made: the timed state's rows are split over "data"

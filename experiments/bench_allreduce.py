@@ -41,7 +41,7 @@ flags.DEFINE_integer("timeout", 300, "seconds each route's process may take", lo
 flags.DEFINE_string("out", None, "JSON output path")
 flags.DEFINE_string("child", None, "internal: run one route's measurements in this process and print them")
 FLAGS = flags.FLAGS
-flags.register_validator("routes", lambda rs: set(rs) <= set(ROUTES), "expected names of " + ",".join(ROUTES))
+flags.register_validator("routes", lambda rs: len(rs) > 0 and set(rs) <= set(ROUTES), "expected names of " + ",".join(ROUTES))
 
 
 def measure() -> list[dict]:

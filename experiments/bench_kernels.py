@@ -30,6 +30,7 @@ flags.DEFINE_list("moe_sweep", [], "MoeConfig variants to time at --moe_sweep_to
                   "each 'key=value/key=value' (e.g. decode=ptx/block_i=64); the fastest correct one is used")
 flags.DEFINE_list("moe_sweep_tokens", ["1", "16"], "token counts of the sweep (the sum of device kernel times ranks "
                   "variants; wall times where the profiler gives none)")
+cli.positive_ints("moe_tokens", "moe_sweep_tokens")
 flags.DEFINE_integer("moe_routings", 4, "distinct random routings cycled inside one timed call (defeats L2 reuse; "
                      "each is its own kernel instance, compiled separately)", lower_bound=1)
 flags.DEFINE_bool("moe_e2e", False, "also build the random full-size gpt-oss-120b and time B=1 decode and its parts")
@@ -43,13 +44,34 @@ flags.DEFINE_string("moe_config", "", "MoeConfig the model and the main table us
 
 
 def _parse_moe_config(text):
+    """'key=value/key=value' -> MoeConfig (decode's value a name, the others integers); ValueError
+    naming the text and the fields where it is not that."""
+    import dataclasses
+
     from eagle3_jax.pallas import moe as mk
 
+    fields = [f.name for f in dataclasses.fields(mk.MoeConfig)]
     kw = {}
     for part in filter(None, text.split("/")):
-        key, val = part.split("=")
+        key, eq, val = part.partition("=")
+        if not eq or key not in fields or not (key == "decode" or val.lstrip("-").isdigit()):
+            raise ValueError(f"MoeConfig {text!r}: expected key=value parts joined by '/', keys of {fields} "
+                             f"(decode a name, the others integers); got {part!r}")
         kw[key] = val if key == "decode" else int(val)
     return mk.MoeConfig(**kw)
+
+
+def _valid_moe_configs(texts):
+    for text in texts:
+        try:
+            _parse_moe_config(text)
+        except ValueError as e:
+            raise flags.ValidationError(str(e)) from e
+    return True
+
+
+flags.register_validator("moe_sweep", _valid_moe_configs)
+flags.register_validator("moe_config", lambda text: _valid_moe_configs([text] if text else []))
 
 
 def _loop_time(fn, *args, calls=3, repeats=5):
@@ -306,6 +328,7 @@ flags.DEFINE_bool("kernels_quick", False, "attention/tree/accept/rewind: small s
 # -- moe_grouped: the prefill MoE through the grouped MXFP4 kernels (pallas/moe.py mxfp4_moe_grouped) --
 
 flags.DEFINE_list("grouped_tokens", ["256", "2048", "4096"], "moe_grouped: tokens per call (prefill chunks)")
+cli.positive_ints("grouped_tokens")
 flags.DEFINE_bool("grouped_scan", True, "moe_grouped: also time the grouped path's XLA scan (each tile's expert "
                   "dequantized in turn)")
 

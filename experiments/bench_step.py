@@ -26,6 +26,7 @@ from lib.step_timing import parse_shape, random_pair, time_step, validate_shape_
 flags.DEFINE_integer("layers", 8, "target layers", lower_bound=1)
 flags.DEFINE_integer("experts", 32, "target experts (top-4)", lower_bound=1)
 flags.DEFINE_list("batch", ["1", "4"], "batch sizes")
+cli.positive_ints("batch")
 flags.DEFINE_integer("context", 2048, "committed tokens per sequence", lower_bound=1)
 flags.DEFINE_list("shapes", ["chain3", "tree3x4n8"], "chainK or treeDxKnN")
 flags.DEFINE_list("proposals", ["deterministic"], "decode proposals to time: deterministic (greedy), sample "
@@ -37,6 +38,8 @@ flags.DEFINE_string("out", None, "JSON output path")
 cli.progress_flag()
 FLAGS = flags.FLAGS
 validate_shape_flags("shapes")
+flags.register_validator("proposals", lambda ps: len(ps) > 0 and set(ps) <= {"deterministic", "sample"},
+                         "expected deterministic, sample or both")
 
 
 def models():

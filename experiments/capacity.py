@@ -60,6 +60,8 @@ FLAGS = flags.FLAGS
 
 
 def _check_modes(modes):
+    if not modes:
+        raise flags.ValidationError("expected baseline or draft shapes, at least one")
     for m in modes:
         if m != "baseline":
             try:

@@ -37,6 +37,7 @@ flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per prompt", lower
 flags.DEFINE_list("shapes", ["chain1", "chain2", "chain3", "chain4", "chain5", "tree3x4n8", "tree5x8n16"],
                   "draft shapes for tau: chainK or treeDxKnN (depth x topk, N nodes incl. the root)")
 flags.DEFINE_list("speed_batches", ["1", "4"], "batch sizes of the throughput comparison")
+cli.positive_ints("speed_batches", empty=True)
 flags.DEFINE_list("speed_shapes", ["chain3", "tree5x8n16"], "draft shapes of the throughput comparison")
 flags.DEFINE_integer("repeats", 3, "timed runs per throughput figure (median)", lower_bound=1)
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights / activations dtype")
@@ -44,7 +45,8 @@ flags.DEFINE_list("exact_check", ["chain3", "tree3x4n8"], "shapes compared with 
 flags.DEFINE_string("out", None, "JSON output path")
 cli.progress_flag()
 FLAGS = flags.FLAGS
-validate_shape_flags("shapes", "speed_shapes", "exact_check")
+validate_shape_flags("shapes")
+validate_shape_flags("speed_shapes", "exact_check", empty=True)
 
 
 def first_differences(a, b):

@@ -12,6 +12,7 @@ row's temperature).
 """
 
 import json
+import math
 import os
 
 from absl import flags
@@ -33,6 +34,7 @@ flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per prompt", lower
 flags.DEFINE_list("shapes", ["chain3", "tree3x4n8", "tree5x8n16"], "draft shapes: chainK or treeDxKnN")
 flags.DEFINE_list("temperatures", ["0.6", "1.0"], "sampling temperatures (> 0); 0 is always added as the reference")
 flags.DEFINE_list("speed_batches", [], "batch sizes of the decode / generate wall-clock comparison (e.g. 1,4)")
+cli.positive_ints("speed_batches", empty=True)
 flags.DEFINE_integer("repeats", 3, "timed runs per wall-clock figure (median)", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "sampling seed", lower_bound=0)
 flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "dtype (default: bfloat16 on GPUs, float32 on CPUs)")
@@ -40,6 +42,17 @@ flags.DEFINE_string("out", None, "JSON output path")
 cli.progress_flag()
 FLAGS = flags.FLAGS
 validate_shape_flags("shapes")
+
+
+def _temperatures(ts):
+    try:
+        ok = all(math.isfinite(float(t)) and float(t) > 0 for t in ts)
+    except ValueError:
+        ok = False
+    return ok
+
+
+flags.register_validator("temperatures", _temperatures, "expected finite numbers > 0 (0 is always run)")
 
 
 def main(argv):
@@ -51,8 +64,6 @@ def main(argv):
     with open(FLAGS.prompts_file) as f:
         prompts = json.load(f)[:FLAGS.num_prompts]
     temps = [float(t) for t in FLAGS.temperatures]
-    if any(t <= 0 for t in temps):
-        raise ValueError(f"--temperatures: {FLAGS.temperatures}, expected values > 0 (0 is always run)")
     runs = [(s, 0.0, "deterministic") for s in FLAGS.shapes]
     runs += [(s, t, p) for s in FLAGS.shapes for t in temps for p in ("deterministic", "sample")]
     n = FLAGS.max_new_tokens

@@ -101,6 +101,10 @@ def load_prompts(vocab_size):
 
 
 def parse_ks(ks, draft_vocab):
+    """--ks -> [(label, k)]: 'full' the draft's own vocabulary size, else an integer >= 1 (ValueError
+    naming the entry otherwise, or for an empty list)."""
+    if not ks:
+        raise ValueError("--ks: expected at least one draft vocabulary size")
     out = []
     for k in ks:
         k = k.strip().lower()
@@ -115,6 +119,17 @@ def parse_ks(ks, draft_vocab):
                 raise ValueError(f"--ks: {v} must be >= 1")
             out.append((v, v))
     return out
+
+
+def _ks(ks):
+    try:
+        parse_ks(ks, 1)
+    except ValueError as e:
+        raise flags.ValidationError(str(e)) from e
+    return True
+
+
+flags.register_validator("ks", _ks)  # checked when flags are parsed: before the models load
 
 
 def head_seconds(draft, B):

@@ -33,6 +33,7 @@ train_flags.define("runs/draft", steps=6000, batch=32)
 flags.DEFINE_string("target", "runs/target", "HF GPT-OSS checkpoint folder (the frozen target)")
 flags.DEFINE_integer("draft_vocab", 2048, "draft vocabulary size (most frequent train tokens)", lower_bound=1)
 flags.DEFINE_list("aux_layer_ids", ["1", "3", "5"], "target blocks whose outputs the draft reads")
+cli.positive_ints("aux_layer_ids", least=0)
 flags.DEFINE_integer("ttt_length", 7, "training-time-test steps", lower_bound=1)
 flags.DEFINE_integer("eval_batches", 4, "eval-split windows for the eval TTT figures", lower_bound=1)
 flags.DEFINE_integer("regenerate", 8192, "train on this many target-written sequences (a train-split prompt of "

@@ -266,6 +266,14 @@ def test_bad_flags_stop_at_parse():
     assert err.count("\n") == 1 and err.startswith("error: make_mesh: ") and "2" in err
     err = fails("decode.py", "--experts", "tensor")
     assert err.strip() == "error: --experts tensor: splits the experts over a mesh; pass --mesh", err
+    err = fails("capacity.py", "--contexts=")  # an empty list is not a default
+    assert "flag --contexts=[]: expected a non-empty list of positive integers" in err, err
+    err = fails("bench_step.py", "--proposals", "deterministic,greedy")
+    assert "flag --proposals=['deterministic', 'greedy']: expected deterministic, sample or both" in err, err
+    err = fails("fr_spec.py", "--ks", "256,0")
+    assert "flag --ks=['256', '0']: --ks: 0 must be >= 1" in err, err
+    err = fails("bench.py", "--preset", "tiny", "--scenarios", "single", "--dense_rows", "batch4")
+    assert err.strip() == "error: --dense_rows: ['batch4'] are not rows of --scenarios single (its rows: single)", err
 
 
 def test_numeric_flags_state_their_range():

@@ -108,12 +108,15 @@ def write(msg: str) -> None:
 
 # -- devices ---------------------------------------------------------------------------------------
 
-def positive_ints(*names) -> None:
-    """Validators: each of these list flags holds positive integers (a bad one stops the script
-    when flags are parsed)."""
+def positive_ints(*names, empty: bool = False, least: int = 1) -> None:
+    """Validators: each of these list flags holds integers >= `least` (default: positive), at least
+    one unless `empty` (where an empty list means "none"); a bad one stops the script when flags are
+    parsed."""
+    what = "positive integers" if least == 1 else f"integers >= {least}"
     for name in names:
-        flags.register_validator(name, lambda xs: all(x.isdigit() and int(x) > 0 for x in xs),
-                                 "expected positive integers")
+        flags.register_validator(
+            name, lambda xs: (empty or len(xs) > 0) and all(x.isdigit() and int(x) >= least for x in xs),
+            f"expected {'' if empty else 'a non-empty list of '}{what}")
 
 
 def message_flags() -> None:

@@ -68,10 +68,12 @@ def median_seconds(run, repeats):
     return statistics.median(run().metrics["seconds"] for _ in range(repeats))
 
 
-def validate_shape_flags(*names):
+def validate_shape_flags(*names, empty: bool = False):
     """Parse the shapes of these flags (lists of shapes, or one shape) when flags are parsed: a bad
-    one stops the script there."""
+    one, or an empty list unless `empty` (where it means "none"), stops the script there."""
     def check(shapes):
+        if not empty and not isinstance(shapes, str) and not shapes:
+            raise flags.ValidationError("expected at least one draft shape")
         for s in [shapes] if isinstance(shapes, str) else shapes:
             try:
                 parse_shape(s)
