@@ -61,17 +61,8 @@ def _parse_moe_config(text):
     return mk.MoeConfig(**kw)
 
 
-def _valid_moe_configs(texts):
-    for text in texts:
-        try:
-            _parse_moe_config(text)
-        except ValueError as e:
-            raise flags.ValidationError(str(e)) from e
-    return True
-
-
-flags.register_validator("moe_sweep", _valid_moe_configs)
-flags.register_validator("moe_config", lambda text: _valid_moe_configs([text] if text else []))
+cli.check_with("moe_sweep", lambda texts: [_parse_moe_config(t) for t in texts])
+cli.check_with("moe_config", lambda text: text and _parse_moe_config(text))
 
 
 def _loop_time(fn, *args, calls=3, repeats=5):

@@ -121,15 +121,7 @@ def parse_ks(ks, draft_vocab):
     return out
 
 
-def _ks(ks):
-    try:
-        parse_ks(ks, 1)
-    except ValueError as e:
-        raise flags.ValidationError(str(e)) from e
-    return True
-
-
-flags.register_validator("ks", _ks)  # checked when flags are parsed: before the models load
+cli.check_with("ks", lambda ks: parse_ks(ks, 1))  # checked when flags are parsed: before the models load
 
 
 def head_seconds(draft, B):

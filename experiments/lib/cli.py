@@ -108,6 +108,19 @@ def write(msg: str) -> None:
 
 # -- devices ---------------------------------------------------------------------------------------
 
+def check_with(name: str, parse) -> None:
+    """Validator: flag `name` is good where parse(value) raises no ValueError; its message becomes the
+    flag's parse error (the script stops when flags are parsed)."""
+    def check(value):
+        try:
+            parse(value)
+        except ValueError as e:
+            raise flags.ValidationError(str(e)) from e
+        return True
+
+    flags.register_validator(name, check)
+
+
 def positive_ints(*names, empty: bool = False, least: int = 1) -> None:
     """Validators: each of these list flags holds integers >= `least` (default: positive), at least
     one unless `empty` (where an empty list means "none"); a bad one stops the script when flags are
