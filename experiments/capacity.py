@@ -59,33 +59,22 @@ cli.mesh_flags()
 FLAGS = flags.FLAGS
 
 
-def _check_modes(modes):
+def _parse_modes(modes):
     if not modes:
-        raise flags.ValidationError("expected baseline or draft shapes, at least one")
+        raise ValueError("expected baseline or draft shapes, at least one")
     for m in modes:
         if m != "baseline":
             try:
                 parse_shape(m)
             except ValueError as e:
-                raise flags.ValidationError(f"mode {m!r}: expected baseline or a draft shape: {e}") from e
-    return True
+                raise ValueError(f"mode {m!r}: expected baseline or a draft shape: {e}") from e
 
 
-flags.register_validator("modes", _check_modes)
+cli.check_with("modes", _parse_modes)
 cli.positive_ints("contexts")
 flags.register_validator("max_trials", lambda n: n >= 1, "expected >= 1")
 flags.register_validator("min_batch", lambda n: n >= 1, "expected >= 1")
 flags.register_validator("margin", lambda m: 0 <= m < 1, "expected a fraction in [0, 1)")
-
-
-def is_oom(e: BaseException) -> bool:
-    """Whether an XLA error is the device (or its allocator) running out of memory."""
-    msg = str(e)
-    return "RESOURCE_EXHAUSTED" in msg or "Out of memory" in msg or "out of memory" in msg
-
-
-def first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 def free_device() -> None:
@@ -117,9 +106,9 @@ def trial(target, draft, B, ctx, mode, plan, mesh=None):
                 seconds, memory = r["seconds"]["step"], r["memory"]["step"]
         out = dict(batch=B, ok=True, seconds=seconds, memory=memory)
     except jax.errors.JaxRuntimeError as e:
-        if not is_oom(e):
+        if not timing.is_oom(e):
             raise
-        out = dict(batch=B, ok=False, error=first_line(e))
+        out = dict(batch=B, ok=False, error=timing.first_line(e))
     free_device()
     # what stays allocated for the next trial, and how much of it live arrays hold (a failed trial's
     # state once stayed allocated on 2 H200s: docs/perf/multi_gpu.md)
@@ -246,7 +235,7 @@ def main(argv):
         try:
             r = cell(target, draft, ctx, mode, free, mesh)
         except Exception as e:  # noqa: BLE001 -- a cell that cannot run at all is reported; the others still run
-            rows.append(dict(context=ctx, mode=mode, error=f"{type(e).__name__}: {first_line(e)}"))
+            rows.append(dict(context=ctx, mode=mode, error=f"{type(e).__name__}: {timing.first_line(e)}"))
             cli.write(f"ctx={ctx:<7} {mode:<9} error: {rows[-1]['error']}")
             timing.write_json(FLAGS.out, result)
             free_device()

@@ -24,8 +24,6 @@ import re
 import statistics
 import time
 
-from absl import flags
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +36,7 @@ from eagle3_jax.spec import step as spec_step
 from eagle3_jax.spec.metrics import Counters
 from eagle3_jax.spec.state import DecodeState, Plan
 
-from . import timing
+from . import cli, timing
 
 
 SHAPE_FORMAT = ("chainK or treeDxKnN (a chain of K drafts; a tree of depth D, topk K, N nodes incl. the root), "
@@ -71,17 +69,14 @@ def median_seconds(run, repeats):
 def validate_shape_flags(*names, empty: bool = False):
     """Parse the shapes of these flags (lists of shapes, or one shape) when flags are parsed: a bad
     one, or an empty list unless `empty` (where it means "none"), stops the script there."""
-    def check(shapes):
+    def parse(shapes):
         if not empty and not isinstance(shapes, str) and not shapes:
-            raise flags.ValidationError("expected at least one draft shape")
+            raise ValueError("expected at least one draft shape")
         for s in [shapes] if isinstance(shapes, str) else shapes:
-            try:
-                parse_shape(s)
-            except ValueError as e:
-                raise flags.ValidationError(str(e)) from e
-        return True
+            parse_shape(s)
+
     for name in names:
-        flags.register_validator(name, check)
+        cli.check_with(name, parse)
 
 
 MAX_CAPTURED_BYTES = 1 << 20  # a larger array closed over by a timed function is refused (`compile_call`)

@@ -34,6 +34,17 @@ def time_fn(fn, *args, calls: int = 20, repeats: int = 5, warmup: int = 2) -> fl
     return statistics.median(per)
 
 
+def is_oom(e: BaseException) -> bool:
+    """Whether an XLA error is the device (or its allocator) running out of memory."""
+    msg = str(e)
+    return "RESOURCE_EXHAUSTED" in msg or "Out of memory" in msg or "out of memory" in msg
+
+
+def first_line(e: BaseException) -> str:
+    """An error's first line (its type's name if it has none), at most 300 characters."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
 def copy_bandwidth(nbytes: int = 4 << 30, flag: str = "--copy_bytes") -> float:
     """Bytes per second (read + write) of copying an nbytes bf16 buffer on the default device. A
     buffer the device cannot hold (with its random fill and the copy) raises ValueError naming the
@@ -43,10 +54,10 @@ def copy_bandwidth(nbytes: int = 4 << 30, flag: str = "--copy_bytes") -> float:
         x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
         t = time_fn(copy, x, calls=5, repeats=5)
     except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
+        if not is_oom(e):
             raise
         raise ValueError(f"{flag} {nbytes}: the copy-bandwidth buffer does not fit on {jax.devices()[0]} "
-                         f"({str(e).splitlines()[0]}); pass a smaller {flag}") from None
+                         f"({first_line(e)}); pass a smaller {flag}") from None
     del x
     return 2 * nbytes / t
 
