@@ -1,9 +1,11 @@
 """Run by tests/test_pallas_allreduce.py in a subprocess with 4 CPU devices: the target's decode-sized
 trunk on (data 1, model 2) and (data 2, model 2) meshes, with the fused all-reduce kernel chosen
-(select.tp_reduce forced: this machine has no GPU) and a Mailbox in context, lowered for CUDA. There
-must be one kernel call for the embedding lookup and one a sublayer (two a layer), none reading XLA's collective metadata (device
-ids, peer refs: XLA would launch a barrier before each call). Each device's Mailbox must hold its
-index along "model" and its model group's inbox addresses in group order. Prints "ok"."""
+(select.tp_reduce and select.tp_pick forced: this machine has no GPU) and a Mailbox in context,
+lowered for CUDA. There must be one kernel call for the embedding lookup and one a sublayer (two a
+layer), none reading XLA's collective metadata (device ids, peer refs: XLA would launch a barrier
+before each call); the greedy pick over the vocabulary split over "model" (`gpt_oss.vocab_argmax`)
+one call and no collective. Each device's Mailbox must hold its index along "model" and its model
+group's inbox addresses in group order. Prints "ok"."""
 
 import os
 import re
@@ -36,6 +38,7 @@ def check_table(mesh, mailbox):
 
 def main():
     select.tp_reduce = lambda x, rows, devices, mailbox, platform=None: "reference" if mailbox is None else "kernel"
+    select.tp_pick = lambda rows, devices, mailbox, platform=None: "reference" if mailbox is None else "kernel"
     cfg = GptOssConfig.preset("tiny")
     for data, model in ((1, 2), (2, 2)):
         mesh = parallel.make_mesh(model=model, data=data, devices=jax.devices()[:data * model])
@@ -55,6 +58,17 @@ def main():
         uses = re.findall(r"uses_xla_collective_metadata = (\w+)", text)
         # the embedding lookup's sum, then two a layer
         assert uses == ["false"] * (2 * cfg.num_hidden_layers + 1), (data, model, uses)
+
+        def pick(mailbox, logits):
+            with loop.on_mesh(mesh), shards.mailbox_context(mailbox):
+                return gpt_oss.vocab_argmax(logits)
+
+        logits = jax.device_put(jnp.zeros((2 * data, 4, cfg.vocab_size), jnp.float32),
+                                NamedSharding(mesh, P("data", None, "model")))
+        text = jax.jit(pick).trace(mailbox, logits).lower(lowering_platforms=("cuda",)).as_text()
+        # the greedy pick exchanges each device's best through one kernel call, no XLA collective
+        assert re.findall(r"uses_xla_collective_metadata = (\w+)", text) == ["false"], (data, model)
+        assert not re.search(r"all_reduce|all_gather", text), (data, model)
     mesh = parallel.make_mesh(model=4, data=1, devices=jax.devices()[:4])
     check_table(mesh, allreduce.new_mailbox(mesh, cfg.hidden_size))
     print("ok")

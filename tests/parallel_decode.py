@@ -286,6 +286,36 @@ def check_vocab_split(mesh):
     assert ops(parts.as_text()) == [], ops(parts.as_text())
 
 
+def check_vocab_argmax(mesh):
+    """The step's pick on logits split over "model" (`gpt_oss.vocab_argmax`; `step.sample`'s greedy
+    pick and its draws) equals one device's np.argmax and jax.random.categorical: maxima tied within
+    a shard and across shards (the first index wins), on a shard's edges, the last column, a row
+    all -inf, a row all equal, NaNs (the first counts as the maximum); its only collective is the
+    psum of each device's best (no gather of the logits)."""
+    M, V = mesh.shape["model"], 256
+    n = V // M
+    z = np.random.default_rng(8).normal(size=(4, 3, V)).astype(np.float32)
+    z[0, 0, [n - 1, n]] = 9.0
+    z[0, 1, V - 1] = 9.0
+    z[0, 2, [V - n, V - n - 1, V - 1]] = 9.0
+    z[1, 0] = -np.inf
+    z[1, 1, [V - 2, n + 1]] = np.nan
+    z[1, 2] = 0.5
+    z[2, 0, [3, 5]] = 9.0
+    logits = jax.device_put(z, NamedSharding(mesh, P("data", None, "model")))
+    key, T = jax.random.key(5), 0.8
+    with loop.on_mesh(mesh):
+        pick = jax.jit(gpt_oss.vocab_argmax).trace(logits).lower().compile()
+        draw = jax.jit(lambda z, key: step.sample(z, key, T, False)).trace(logits, key).lower().compile()
+    want = np.argmax(z, -1)
+    assert want[0].tolist() == [n - 1, V - 1, V - n - 1] and want[1].tolist() == [0, n + 1, 0], want
+    np.testing.assert_array_equal(np.asarray(pick(logits)), want)
+    np.testing.assert_array_equal(np.asarray(draw(logits, key)), np.asarray(jax.random.categorical(key, z / T)))
+    for exe in (pick, draw):
+        assert re.findall(r"\s(all-gather|all-reduce|collective-permute|all-to-all)(?:-start)?\(", exe.as_text()) == [
+            "all-reduce"]
+
+
 def check_moe_paths(mesh, split):
     """Each MoE path, its experts split over the mesh (models/shards.py) as `split` says, equals the
     one-device module: gathered (few pairs), dense and grouped (many), packed and dense experts. Split
@@ -371,6 +401,7 @@ def main():
         if (data, model) != (1, 2):
             check_whole_experts(mesh, prompts, want)
         check_vocab_split(mesh)
+        check_vocab_argmax(mesh)
         check_fused_reduction(mesh)
         if (data, model) == (1, 2):
             check_mailbox_plumbing(t, prompts, want["generate"])

@@ -172,6 +172,41 @@ def test_kernel_exact_in_a_loop_gpu():
         assert np.asarray(run(n, *mailbox)).tolist() == [0] * M, R
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,N", [(1, 1), (4, 4), (16, 4)])
+def test_vocab_argmax_through_the_kernel_gpu(B, N):
+    """`gpt_oss.vocab_argmax` over every GPU of the machine (2 or 4 as "model"), through the kernel:
+    np.argmax's index at every row (ties within and across shards, a shard's first and last column,
+    a row all -inf), and the compiled pick holds no XLA collective."""
+    if len(gpus()) < 2:
+        pytest.skip("needs 2 GPUs")
+    from eagle3_jax.models import gpt_oss, shards
+    from eagle3_jax.spec import loop
+
+    M, V = (4 if len(gpus()) >= 4 else 2), 201088
+    mesh = parallel.make_mesh(model=M, devices=gpus()[:M])
+    mailbox = allreduce.new_mailbox(mesh, 2880)
+    assert select.tp_pick(B * N, M, mailbox) == "kernel"
+    n = V // M
+    z = np.random.default_rng(B).normal(size=(B, N, V)).astype(np.float32)
+    rows = z.reshape(-1, V)
+    rows[0, [n - 1, n]] = 9.0
+    if len(rows) > 2:
+        rows[1, [V - 1, 5]] = 7.0
+        rows[2] = -np.inf
+    logits = jax.device_put(z, NamedSharding(mesh, P("data", None, "model")))
+
+    def pick(mailbox, logits):
+        with loop.on_mesh(mesh), shards.mailbox_context(mailbox):
+            return gpt_oss.vocab_argmax(logits)
+
+    exe = jax.jit(pick).lower(mailbox, logits).compile()
+    text = exe.as_text()
+    assert not allreduce.copied(text, mailbox)
+    assert "all-gather" not in text and "all-reduce" not in text
+    np.testing.assert_array_equal(np.asarray(exe(mailbox, logits)), np.argmax(z, -1))
+
+
 def test_model_kernels_lower_without_collective_metadata():
     """tests/allreduce_lowering.py: the trunk's fused kernels, lowered for CUDA on CPU meshes, one a
     sublayer, none reading XLA's collective metadata."""

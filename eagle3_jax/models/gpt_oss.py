@@ -116,6 +116,47 @@ def reduce_add_norm(part, x, norm: RMSNorm):
     return shards.local(body, specs, (shards.ROWS, shards.ROWS))(part, x, norm.scale[...], *boxes)
 
 
+def vocab_argmax(logits):
+    """jnp.argmax(logits, -1) (the first index among equal maxima; a NaN counts as the maximum) for
+    logits f32 [B, ..., V] as `logits` leaves them, int32 [B, ...]. Where "model" > 1 splits V, each
+    device takes the maximum and first index of its columns and the devices exchange them as a sum
+    of slots, one a device (its value and zeros: exact; V < 2^24 keeps an index exact in f32): the
+    one-shot kernel of pallas/allreduce.py where `select.tp_pick` says so, else lax.psum. The
+    decode loop then holds no NCCL collective, which XLA cannot run inside a loop's CUDA graph."""
+    M, V = shards.model_size(), logits.shape[-1]
+    if M == 1:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if V >= 1 << 24:
+        raise ValueError(f"vocab_argmax: a vocabulary of {V} entries; indices exchanged in f32 need V < 2^24")
+    lead = logits.shape[:-1]
+    rows = shards.rows_per_device(int(np.prod(lead)))
+    mailbox = shards.mailbox()
+    kernel = select.tp_pick(rows, M, mailbox) == "kernel"
+
+    def body(z, *mb):
+        shape = z.shape[:-1]
+        z = z.reshape(-1, z.shape[-1])
+        me = jax.lax.axis_index(shards.MODEL)
+        i = jnp.argmax(z, axis=-1)
+        mine = jnp.stack([jnp.take_along_axis(z, i[:, None], -1)[:, 0], (i + me * z.shape[-1]).astype(F32)], -1)
+        width = allreduce.row_width(allreduce.Mailbox(*mb)) if kernel else 2 * M
+        slots = jnp.where(jnp.arange(width) // 2 == me, jnp.tile(mine, (1, width // 2)), 0.0)
+        if kernel:
+            zero, one = jnp.zeros_like(slots), jnp.ones((width,), F32)
+            slots = allreduce.allreduce_add_rms_norm(slots, zero, one, allreduce.Mailbox(*mb), eps=1.0,
+                                                     axis=shards.MODEL)[0]
+        else:
+            slots = jax.lax.psum(slots, shards.MODEL)
+        pairs = slots[:, :2 * M].reshape(-1, M, 2)
+        best = jnp.argmax(pairs[..., 0], axis=-1)  # the first device among equal maxima: the lowest index
+        pick = jnp.take_along_axis(pairs[..., 1], best[:, None], -1)[:, 0]
+        return pick.astype(jnp.int32).reshape(shape)
+
+    boxes = tuple(mailbox) if kernel else ()
+    in_specs = (Spec(shards.DATA, *([None] * (len(lead) - 1)), shards.MODEL),) + (Spec(shards.AXES),) * len(boxes)
+    return shards.local(body, in_specs, shards.ROWS)(logits, *boxes)
+
+
 def qkv_rope(qkv, bias, cos, sin, num_heads, num_kv_heads, head_dim):
     """Fused projection [B, T, (Hq + 2 Hkv) * D] before its bias (bias [(Hq + 2 Hkv) * D] or None) ->
     q [B, T, Hq, D] and k [B, T, Hkv, D] biased and rotated, v [B, T, Hkv, D] biased. q and k rotate as

@@ -111,6 +111,12 @@ def copied(hlo_text: str, mailbox: Mailbox) -> bool:
                                                              hlo_text))
 
 
+def row_width(mailbox: Mailbox) -> int:
+    """The row width (a multiple of 64) a device's Mailbox shard (inside shard_map) carries with
+    no more room than rows of its `new_mailbox` hidden size: that size padded as the kernel pads it."""
+    return mailbox.inbox.shape[-1] // 2
+
+
 def _padded(h_rows: int) -> int:
     """Rows of LANES a padded row occupies: a multiple of 8 (128 threads x 4 f32 each)."""
     return -(-h_rows // 8) * 8

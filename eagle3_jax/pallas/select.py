@@ -21,6 +21,8 @@ name. `platform` defaults to the default backend (`util.on_gpu`). Kernels have n
 | `router_top_k(rows)` | "rank" | rows <= RANK_TOP_K_ROWS; else "sort" |
 | `tp_reduce(x, rows, devices, mailbox)` | "kernel" | a Mailbox, glue kernels, H % 64, one process, rows x peers <= 64 |
 | | "reference" | otherwise: `lax.psum`, then the add and the norm in jnp |
+| `tp_pick(rows, devices, mailbox)` | "kernel" | a Mailbox, one process, rows x peers <= 64, any dtype |
+| | "reference" | otherwise: `lax.psum` of each device's (maximum, index) |
 | `spec_op(interpret)` | "kernel" | GPU or interpret=True; else "reference" (tree_mask, accept, kv_rewind) |
 
 Why these thresholds: docs/perf/ (attention.md, moe.md, glue.md).
@@ -117,6 +119,18 @@ def tp_reduce(x, rows: int, devices: int, mailbox, platform: str | None = None) 
     or "reference". The kernel sends every row to every peer, each element with a flag: on 4 H100s
     it beat XLA's all-reduce + add + norm up to 64 rows on 2 devices and 16 rows on 4, and lost at
     64 rows on 4 (`TP_KERNEL_ROW_PEERS`; experiments/results/reduce_norm_h100x4.json)."""
-    ok = (mailbox is not None and glue_kernels(x, platform) and tp_kernel(x.shape[-1], platform)
-          and rows <= allreduce.MAX_ROWS and rows * (devices - 1) <= TP_KERNEL_ROW_PEERS)
+    ok = glue_kernels(x, platform) and tp_kernel(x.shape[-1], platform) and _tp_fits(rows, devices, mailbox)
     return "kernel" if ok else "reference"
+
+
+def tp_pick(rows: int, devices: int, mailbox, platform: str | None = None) -> str:
+    """How a step's greedy pick or draw over a vocabulary split over `devices` ("model") exchanges
+    each device's (maximum, index) for `rows` rows a device: "kernel" (the one-shot kernel's sum,
+    exact for any activation dtype: `tp_kernel`, the program's Mailbox) or "reference" (lax.psum)."""
+    ok = mailbox is not None and tp_kernel(allreduce.row_width(mailbox), platform) and _tp_fits(rows, devices, mailbox)
+    return "kernel" if ok else "reference"
+
+
+def _tp_fits(rows: int, devices: int, mailbox) -> bool:
+    """Whether the one-shot kernel takes `rows` rows a device over `devices` with this Mailbox."""
+    return mailbox is not None and rows <= allreduce.MAX_ROWS and rows * (devices - 1) <= TP_KERNEL_ROW_PEERS

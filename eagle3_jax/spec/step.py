@@ -37,10 +37,12 @@ from eagle3_jax.spec.tree import draft_tree
 
 
 def sample(logits, key, temperature, greedy: bool):
-    """logits f32 [..., V] -> int32 [...]: argmax when greedy, else a draw from softmax(logits / T)."""
+    """logits f32 [B, ..., V] -> int32 [B, ...]: argmax when greedy, else a draw from softmax(logits / T)
+    by the Gumbel-max trick (jax.random.categorical's draw, bit for bit). Both through
+    `gpt_oss.vocab_argmax`, which exchanges only each device's best where a mesh splits V."""
     if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+        return gpt_oss.vocab_argmax(logits)
+    return gpt_oss.vocab_argmax(jax.random.gumbel(key, logits.shape, logits.dtype) + logits / temperature)
 
 
 def keys(s: DecodeState):
