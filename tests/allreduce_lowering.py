@@ -3,7 +3,7 @@ trunk on (data 1, model 2) and (data 2, model 2) meshes, with the fused all-redu
 (select.tp_reduce and select.tp_pick forced: this machine has no GPU) and a Mailbox in context,
 lowered for CUDA. There must be one kernel call for the embedding lookup and one a sublayer (two a
 layer), none reading XLA's collective metadata (device ids, peer refs: XLA would launch a barrier
-before each call); the greedy pick over the vocabulary split over "model" (`gpt_oss.vocab_argmax`)
+before each call); the greedy pick over the vocabulary split over "model" (`shards.vocab_argmax`)
 one call and no collective. Each device's Mailbox must hold its index along "model" and its model
 group's inbox addresses in group order. Prints "ok"."""
 
@@ -61,7 +61,7 @@ def main():
 
         def pick(mailbox, logits):
             with loop.on_mesh(mesh), shards.mailbox_context(mailbox):
-                return gpt_oss.vocab_argmax(logits)
+                return shards.vocab_argmax(logits)
 
         logits = jax.device_put(jnp.zeros((2 * data, 4, cfg.vocab_size), jnp.float32),
                                 NamedSharding(mesh, P("data", None, "model")))

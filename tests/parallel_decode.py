@@ -179,7 +179,7 @@ def check_kernel_step():
 
 def check_fused_reduction(mesh):
     """A verify-sized step on the mesh sums the embedding lookup and each sublayer through
-    `gpt_oss.reduce_add_norm` (one call for the lookup, two a layer: the fused structure; lax.psum
+    `shards.reduce_add_norm` (one call for the lookup, two a layer: the fused structure; lax.psum
     here, no GPU) and gives the step of the unfused structure (XLA's all-reduce, then the add and
     the norm) and of one device, float32."""
     B, S, T = 2, 64, 4
@@ -194,14 +194,14 @@ def check_fused_reduction(mesh):
         noise = np.random.default_rng(6)
         cache = cache.replace(k=tuple(jnp.asarray(noise.normal(size=k.shape), k.dtype) for k in cache.k),
                               v=tuple(jnp.asarray(noise.normal(size=v.shape), v.dtype) for v in cache.v))
-        real, reduce = gpt_oss.reduces_fused, gpt_oss.reduce_add_norm
-        gpt_oss.reduces_fused = lambda x: fused and real(x)
-        gpt_oss.reduce_add_norm = lambda *a: calls.append(1) or reduce(*a)
+        real, reduce = shards.reduces_fused, shards.reduce_add_norm
+        shards.reduces_fused = lambda x: fused and real(x)
+        shards.reduce_add_norm = lambda *a: calls.append(1) or reduce(*a)
         try:
             with loop.on_mesh(mesh):
                 out = jax.jit(lambda m, c: gpt_oss.step(m, c, tokens, positions, lengths)[0])(model, cache)
         finally:
-            gpt_oss.reduces_fused, gpt_oss.reduce_add_norm = real, reduce
+            shards.reduces_fused, shards.reduce_add_norm = real, reduce
         return np.asarray(out)
 
     want = logits(gpt_oss.GptOss(CONFIG, dtype=jnp.float32, rngs=nnx.Rngs(0)), None)
@@ -287,7 +287,7 @@ def check_vocab_split(mesh):
 
 
 def check_vocab_argmax(mesh):
-    """The step's pick on logits split over "model" (`gpt_oss.vocab_argmax`; `step.sample`'s greedy
+    """The step's pick on logits split over "model" (`shards.vocab_argmax`; `step.sample`'s greedy
     pick and its draws) equals one device's np.argmax and jax.random.categorical: maxima tied within
     a shard and across shards (the first index wins), on a shard's edges, the last column, a row
     all -inf, a row all equal, NaNs (the first counts as the maximum); its only collective is the
@@ -305,7 +305,7 @@ def check_vocab_argmax(mesh):
     logits = jax.device_put(z, NamedSharding(mesh, P("data", None, "model")))
     key, T = jax.random.key(5), 0.8
     with loop.on_mesh(mesh):
-        pick = jax.jit(gpt_oss.vocab_argmax).trace(logits).lower().compile()
+        pick = jax.jit(shards.vocab_argmax).trace(logits).lower().compile()
         draw = jax.jit(lambda z, key: step.sample(z, key, T, False)).trace(logits, key).lower().compile()
     want = np.argmax(z, -1)
     assert want[0].tolist() == [n - 1, V - 1, V - n - 1] and want[1].tolist() == [0, n + 1, 0], want

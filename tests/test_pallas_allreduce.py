@@ -175,12 +175,12 @@ def test_kernel_exact_in_a_loop_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,N", [(1, 1), (4, 4), (16, 4)])
 def test_vocab_argmax_through_the_kernel_gpu(B, N):
-    """`gpt_oss.vocab_argmax` over every GPU of the machine (2 or 4 as "model"), through the kernel:
+    """`shards.vocab_argmax` over every GPU of the machine (2 or 4 as "model"), through the kernel:
     np.argmax's index at every row (ties within and across shards, a shard's first and last column,
     a row all -inf), and the compiled pick holds no XLA collective."""
     if len(gpus()) < 2:
         pytest.skip("needs 2 GPUs")
-    from eagle3_jax.models import gpt_oss, shards
+    from eagle3_jax.models import shards
     from eagle3_jax.spec import loop
 
     M, V = (4 if len(gpus()) >= 4 else 2), 201088
@@ -198,7 +198,7 @@ def test_vocab_argmax_through_the_kernel_gpu(B, N):
 
     def pick(mailbox, logits):
         with loop.on_mesh(mesh), shards.mailbox_context(mailbox):
-            return gpt_oss.vocab_argmax(logits)
+            return shards.vocab_argmax(logits)
 
     exe = jax.jit(pick).lower(mailbox, logits).compile()
     text = exe.as_text()

@@ -33,7 +33,7 @@ from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.models import rope, shards
 from eagle3_jax.models.config import GptOssConfig
 from eagle3_jax.models.layers import F32, keep_position, normal, over_chunks, rows_dot, shape_of
-from eagle3_jax.pallas import allreduce, moe_route, select
+from eagle3_jax.pallas import moe_route, select
 from eagle3_jax.pallas import moe as moe_kernel
 from eagle3_jax.pallas import norm as norm_kernel
 from eagle3_jax.pallas.attention import rope_attention
@@ -84,77 +84,6 @@ class RMSNorm(nnx.Module):
             return shards.local(run, (rows, Spec(), rows), (rows, rows))(x, self.scale[...], residual)
         s = x if residual is None else x + residual.astype(x.dtype)
         return s, self(s)
-
-
-def reduces_fused(x) -> bool:
-    """Whether a step of tokens [B, T] (or on the residual stream x [B, T, H]) sums its embedding
-    lookup and its sublayers' partial outputs with `reduce_add_norm` (a mesh with "model" > 1 and at
-    most allreduce.MAX_ROWS rows a device: decode and verify), rather than leaving the sums to XLA's
-    all-reduce (prefill, one device)."""
-    return shards.model_size() > 1 and shards.rows_per_device(x.shape[0] * x.shape[1]) <= allreduce.MAX_ROWS
-
-
-def reduce_add_norm(part, x, norm: RMSNorm):
-    """part: each "model" device's partial output of a sublayer, f32 [M, N, H] (P("model", "data"),
-    N = B * T), x: the residual stream [B, T, H] -> (s, norm(s)), s = x + the sum of the partials
-    (pallas/allreduce.py's function: the sum in f32, s rounded to x.dtype). One kernel on each device
-    where `select.tp_reduce` says so (with a Mailbox in context: shards.mailbox), else lax.psum."""
-    mailbox = shards.mailbox()
-    kernel = select.tp_reduce(x, shards.rows_per_device(part.shape[1]), part.shape[0], mailbox) == "kernel"
-
-    def body(p, r, scale, *mb):
-        shape = r.shape
-        args = (p[0], r.reshape(-1, shape[-1]), scale)
-        if kernel:
-            s, y = allreduce.allreduce_add_rms_norm(*args, allreduce.Mailbox(*mb), eps=norm.eps, axis=shards.MODEL)
-        else:
-            s, y = allreduce.allreduce_add_rms_norm_reference(*args, eps=norm.eps, axis=shards.MODEL)
-        return s.reshape(shape), y.reshape(shape)
-
-    boxes = tuple(mailbox) if kernel else ()
-    specs = (Spec(shards.MODEL, shards.DATA), shards.ROWS, Spec()) + (Spec(shards.AXES),) * len(boxes)
-    return shards.local(body, specs, (shards.ROWS, shards.ROWS))(part, x, norm.scale[...], *boxes)
-
-
-def vocab_argmax(logits):
-    """jnp.argmax(logits, -1) (the first index among equal maxima; a NaN counts as the maximum) for
-    logits f32 [B, ..., V] as `logits` leaves them, int32 [B, ...]. Where "model" > 1 splits V, each
-    device takes the maximum and first index of its columns and the devices exchange them as a sum
-    of slots, one a device (its value and zeros: exact; V < 2^24 keeps an index exact in f32): the
-    one-shot kernel of pallas/allreduce.py where `select.tp_pick` says so, else lax.psum. The
-    decode loop then holds no NCCL collective, which XLA cannot run inside a loop's CUDA graph."""
-    M, V = shards.model_size(), logits.shape[-1]
-    if M == 1:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if V >= 1 << 24:
-        raise ValueError(f"vocab_argmax: a vocabulary of {V} entries; indices exchanged in f32 need V < 2^24")
-    lead = logits.shape[:-1]
-    rows = shards.rows_per_device(int(np.prod(lead)))
-    mailbox = shards.mailbox()
-    kernel = select.tp_pick(rows, M, mailbox) == "kernel"
-
-    def body(z, *mb):
-        shape = z.shape[:-1]
-        z = z.reshape(-1, z.shape[-1])
-        me = jax.lax.axis_index(shards.MODEL)
-        i = jnp.argmax(z, axis=-1)
-        mine = jnp.stack([jnp.take_along_axis(z, i[:, None], -1)[:, 0], (i + me * z.shape[-1]).astype(F32)], -1)
-        width = allreduce.row_width(allreduce.Mailbox(*mb)) if kernel else 2 * M
-        slots = jnp.where(jnp.arange(width) // 2 == me, jnp.tile(mine, (1, width // 2)), 0.0)
-        if kernel:
-            zero, one = jnp.zeros_like(slots), jnp.ones((width,), F32)
-            slots = allreduce.allreduce_add_rms_norm(slots, zero, one, allreduce.Mailbox(*mb), eps=1.0,
-                                                     axis=shards.MODEL)[0]
-        else:
-            slots = jax.lax.psum(slots, shards.MODEL)
-        pairs = slots[:, :2 * M].reshape(-1, M, 2)
-        best = jnp.argmax(pairs[..., 0], axis=-1)  # the first device among equal maxima: the lowest index
-        pick = jnp.take_along_axis(pairs[..., 1], best[:, None], -1)[:, 0]
-        return pick.astype(jnp.int32).reshape(shape)
-
-    boxes = tuple(mailbox) if kernel else ()
-    in_specs = (Spec(shards.DATA, *([None] * (len(lead) - 1)), shards.MODEL),) + (Spec(shards.AXES),) * len(boxes)
-    return shards.local(body, in_specs, shards.ROWS)(logits, *boxes)
 
 
 def qkv_rope(qkv, bias, cos, sin, num_heads, num_kv_heads, head_dim):
@@ -215,7 +144,7 @@ class Attention(nnx.Module):
         Under a mesh (models/shards.py) each device attends with its rows and heads: its block of
         the projection's columns is its heads' q, k and v (qkv_blocks = the "model" size), and
         o_proj's row-parallel GEMM sums the heads (XLA's all-reduce); with partial=True (under a mesh)
-        out is each device's o_proj of its heads instead, f32 [M, B * T, H] (`reduce_add_norm` sums
+        out is each device's o_proj of its heads instead, f32 [M, B * T, H] (`shards.reduce_add_norm` sums
         them; o_proj's bias on the first device's)."""
         B, T, _ = x.shape
         bqkv = None if self.bqkv is None else self.bqkv[...]
@@ -399,7 +328,7 @@ class MoE(nnx.Module):
     def __call__(self, x, path: str | None = None, norm: RMSNorm | None = None, dtype=None, partial=False):
         """x [..., H] -> [..., H] in `dtype` (default x.dtype); with `norm`, the experts see norm(x).
         partial=True (under a mesh): each "model" device's sum over the experts it holds instead,
-        f32 [M, N, H] (N = x's rows; `reduce_add_norm` sums them).
+        f32 [M, N, H] (N = x's rows; `shards.reduce_add_norm` sums them).
         `path` (else the module's `path` attribute, else chosen by size): "kernel" the Pallas kernels
         (GPU, MXFP4, bf16; few tokens: the norm, router and top k in pallas/moe_route.py, the experts
         in pallas/moe.py), "gathered" each
@@ -589,13 +518,13 @@ class Block(nnx.Module):
         return x, self.mlp(x, norm=self.post_attention_layernorm, dtype=F32), k_cache, v_cache
 
     def reduced(self, x, h, next_norm: RMSNorm, cos, sin, k_cache, v_cache, lengths, positions, mask, **cache_kw):
-        """The block where `reduces_fused(x)`: each sublayer's partial outputs summed over "model"
-        with the residual add and the norm after it (`reduce_add_norm`: two calls a block, the MoE
+        """The block where `shards.reduces_fused(x)`: each sublayer's partial outputs summed over "model"
+        with the residual add and the norm after it (`shards.reduce_add_norm`: two calls a block, the MoE
         routing the normalized stream). Returns (x after the block, next_norm of it, k_cache, v_cache)."""
         a, k_cache, v_cache = self.self_attn(h, cos, sin, k_cache, v_cache, lengths, positions, mask, partial=True,
                                              **cache_kw)
-        x, h = reduce_add_norm(a, x, self.post_attention_layernorm)
-        x, h = reduce_add_norm(self.mlp(h, partial=True), x, next_norm)
+        x, h = shards.reduce_add_norm(a, x, self.post_attention_layernorm)
+        x, h = shards.reduce_add_norm(self.mlp(h, partial=True), x, next_norm)
         return x, h, k_cache, v_cache
 
 
@@ -703,12 +632,12 @@ def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCac
     hidden = []  # hidden[j]: the input of layer j (j = L: the final norm's input)
     new_k, new_v = [], []
     moe_out = None  # each block's MoE output is added to the stream by the next norm's kernel
-    fused = reduces_fused(tokens)  # or each sum over "model" fused with the add and the next norm
+    fused = shards.reduces_fused(tokens)  # or each sum over "model" fused with the add and the next norm
     norms = [block.input_layernorm for block in model.layers] + [model.norm]
     table = model.embed[...]
     if fused:  # the lookup's sum over "model" (exact: one device's row and zeros) with the first norm
         zeros = jnp.zeros((B, T, cfg.hidden_size), table.dtype)
-        x, h = reduce_add_norm(shards.vocab_rows(table, tokens, partial=True), zeros, norms[0])
+        x, h = shards.reduce_add_norm(shards.vocab_rows(table, tokens, partial=True), zeros, norms[0])
     else:
         x = shards.vocab_rows(table, tokens)
     for i, block in enumerate(model.layers):

@@ -11,10 +11,12 @@ XLA's sharding propagation. With no such mesh in context `local(fn, ...)` is
 `fn`: one device, and code traced without the context (gpt_oss.forward on its own, training).
 
 With "model" > 1, decode-sized steps sum the embedding lookup and each sublayer's partial outputs
-over "model" in one call fused with the residual add and the next norm (`gpt_oss.reduce_add_norm`;
-`vocab_rows(..., partial=True)` gives the lookup's partials): on GPUs the one-shot
-kernel of pallas/allreduce.py, whose `Mailbox` (buffers that outlive each call) a program passes in
-as an argument and traces under `mailbox_context` (`spec/loop.py`); without one, `lax.psum`.
+over "model" in one call fused with the residual add and the next norm (`reduce_add_norm`, where
+`reduces_fused`; `vocab_rows(..., partial=True)` gives the lookup's partials), and the step's pick
+over the split vocabulary exchanges each device's best the same way (`vocab_argmax`): on GPUs the
+one-shot kernel of pallas/allreduce.py, whose `Mailbox` (buffers that outlive each call) a program
+passes in as an argument and traces under `mailbox_context` (`spec/loop.py`); without one,
+`lax.psum`. No XLA collective is left in a decode step.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
+
+from eagle3_jax.pallas import allreduce, select
 
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
@@ -70,7 +75,7 @@ def vocab_rows(table, ids, partial: bool = False):
     ids [B, ...] over "data". Stated rather than left to XLA's partitioner, which at one row (batch
     1 decode on GPUs) gathered the whole table instead. partial=True (under a mesh): each device's
     lookup instead, not summed, f32 [M, N, H] (P("model", "data"), N = ids.size), for a caller that
-    sums it with its next step (`gpt_oss.reduce_add_norm`)."""
+    sums it with its next step (`reduce_add_norm`)."""
     if mesh() is None:
         return table[ids]
 
@@ -116,3 +121,76 @@ def mailbox_context(mailbox):
 def mailbox():
     """The Mailbox in context (`mailbox_context`), or None."""
     return _MAILBOXES[-1] if _MAILBOXES else None
+
+
+def reduces_fused(x) -> bool:
+    """Whether a step of tokens [B, T] (or on the residual stream x [B, T, H]) sums its embedding
+    lookup and its sublayers' partial outputs with `reduce_add_norm` (a mesh with "model" > 1 and at
+    most allreduce.MAX_ROWS rows a device: decode and verify), rather than leaving the sums to XLA's
+    all-reduce (prefill, one device)."""
+    return model_size() > 1 and rows_per_device(x.shape[0] * x.shape[1]) <= allreduce.MAX_ROWS
+
+
+def reduce_add_norm(part, x, norm):
+    """part: each "model" device's partial output of a sublayer, f32 [M, N, H] (P("model", "data"),
+    N = B * T), x: the residual stream [B, T, H], norm: the RMSNorm module after the sum -> (s,
+    norm(s)), s = x + the sum of the partials (pallas/allreduce.py's function: the sum in f32, s
+    rounded to x.dtype). One kernel on each device where `select.tp_reduce` says so (with a Mailbox
+    in context: `mailbox`), else lax.psum."""
+    box = mailbox()
+    kernel = select.tp_reduce(x, rows_per_device(part.shape[1]), part.shape[0], box) == "kernel"
+
+    def body(p, r, scale, *mb):
+        shape = r.shape
+        args = (p[0], r.reshape(-1, shape[-1]), scale)
+        if kernel:
+            s, y = allreduce.allreduce_add_rms_norm(*args, allreduce.Mailbox(*mb), eps=norm.eps, axis=MODEL)
+        else:
+            s, y = allreduce.allreduce_add_rms_norm_reference(*args, eps=norm.eps, axis=MODEL)
+        return s.reshape(shape), y.reshape(shape)
+
+    boxes = tuple(box) if kernel else ()
+    specs = (P(MODEL, DATA), ROWS, P()) + (P(AXES),) * len(boxes)
+    return local(body, specs, (ROWS, ROWS))(part, x, norm.scale[...], *boxes)
+
+
+def vocab_argmax(logits):
+    """jnp.argmax(logits, -1) (the first index among equal maxima; a NaN counts as the maximum) for
+    logits f32 [B, ..., V] as `logits` leaves them, int32 [B, ...]. Where "model" > 1 splits V, each
+    device takes the maximum and first index of its columns and the devices exchange them as a sum
+    of slots, one a device (its value and zeros: exact; V < 2^24 keeps an index exact in f32): the
+    one-shot kernel of pallas/allreduce.py where `select.tp_pick` says so, else lax.psum. The
+    decode loop then holds no NCCL collective, which XLA cannot run inside a loop's CUDA graph."""
+    M, V = model_size(), logits.shape[-1]
+    if M == 1:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if V >= 1 << 24:
+        raise ValueError(f"vocab_argmax: a vocabulary of {V} entries; indices exchanged in f32 need V < 2^24")
+    lead = logits.shape[:-1]
+    rows = rows_per_device(int(np.prod(lead)))
+    box = mailbox()
+    kernel = select.tp_pick(rows, M, box) == "kernel"
+
+    def body(z, *mb):
+        shape = z.shape[:-1]
+        z = z.reshape(-1, z.shape[-1])
+        me = lax.axis_index(MODEL)
+        i = jnp.argmax(z, axis=-1)
+        top = jnp.take_along_axis(z, i[:, None], -1)[:, 0]
+        mine = jnp.stack([top, (i + me * z.shape[-1]).astype(jnp.float32)], -1)
+        width = allreduce.row_width(allreduce.Mailbox(*mb)) if kernel else 2 * M
+        slots = jnp.where(jnp.arange(width) // 2 == me, jnp.tile(mine, (1, width // 2)), 0.0)
+        if kernel:
+            zero, one = jnp.zeros_like(slots), jnp.ones((width,), jnp.float32)
+            slots = allreduce.allreduce_add_rms_norm(slots, zero, one, allreduce.Mailbox(*mb), eps=1.0,
+                                                     axis=MODEL)[0]
+        else:
+            slots = lax.psum(slots, MODEL)
+        pairs = slots[:, :2 * M].reshape(-1, M, 2)
+        best = jnp.argmax(pairs[..., 0], axis=-1)  # the first device among equal maxima: the lowest index
+        pick = jnp.take_along_axis(pairs[..., 1], best[:, None], -1)[:, 0]
+        return pick.astype(jnp.int32).reshape(shape)
+
+    boxes = tuple(box) if kernel else ()
+    in_specs = (P(DATA, *([None] * (len(lead) - 1)), MODEL),) + (P(AXES),) * len(boxes)
+    return local(body, in_specs, ROWS)(logits, *boxes)

@@ -39,10 +39,10 @@ from eagle3_jax.spec.tree import draft_tree
 def sample(logits, key, temperature, greedy: bool):
     """logits f32 [B, ..., V] -> int32 [B, ...]: argmax when greedy, else a draw from softmax(logits / T)
     by the Gumbel-max trick (jax.random.categorical's draw, bit for bit). Both through
-    `gpt_oss.vocab_argmax`, which exchanges only each device's best where a mesh splits V."""
+    `shards.vocab_argmax`, which exchanges only each device's best where a mesh splits V."""
     if greedy:
-        return gpt_oss.vocab_argmax(logits)
-    return gpt_oss.vocab_argmax(jax.random.gumbel(key, logits.shape, logits.dtype) + logits / temperature)
+        return shards.vocab_argmax(logits)
+    return shards.vocab_argmax(jax.random.gumbel(key, logits.shape, logits.dtype) + logits / temperature)
 
 
 def keys(s: DecodeState):
