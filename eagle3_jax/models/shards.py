@@ -159,8 +159,9 @@ def vocab_argmax(logits):
     logits f32 [B, ..., V] as `logits` leaves them, int32 [B, ...]. Where "model" > 1 splits V, each
     device takes the maximum and first index of its columns and the devices exchange them as a sum
     of slots, one a device (its value and zeros: exact; V < 2^24 keeps an index exact in f32): the
-    one-shot kernel of pallas/allreduce.py where `select.tp_pick` says so, else lax.psum. The
-    decode loop then holds no NCCL collective, which XLA cannot run inside a loop's CUDA graph."""
+    one-shot kernel of pallas/allreduce.py where `select.tp_pick` says so, else lax.psum. With the
+    kernel a decode step holds no NCCL call (with XLA's all-gather in it, tp 4's loop failed to
+    instantiate as one CUDA graph: docs/perf/multi_gpu.md)."""
     M, V = model_size(), logits.shape[-1]
     if M == 1:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
