@@ -18,7 +18,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from eagle3_jax import parallel
+from eagle3_jax.models import shards
 from eagle3_jax.pallas import allreduce, select
+from eagle3_jax.spec import loop as spec_loop
 
 EPS = 1e-5
 
@@ -181,9 +183,6 @@ def test_vocab_argmax_through_the_kernel_gpu(B, N):
     else through XLA's all-reduce."""
     if len(gpus()) < 2:
         pytest.skip("needs 2 GPUs")
-    from eagle3_jax.models import shards
-    from eagle3_jax.spec import loop
-
     M, V = (4 if len(gpus()) >= 4 else 2), 201088
     mesh = parallel.make_mesh(model=M, devices=gpus()[:M])
     mailbox = allreduce.new_mailbox(mesh, 2880)
@@ -199,7 +198,7 @@ def test_vocab_argmax_through_the_kernel_gpu(B, N):
     logits = jax.device_put(z, NamedSharding(mesh, P("data", None, "model")))
 
     def pick(mailbox, logits):
-        with loop.on_mesh(mesh), shards.mailbox_context(mailbox):
+        with spec_loop.on_mesh(mesh), shards.mailbox_context(mailbox):
             return shards.vocab_argmax(logits)
 
     exe = jax.jit(pick).lower(mailbox, logits).compile()
