@@ -314,6 +314,10 @@ def check_vocab_argmax(mesh):
     for exe in (pick, draw):
         assert re.findall(r"\s(all-gather|all-reduce|collective-permute|all-to-all)(?:-start)?\(", exe.as_text()) == [
             "all-reduce"]
+    with loop.on_mesh(mesh):  # indices past 2^24 would not be exact in f32; 2^24 entries still are
+        assert jax.eval_shape(shards.vocab_argmax, jax.ShapeDtypeStruct((4, 1 << 24), jnp.float32)).shape == (4,)
+        raises(lambda: jax.eval_shape(shards.vocab_argmax, jax.ShapeDtypeStruct((4, (1 << 24) + M), jnp.float32)),
+               rf"vocab_argmax: a vocabulary of {(1 << 24) + M} entries; indices exchanged in f32 need V <= 2\^24")
 
 
 def check_moe_paths(mesh, split):

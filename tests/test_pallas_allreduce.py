@@ -69,7 +69,8 @@ def test_reference_matches_numpy(R, H, dtype):
 
 
 def test_bad_input_and_dispatch():
-    """Shapes the kernel cannot take are refused by name; the dispatch needs a mailbox and bf16 on a GPU."""
+    """Shapes the kernel cannot take are refused by name; the dispatch needs a mailbox and bf16 on a GPU
+    (the pick's, a mailbox on a GPU), and rows x peers <= 64."""
     z = jnp.zeros
     with pytest.raises(ValueError, match=r"H must be a multiple of 64 and R in \[1, 64\]; got R=1, H=100"):
         allreduce.check_shapes(z((1, 100)), z((1, 100)), z((100,)))
@@ -90,6 +91,12 @@ def test_bad_input_and_dispatch():
     assert select.tp_reduce(x, 6, 2, box, platform="cpu") == "reference"
     assert select.tp_reduce(z((1, 1, 2880 + 32), jnp.bfloat16), 1, 2, box, platform="gpu") == "reference"
     assert select.tp_kernel(2880, "gpu") and not select.tp_kernel(2912, "gpu") and not select.tp_kernel(2880, "cpu")
+    # the pick: any dtype, the same row limits, the Mailbox's padded width (3072 for H = 2880)
+    shard = types.SimpleNamespace(inbox=types.SimpleNamespace(shape=(2, 4, 64, 6144)))
+    assert allreduce.row_width(shard) == 3072
+    assert [select.tp_pick(r, m, shard, platform="gpu") for r, m in ((1, 4), (21, 4), (22, 4), (64, 2), (65, 2))] == [
+        "kernel", "kernel", "reference", "kernel", "reference"]
+    assert select.tp_pick(1, 4, None, platform="gpu") == select.tp_pick(1, 4, shard, platform="cpu") == "reference"
     with pytest.raises(ValueError, match="new_mailbox: the mesh spans .* processes"):
         allreduce.new_mailbox(types.SimpleNamespace(is_multi_process=True), 2880)
 

@@ -158,15 +158,15 @@ def vocab_argmax(logits):
     """jnp.argmax(logits, -1) (the first index among equal maxima; a NaN counts as the maximum) for
     logits f32 [B, ..., V] as `logits` leaves them, int32 [B, ...]. Where "model" > 1 splits V, each
     device takes the maximum and first index of its columns and the devices exchange them as a sum
-    of slots, one a device (its value and zeros: exact; V < 2^24 keeps an index exact in f32): the
+    of slots, one a device (its value and zeros: exact; V <= 2^24 keeps an index exact in f32): the
     one-shot kernel of pallas/allreduce.py where `select.tp_pick` says so, else lax.psum. With the
     kernel a decode step holds no NCCL call (with XLA's all-gather in it, tp 4's loop failed to
     instantiate as one CUDA graph: docs/perf/multi_gpu.md)."""
     M, V = model_size(), logits.shape[-1]
     if M == 1:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if V >= 1 << 24:
-        raise ValueError(f"vocab_argmax: a vocabulary of {V} entries; indices exchanged in f32 need V < 2^24")
+    if V > 1 << 24:
+        raise ValueError(f"vocab_argmax: a vocabulary of {V} entries; indices exchanged in f32 need V <= 2^24")
     lead = logits.shape[:-1]
     rows = rows_per_device(int(np.prod(lead)))
     box = mailbox()
