@@ -38,6 +38,17 @@ flags.DEFINE_integer("moe_e2e_prompt", 128, "committed context (tokens) of the e
 flags.DEFINE_integer("moe_e2e_new", 16, "decode steps per timed loop", lower_bound=1)
 flags.DEFINE_bool("moe_jnp", True, "also time the MoE layer's jnp paths (slow to compile)")
 flags.DEFINE_string("moe_preset", "gpt-oss-120b", "GptOssConfig preset of the benchmarked layer (tiny: CPU smoke run)")
+flags.DEFINE_integer("moe_units", None, "moe, moe_grouped: intermediate units of each expert (default: the preset's); "
+                     "one device's share under the units split, e.g. 736 for gpt-oss-120b over 4 devices "
+                     "(parallel.expert_units / 4)", lower_bound=32)
+
+
+def _check_units(units):
+    if units is not None and units % 32:
+        raise ValueError(f"{units} is not a multiple of 32, the MXFP4 block along the units")
+
+
+cli.check_with("moe_units", _check_units)
 flags.DEFINE_integer("moe_copy_bytes", 4 << 30, "bytes of the copy-bandwidth measurement", lower_bound=1 << 10)
 flags.DEFINE_string("moe_config", "", "MoeConfig the model and the main table use ('key=value/...'; default: "
                     "moe.DEFAULT_CONFIG), e.g. fma_warps=1")
@@ -74,7 +85,7 @@ def bench_moe():
 
     from flax import nnx
 
-    from eagle3_jax.models import GptOssConfig, gpt_oss
+    from eagle3_jax.models import gpt_oss
     from eagle3_jax.pallas import moe as mk
     from eagle3_jax.pallas import moe_route, select
 
@@ -93,14 +104,14 @@ def bench_moe():
     if FLAGS.moe_e2e:  # first: the full-size model needs the memory the layer below would hold
         res["e2e"] = _bench_moe_e2e(bw)
         partial()
-    cfg = GptOssConfig.preset(FLAGS.moe_preset)
+    cfg = _moe_layer_config()
     H, k = cfg.hidden_size, cfg.num_experts_per_tok
     layer = gpt_oss.MoE(cfg, jnp.bfloat16, nnx.Rngs(0))  # one layer, random packed experts (scale bytes 119..121)
     ex = layer.experts
     packed = (ex.gate_up_blocks[...], ex.gate_up_scales[...], ex.gate_up_bias[...],
               ex.down_blocks[...], ex.down_scales[...], ex.down_bias[...])
     per_expert = mk.expert_bytes(*packed)
-    res["expert_bytes"] = per_expert
+    res["expert_bytes"], res["units"] = per_expert, cfg.intermediate_size
     lim, alpha = float(layer.limit), float(layer.alpha)
     R = FLAGS.moe_routings
     route = jax.jit(lambda m, x: m.route(x))
@@ -223,6 +234,14 @@ def bench_moe():
     return res
 
 
+def _moe_layer_config():
+    """The layer the moe sections time: --moe_preset, with --moe_units intermediate units where given."""
+    from eagle3_jax.models import GptOssConfig
+
+    cfg = GptOssConfig.preset(FLAGS.moe_preset)
+    return cfg if FLAGS.moe_units is None else cfg.replace(intermediate_size=FLAGS.moe_units)
+
+
 def _bench_moe_e2e(bw):
     """Random full-size gpt-oss-120b, B=1, short context: the decode step (target step + greedy pick,
     the body of generate()'s while_loop) against the bytes it must read, and the parts that take the
@@ -333,10 +352,10 @@ def bench_moe_grouped():
 
     from flax import nnx
 
-    from eagle3_jax.models import GptOssConfig, gpt_oss
+    from eagle3_jax.models import gpt_oss
     from eagle3_jax.pallas import moe as mk
 
-    cfg = GptOssConfig.preset(FLAGS.moe_preset)
+    cfg = _moe_layer_config()
     H, I, E, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok
     layer = gpt_oss.MoE(cfg, jnp.bfloat16, nnx.Rngs(0))
     gdef, state = nnx.split(layer)
@@ -345,7 +364,8 @@ def bench_moe_grouped():
                                  ex.down_blocks[...], ex.down_scales[...], ex.down_bias[...])
     interp = jax.default_backend() != "gpu"  # CPU smoke run: the kernels interpreted
     bw = _copy_bw()
-    res = dict(copy_bandwidth_bytes_per_s=bw, expert_bytes=per_expert, config=dataclasses.asdict(mk.GroupedConfig()),
+    res = dict(copy_bandwidth_bytes_per_s=bw, expert_bytes=per_expert, units=I,
+               config=dataclasses.asdict(mk.GroupedConfig()),
                rows=[], table=[])
     route = jax.jit(lambda st, x: nnx.merge(gdef, st).route(x))
 

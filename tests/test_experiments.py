@@ -385,10 +385,16 @@ def test_make_data_train_and_eval_pair(tmp_path):
 def test_bench_kernels_moe_grouped_writes_json(tmp_path):
     # the prefill MoE section on the tiny preset (kernels interpreted on CPU): kernels agree with the scan
     path = tmp_path / "g.json"
-    run("bench_kernels.py", "--only", "moe_grouped", "--moe_preset", "tiny", "--grouped_tokens", "80",
-        "--out", str(path))
-    (row,) = json.loads(path.read_text())["moe_grouped"]["rows"]
-    assert row["tokens"] == 80 and row["live_tiles"] >= 1 and row["rel_err_kernel_vs_scan"] < 1e-3
+    # with --moe_units, one device's share of each expert under the units split (96 of the tiny 64: more)
+    run("bench_kernels.py", "--only", "moe_grouped", "--moe_preset", "tiny", "--moe_units", "96", "--grouped_tokens",
+        "80", "--out", str(path))
+    res = json.loads(path.read_text())["moe_grouped"]
+    (row,) = res["rows"]
+    assert res["units"] == 96 and row["tokens"] == 80 and row["live_tiles"] >= 1
+    assert row["rel_err_kernel_vs_scan"] < 1e-3
+    err = fails("bench_kernels.py", "--only", "moe_grouped", "--moe_preset", "tiny", "--moe_units", "80")
+    assert "flag --moe_units=80: 80 is not a multiple of 32, the MXFP4 block along the units" in err
+    assert "Traceback" not in err
 
 
 def test_gpu_only_script_refuses_cpu():
