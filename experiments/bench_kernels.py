@@ -40,15 +40,17 @@ flags.DEFINE_bool("moe_jnp", True, "also time the MoE layer's jnp paths (slow to
 flags.DEFINE_string("moe_preset", "gpt-oss-120b", "GptOssConfig preset of the benchmarked layer (tiny: CPU smoke run)")
 flags.DEFINE_integer("moe_units", None, "moe, moe_grouped: intermediate units of each expert (default: the preset's); "
                      "one device's share under the units split, e.g. 736 for gpt-oss-120b over 4 devices "
-                     "(parallel.expert_units / 4)", lower_bound=32)
+                     "(parallel.expert_units / 4)", lower_bound=1)
 
 
-def _check_units(units):
-    if units is not None and units % 32:
-        raise ValueError(f"{units} is not a multiple of 32, the MXFP4 block along the units")
-
-
-cli.check_with("moe_units", _check_units)
+@flags.multi_flags_validator(["moe_preset", "moe_units"])
+def _check_layer(values):
+    """--moe_preset names a preset and --moe_units fits its experts (GptOssConfig's own checks)."""
+    try:
+        _moe_layer_config(values["moe_preset"], values["moe_units"])
+    except ValueError as e:
+        raise flags.ValidationError(str(e)) from e
+    return True
 flags.DEFINE_integer("moe_copy_bytes", 4 << 30, "bytes of the copy-bandwidth measurement", lower_bound=1 << 10)
 flags.DEFINE_string("moe_config", "", "MoeConfig the model and the main table use ('key=value/...'; default: "
                     "moe.DEFAULT_CONFIG), e.g. fma_warps=1")
@@ -104,7 +106,7 @@ def bench_moe():
     if FLAGS.moe_e2e:  # first: the full-size model needs the memory the layer below would hold
         res["e2e"] = _bench_moe_e2e(bw)
         partial()
-    cfg = _moe_layer_config()
+    cfg = _moe_layer_config(FLAGS.moe_preset, FLAGS.moe_units)
     H, k = cfg.hidden_size, cfg.num_experts_per_tok
     layer = gpt_oss.MoE(cfg, jnp.bfloat16, nnx.Rngs(0))  # one layer, random packed experts (scale bytes 119..121)
     ex = layer.experts
@@ -234,12 +236,13 @@ def bench_moe():
     return res
 
 
-def _moe_layer_config():
-    """The layer the moe sections time: --moe_preset, with --moe_units intermediate units where given."""
+def _moe_layer_config(preset: str, units: int | None):
+    """The layer the moe sections time (--moe_preset, --moe_units): the preset with `units`
+    intermediate units where given; ValueError where the config cannot hold them."""
     from eagle3_jax.models import GptOssConfig
 
-    cfg = GptOssConfig.preset(FLAGS.moe_preset)
-    return cfg if FLAGS.moe_units is None else cfg.replace(intermediate_size=FLAGS.moe_units)
+    cfg = GptOssConfig.preset(preset)
+    return cfg if units is None else cfg.replace(intermediate_size=units)
 
 
 def _bench_moe_e2e(bw):
@@ -355,7 +358,7 @@ def bench_moe_grouped():
     from eagle3_jax.models import gpt_oss
     from eagle3_jax.pallas import moe as mk
 
-    cfg = _moe_layer_config()
+    cfg = _moe_layer_config(FLAGS.moe_preset, FLAGS.moe_units)
     H, I, E, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok
     layer = gpt_oss.MoE(cfg, jnp.bfloat16, nnx.Rngs(0))
     gdef, state = nnx.split(layer)

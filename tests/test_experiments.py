@@ -393,7 +393,7 @@ def test_bench_kernels_moe_grouped_writes_json(tmp_path):
     assert res["units"] == 96 and row["tokens"] == 80 and row["live_tiles"] >= 1
     assert row["rel_err_kernel_vs_scan"] < 1e-3
     err = fails("bench_kernels.py", "--only", "moe_grouped", "--moe_preset", "tiny", "--moe_units", "80")
-    assert "flag --moe_units=80: 80 is not a multiple of 32, the MXFP4 block along the units" in err
+    assert "moe_units=80: intermediate_size: 80 must be a multiple of 32 for MXFP4 experts" in err
     assert "Traceback" not in err
 
 
