@@ -179,12 +179,12 @@ def vocab_argmax(logits):
         i = jnp.argmax(z, axis=-1)
         top = jnp.take_along_axis(z, i[:, None], -1)[:, 0]
         mine = jnp.stack([top, (i + me * z.shape[-1]).astype(jnp.float32)], -1)
-        width = allreduce.row_width(allreduce.Mailbox(*mb)) if kernel else 2 * M
+        local_box = allreduce.Mailbox(*mb) if kernel else None
+        width = allreduce.row_width(local_box) if kernel else 2 * M
         slots = jnp.where(jnp.arange(width) // 2 == me, jnp.tile(mine, (1, width // 2)), 0.0)
         if kernel:
             zero, one = jnp.zeros_like(slots), jnp.ones((width,), jnp.float32)
-            slots = allreduce.allreduce_add_rms_norm(slots, zero, one, allreduce.Mailbox(*mb), eps=1.0,
-                                                     axis=MODEL)[0]
+            slots = allreduce.allreduce_add_rms_norm(slots, zero, one, local_box, eps=1.0, axis=MODEL)[0]
         else:
             slots = lax.psum(slots, MODEL)
         pairs = slots[:, :2 * M].reshape(-1, M, 2)
