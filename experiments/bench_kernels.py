@@ -42,15 +42,8 @@ flags.DEFINE_integer("moe_units", None, "moe, moe_grouped: intermediate units of
                      "one device's share under the units split, e.g. 736 for gpt-oss-120b over 4 devices "
                      "(parallel.expert_units / 4)", lower_bound=1)
 
-
-@flags.multi_flags_validator(["moe_preset", "moe_units"])
-def _check_layer(values):
-    """--moe_preset names a preset and --moe_units fits its experts (GptOssConfig's own checks)."""
-    try:
-        _moe_layer_config(values["moe_preset"], values["moe_units"])
-    except ValueError as e:
-        raise flags.ValidationError(str(e)) from e
-    return True
+# --moe_preset names a preset and --moe_units fits its experts: GptOssConfig's own checks
+cli.check_with(["moe_preset", "moe_units"], lambda v: _moe_layer_config(v["moe_preset"], v["moe_units"]))
 flags.DEFINE_integer("moe_copy_bytes", 4 << 30, "bytes of the copy-bandwidth measurement", lower_bound=1 << 10)
 flags.DEFINE_string("moe_config", "", "MoeConfig the model and the main table use ('key=value/...'; default: "
                     "moe.DEFAULT_CONFIG), e.g. fma_warps=1")

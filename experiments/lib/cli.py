@@ -108,9 +108,10 @@ def write(msg: str) -> None:
 
 # -- devices ---------------------------------------------------------------------------------------
 
-def check_with(name: str, parse) -> None:
+def check_with(name: str | list[str], parse) -> None:
     """Validator: flag `name` is good where parse(value) raises no ValueError; its message becomes the
-    flag's parse error (the script stops when flags are parsed)."""
+    flag's parse error (the script stops when flags are parsed). With a list of names, parse gets a
+    dict of their values."""
     def check(value):
         try:
             parse(value)
@@ -118,7 +119,10 @@ def check_with(name: str, parse) -> None:
             raise flags.ValidationError(str(e)) from e
         return True
 
-    flags.register_validator(name, check)
+    if isinstance(name, str):
+        flags.register_validator(name, check)
+    else:
+        flags.register_multi_flags_validator(name, check)
 
 
 def positive_ints(*names, empty: bool = False, least: int = 1) -> None:
