@@ -54,3 +54,18 @@ def test_moe_paths():
 def test_spec_ops():
     assert select.spec_op(None, "gpu") == select.spec_op(True, "cpu") == select.spec_op(True, "gpu") == "kernel"
     assert select.spec_op(None, "cpu") == select.spec_op(False, "gpu") == "reference"
+
+
+def test_compiler_options(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    opts = select.compiler_options("gpu")
+    assert opts == select.LOOP_GRAPHS and opts is not select.LOOP_GRAPHS
+    assert select.compiler_options("cpu") == {}
+    # XLA knows the names and values (a misspelt option is an error at compile time)
+    jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile(compiler_options=opts)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")  # the user's choice stands
+    assert select.compiler_options("gpu") == {}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
+    assert select.compiler_options("gpu") == select.LOOP_GRAPHS
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # one process a GPU: not yet run with loop graphs
+    assert select.compiler_options("gpu") == {}

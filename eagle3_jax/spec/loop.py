@@ -15,7 +15,7 @@ from flax import nnx
 
 from eagle3_jax import parallel
 from eagle3_jax.models import eagle3, gpt_oss, shards
-from eagle3_jax.pallas import allreduce
+from eagle3_jax.pallas import allreduce, select
 from eagle3_jax.spec.metrics import Counters
 from eagle3_jax.spec.state import DecodeState, Plan
 from eagle3_jax.spec.step import sample, step
@@ -116,7 +116,8 @@ def compiled(plan: Plan, graphdef, *args, hidden: int | None = None):
     use: (executable taking *args, seconds spent compiling now, 0.0 on reuse). It returns
     (out [B, out_len], n_out [B], steps, Counters). hidden: the target's hidden size, for the
     mesh's all-reduce Mailbox (`parallel.mailbox`), which the executable passes in itself (None:
-    no Mailbox, XLA's all-reduce)."""
+    no Mailbox, XLA's all-reduce). XLA options: `select.compiler_options` (on a GPU, every loop one
+    CUDA graph)."""
     mesh = loop_mesh(args[0])
     mailbox = None if hidden is None else parallel.mailbox(mesh, hidden)
     spec = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a), getattr(a, "sharding", None)), args)
@@ -125,8 +126,9 @@ def compiled(plan: Plan, graphdef, *args, hidden: int | None = None):
         t0 = time.perf_counter()
 
         def build(mb):
-            return jax.jit(_program, static_argnums=0, static_argnames=("plan", "mesh")).lower(
-                graphdef, args[0], mb, *args[1:], plan=plan, mesh=mesh).compile()
+            lowered = jax.jit(_program, static_argnums=0, static_argnames=("plan", "mesh")).lower(
+                graphdef, args[0], mb, *args[1:], plan=plan, mesh=mesh)
+            return lowered.compile(compiler_options=select.compiler_options())
 
         exe, mailbox = compile_with_mailbox(build, mailbox, "decode's program")
         _COMPILED[key] = (lambda *a: exe(a[0], mailbox, *a[1:])), time.perf_counter() - t0

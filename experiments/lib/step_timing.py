@@ -31,6 +31,7 @@ from flax import nnx
 
 from eagle3_jax import convert, parallel
 from eagle3_jax.models import Eagle3Config, eagle3, gpt_oss, shards
+from eagle3_jax.pallas import select
 from eagle3_jax.spec import loop as spec_loop
 from eagle3_jax.spec import step as spec_step
 from eagle3_jax.spec.metrics import Counters
@@ -126,8 +127,9 @@ def program_mailbox(graphdef, params):
 
 
 def compile_call(fn, *args, donate_argnums=(), mailbox=None):
-    """`jax.jit(fn, donate_argnums=...)` traced, lowered and compiled for `args`: the executable (call
-    it with arguments of the same shapes; donated ones are deleted for the caller). A function that
+    """`jax.jit(fn, donate_argnums=...)` traced, lowered and compiled for `args` with the XLA options
+    decode's programs take (`select.compiler_options`): the executable (call it with arguments of the
+    same shapes; donated ones are deleted for the caller). A function that
     closes over an array (jax or numpy) of more than MAX_CAPTURED_BYTES raises RuntimeError naming its
     shapes: XLA would copy it into the program as a constant (host and device memory beside the
     array itself); pass it as an argument instead. A first argument (the parameters) on a mesh of
@@ -152,7 +154,7 @@ def compile_call(fn, *args, donate_argnums=(), mailbox=None):
         raise RuntimeError(f"{getattr(fn, '__name__', fn)} closes over arrays "
                            f"{', '.join(f'{c.dtype}{list(c.shape)}' for c in big)} "
                            f"({sum(c.nbytes for c in big)} bytes): pass them as arguments")
-    return traced.lower().compile()
+    return traced.lower().compile(compiler_options=select.compiler_options())
 
 
 def _with_mailbox(fn, mailbox, *args):
