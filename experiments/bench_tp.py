@@ -26,8 +26,10 @@ timed in turn: "expert" whole experts a device, "tensor" every expert's units ov
 `parallel.split_experts`; None at tp 1)}; "allreduce": [{"tp", "rows", "xla_us", "kernel_us",
 "reference_us"}] (kernel and reference: None where the mesh has no Mailbox). With --profile a row
 also has "baseline_kernels_ms" (kernel family -> device ms a baseline step, per device) and
-"baseline_launches" (kernels a step, per device); {} and 0 where there is no profile (CPU). The
-JSON is written after every row: a run cut short keeps what it measured.
+"baseline_launches" (kernels a step, per device); {} and 0 where there is no profile (CPU); on a GPU
+the profiled loop is compiled with XLA's default options (`step_timing.loop_time`: a loop's CUDA
+graph hides its kernels from the profiler). The JSON is written after every row: a run cut short
+keeps what it measured.
 """
 
 import contextlib

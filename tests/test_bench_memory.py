@@ -56,6 +56,33 @@ def test_loop_time_takes_over_its_carry_and_copies_nothing():
     del carry
 
 
+def test_profile_runs_the_loop_without_loop_graphs(monkeypatch):
+    """Where decode's programs compile with options (loops as CUDA graphs on a GPU, which hide their
+    kernels from the profiler), the timed loop takes them and the profiled one XLA's defaults."""
+    from eagle3_jax.pallas import select
+
+    monkeypatch.setattr(select, "compiler_options", lambda platform=None: dict(select.LOOP_GRAPHS))
+    seen, compile_call = [], step_timing.compile_call
+
+    def spy(*a, options=None, **kw):
+        seen.append(("compile", options))
+        exe = compile_call(*a, options=options, **kw)
+        return lambda *args: (seen.append(("ran", options)), exe(*args))[1]
+
+    monkeypatch.setattr(step_timing, "compile_call", spy)
+    monkeypatch.setattr(step_timing.timing, "kernel_records",
+                        lambda thunk, repeats: [jax.block_until_ready(thunk()) is not None and ("fusion.1", 0, 4000)])
+    graphdef, params = nnx.split(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+    seconds, kernels = step_timing.loop_time(graphdef, params, lambda m, c: m(c), jnp.ones((2, 4)), 2, profile=True)
+    k = seen.index(("compile", {}))
+    assert seen[0] == ("compile", None) and k > 1 and seen[k:] == [("compile", {}), ("ran", {}), ("ran", {})]
+    assert all(e == ("ran", None) for e in seen[1:k])  # every timed call: decode's options; warm + profile: XLA's
+    assert kernels["launches"] == 0.5 and kernels[step_timing.timing.kernel_group("fusion.1")] == pytest.approx(2e-6)
+    seen.clear()
+    step_timing.loop_time(graphdef, params, lambda m, c: m(c), jnp.ones((2, 4)), 2)
+    assert [e for e in seen if e[0] == "compile"] == [("compile", None)]  # no profile: one executable
+
+
 def test_closed_over_array_is_refused():
     graphdef, params = nnx.split(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
     big = jnp.ones((1 << 19,), jnp.float32)  # 2 MiB, above MAX_CAPTURED_BYTES

@@ -126,13 +126,13 @@ def program_mailbox(graphdef, params):
     return None if target is None else parallel.mailbox(mesh, target.config.hidden_size)
 
 
-def compile_call(fn, *args, donate_argnums=(), mailbox=None):
-    """`jax.jit(fn, donate_argnums=...)` traced, lowered and compiled for `args` with the XLA options
-    decode's programs take (`select.compiler_options`): the executable (call it with arguments of the
-    same shapes; donated ones are deleted for the caller). A function that
-    closes over an array (jax or numpy) of more than MAX_CAPTURED_BYTES raises RuntimeError naming its
-    shapes: XLA would copy it into the program as a constant (host and device memory beside the
-    array itself); pass it as an argument instead. A first argument (the parameters) on a mesh of
+def compile_call(fn, *args, donate_argnums=(), mailbox=None, options=None):
+    """`jax.jit(fn, donate_argnums=...)` traced, lowered and compiled for `args` with XLA options
+    `options` (None: those decode's programs take, `select.compiler_options`; {}: XLA's defaults): the
+    executable (call it with arguments of the same shapes; donated ones are deleted for the caller).
+    A function that closes over an array (jax or numpy) of more than MAX_CAPTURED_BYTES raises
+    RuntimeError naming its shapes: XLA would copy it into the program as a constant (host and device
+    memory beside the array itself); pass it as an argument instead. A first argument (the parameters) on a mesh of
     several devices: traced `on_mesh` as decode's loop is (the models' kernels on local shards).
     mailbox (`program_mailbox`): fn is traced under `shards.mailbox_context` with the Mailbox as a
     first argument of the program, which the returned `WithMailbox` passes itself; a program that
@@ -142,9 +142,9 @@ def compile_call(fn, *args, donate_argnums=(), mailbox=None):
 
         def build(mb):
             if mb is None:
-                return compile_call(fn, *args, donate_argnums=donate_argnums)
+                return compile_call(fn, *args, donate_argnums=donate_argnums, options=options)
             return WithMailbox(compile_call(lambda m, *a: _with_mailbox(fn, m, *a), mb, *args,
-                                            donate_argnums=tuple(1 + i for i in donate)), mb)
+                                            donate_argnums=tuple(1 + i for i in donate), options=options), mb)
 
         return spec_loop.compile_with_mailbox(build, mailbox, getattr(fn, "__name__", str(fn)))[0]
     with spec_loop.on_mesh(spec_loop.loop_mesh(args[0]) if args else None):
@@ -154,7 +154,7 @@ def compile_call(fn, *args, donate_argnums=(), mailbox=None):
         raise RuntimeError(f"{getattr(fn, '__name__', fn)} closes over arrays "
                            f"{', '.join(f'{c.dtype}{list(c.shape)}' for c in big)} "
                            f"({sum(c.nbytes for c in big)} bytes): pass them as arguments")
-    return traced.lower().compile(compiler_options=select.compiler_options())
+    return traced.lower().compile(compiler_options=select.compiler_options() if options is None else options)
 
 
 def _with_mailbox(fn, mailbox, *args):
@@ -186,9 +186,10 @@ def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3, *, a
     does not overlap the device's: handing over the ~550 parameter arrays of gpt-oss-120b takes about
     a millisecond (on CPU: 0.8-1.8 ms, against 13-50 us for a call with one array); divided by 8
     iterations it had added 0.27-0.36 ms to each baseline and step figure of bench.py on the H200, and
-    0.21 ms of the accept part's 0.23. With a trip count that is an argument, the loop reads its
-    condition on the host each iteration, as decode's while_loop does (about 3 us of device time).
-    Callers keep the context fixed across iterations, so any n sees the same work.
+    0.21 ms of the accept part's 0.23. The loop compiles as decode's programs do
+    (`select.compiler_options`: on a GPU one CUDA graph reading its trip count on the device; under
+    XLA's defaults the host reads the condition each iteration, about 3 us of device time). Callers
+    keep the context fixed across iterations, so any n sees the same work.
 
     The loop takes ownership of `carry`: its arrays are donated to the first call (deleted for the
     caller, who builds a new carry for anything else) and updated in place after, so the loop holds
@@ -199,7 +200,11 @@ def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3, *, a
     its first call (the carry and parameters live; None on CPU) and "collectives": the collective
     operations an iteration makes (`timing.collectives`; zeros on one device).
     With `profile`, also the device kernel seconds per iteration by kernel family
-    (`timing.kernel_group`, plus "launches": kernels per iteration; `iters` iterations); else {}."""
+    (`timing.kernel_group`, plus "launches": kernels per iteration; `iters` iterations); else {}.
+    The profile runs the same loop compiled with XLA's default options where the timed one has others:
+    the profiler does not see the kernels inside a loop's CUDA graph (61 of 361 a gpt-oss-120b token on
+    an H100, tp_decode_b1_pick_graphs_h100x4.json), so the families are those of the loop launched
+    under JAX's defaults, whose times per kernel may differ (a reduction waits on its peers longer)."""
     def run(params, c, n, a):
         m = nnx.merge(graphdef, params)
         return jax.lax.fori_loop(0, n, lambda i, c: fn(m, c, *a), c)
@@ -210,8 +215,8 @@ def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3, *, a
     box = [carry]
     del carry  # the first call donates the caller's arrays; the loop owns them from here
 
-    def call(n):
-        box[0] = compiled(params, box[0], jnp.int32(n), args)
+    def call(n, exe=compiled):
+        box[0] = exe(params, box[0], jnp.int32(n), args)
         return box[0]
 
     def best_of(n):
@@ -233,7 +238,12 @@ def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3, *, a
         full = best_of(n)
     groups = {}
     if profile:
-        recs = timing.kernel_records(lambda: call(iters), repeats=1)
+        plain = compiled
+        if select.compiler_options():  # a loop graph hides its kernels from the profiler
+            plain = compile_call(run, params, box[0], jnp.int32(iters), args, donate_argnums=1,
+                                 mailbox=program_mailbox(graphdef, params), options={})
+            jax.block_until_ready(call(iters, plain))  # warm
+        recs = timing.kernel_records(lambda: call(iters, plain), repeats=1)
         for name, _, dur in recs:
             g = timing.kernel_group(name)
             groups[g] = groups.get(g, 0.0) + dur * 1e-9 / iters

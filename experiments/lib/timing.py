@@ -18,6 +18,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.pallas import select
+
 
 def time_fn(fn, *args, calls: int = 20, repeats: int = 5, warmup: int = 2) -> float:
     """Median seconds per call of `fn(*args)` (fn should be jitted; its compile is excluded)."""
@@ -65,7 +67,8 @@ def copy_bandwidth(nbytes: int = 4 << 30, flag: str = "--copy_bytes") -> float:
 def device_info() -> dict:
     """The first device's kind and platform, the JAX version, today's date, the command line and
     "xla_flags": the XLA_FLAGS environment variable the run saw (None if unset; XLA options such
-    as command buffers change timings without changing the command)."""
+    as command buffers change timings without changing the command), and "compiler_options": the
+    XLA options decode's programs and the timed loops compile with (`select.compiler_options`)."""
     import datetime
     import os
     import sys
@@ -73,7 +76,7 @@ def device_info() -> dict:
     d = jax.devices()[0]
     return dict(device=d.device_kind, platform=d.platform, jax_version=jax.__version__,
                 date=datetime.date.today().isoformat(), command=" ".join(["python"] + sys.argv),
-                xla_flags=os.environ.get("XLA_FLAGS"))
+                xla_flags=os.environ.get("XLA_FLAGS"), compiler_options=select.compiler_options())
 
 
 def memory_stats(device=None) -> dict | None:
