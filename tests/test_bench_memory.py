@@ -73,7 +73,7 @@ def test_profile_runs_the_loop_without_loop_graphs(monkeypatch):
     monkeypatch.setattr(step_timing.timing, "kernel_records",
                         lambda thunk, repeats: [jax.block_until_ready(thunk()) is not None and ("fusion.1", 0, 4000)])
     graphdef, params = nnx.split(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
-    seconds, kernels = step_timing.loop_time(graphdef, params, lambda m, c: m(c), jnp.ones((2, 4)), 2, profile=True)
+    _, kernels = step_timing.loop_time(graphdef, params, lambda m, c: m(c), jnp.ones((2, 4)), 2, profile=True)
     k = seen.index(("compile", {}))
     assert seen[0] == ("compile", None) and k > 1 and seen[k:] == [("compile", {}), ("ran", {}), ("ran", {})]
     assert all(e == ("ran", None) for e in seen[1:k])  # every timed call: decode's options; warm + profile: XLA's

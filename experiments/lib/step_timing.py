@@ -132,8 +132,9 @@ def compile_call(fn, *args, donate_argnums=(), mailbox=None, options=None):
     executable (call it with arguments of the same shapes; donated ones are deleted for the caller).
     A function that closes over an array (jax or numpy) of more than MAX_CAPTURED_BYTES raises
     RuntimeError naming its shapes: XLA would copy it into the program as a constant (host and device
-    memory beside the array itself); pass it as an argument instead. A first argument (the parameters) on a mesh of
-    several devices: traced `on_mesh` as decode's loop is (the models' kernels on local shards).
+    memory beside the array itself); pass it as an argument instead. A first argument (the
+    parameters) on a mesh of several devices: traced `on_mesh` as decode's loop is (the models'
+    kernels on local shards).
     mailbox (`program_mailbox`): fn is traced under `shards.mailbox_context` with the Mailbox as a
     first argument of the program, which the returned `WithMailbox` passes itself; a program that
     would copy it is compiled again without it (`spec_loop.compile_with_mailbox`)."""
