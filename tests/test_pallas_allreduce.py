@@ -3,6 +3,7 @@ from its contract; the kernel on the GPUs of this machine (>= 2, one process), c
 thousands of times in a loop whose every sum is exact (integer-valued partials), so that a message
 read too early, a slot overwritten before its peer read it or a lost flag fails the test."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -99,6 +100,17 @@ def test_bad_input_and_dispatch():
     assert select.tp_pick(1, 4, None, platform="gpu") == select.tp_pick(1, 4, shard, platform="cpu") == "reference"
     with pytest.raises(ValueError, match="new_mailbox: the mesh spans .* processes"):
         allreduce.new_mailbox(types.SimpleNamespace(is_multi_process=True), 2880)
+    # blocks a row is sent from: a thread's registers of the padded row (6 at 2880: 48 rows of 64 / 8),
+    # at most MAX_BLOCKS // rows; 1 for a row of one register
+    assert [allreduce.parts_for(r, 2880) for r in (1, 16, 21, 22, 43, 64)] == [6, 6, 6, 5, 2, 2]
+    assert allreduce.parts_for(1, 64) == allreduce.parts_for(64, 512) == 1
+    mesh = parallel.make_mesh(model=1, devices=jax.devices()[:1])
+    mailbox = allreduce.new_mailbox(mesh, 2880)
+    for R, parts in ((1, 7), (1, 0), (64, 3)):
+        run = mesh_fn(mesh, lambda x, r, w, *mb, parts=parts: allreduce.allreduce_add_rms_norm(
+            x, r, w, allreduce.Mailbox(*mb), eps=EPS, axis="model", parts=parts), True)
+        with pytest.raises(ValueError, match=f"parts={parts} for R={R}, H=2880; expected 1 to 6 with R x parts <= 128"):
+            run(z((1, R, 2880)), z((R, 2880), jnp.bfloat16), z((2880,)), *mailbox)
 
 
 def test_copied_finds_copies_of_the_mailbox_shapes():
@@ -118,11 +130,14 @@ def gpus():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("R,dtype", [(1, jnp.bfloat16), (4, jnp.bfloat16), (16, jnp.float32), (64, jnp.bfloat16)])
-def test_kernel_matches_reference_gpu(R, dtype):
-    """On every GPU of the machine (2 or 4 as one "model" axis): the kernel's s equals the reference's
-    bit for bit (the sum of the partials in f32 is exact up to order, and M <= 2 sums commute; with
-    more, within one rounding), y within bf16 rounding, and every device holds the same bits."""
+@pytest.mark.parametrize("R,dtype,parts", [(1, jnp.bfloat16, None), (1, jnp.bfloat16, 1), (1, jnp.float32, 4),
+                                           (4, jnp.bfloat16, None), (16, jnp.float32, None), (64, jnp.bfloat16, None),
+                                           (64, jnp.bfloat16, 1)])
+def test_kernel_matches_reference_gpu(R, dtype, parts):
+    """On every GPU of the machine (2 or 4 as one "model" axis), a row sent from `parts` blocks (4: six
+    registers over four blocks, unevenly): the kernel's s equals the reference's bit for bit (the sum
+    of the partials in f32 is exact up to order, and M <= 2 sums commute; with more, within one
+    rounding), y within bf16 rounding, and every device holds the same bits."""
     if len(gpus()) < 2:
         pytest.skip("needs 2 GPUs")
     M = 4 if len(gpus()) >= 4 else 2
@@ -131,7 +146,7 @@ def test_kernel_matches_reference_gpu(R, dtype):
     mailbox = allreduce.new_mailbox(mesh, H)
     host, dev = inputs(mesh, M, R, H, dtype, 7 * R)
     kern = mesh_fn(mesh, lambda x, r, w, *mb: allreduce.allreduce_add_rms_norm(
-        x, r, w, allreduce.Mailbox(*mb), eps=EPS, axis="model"), True)
+        x, r, w, allreduce.Mailbox(*mb), eps=EPS, axis="model", parts=parts), True)
     s, y = (np.asarray(a, np.float64) for a in kern(*dev, *mailbox))
     s_want, y_want = reduce_add_norm_np(*host, dtype)
     for d in range(M):
@@ -144,9 +159,10 @@ def test_kernel_matches_reference_gpu(R, dtype):
 
 @pytest.mark.gpu
 def test_kernel_exact_in_a_loop_gpu():
-    """4000 chained calls at each of 1 and 16 rows in a jitted loop (the Mailbox reused across calls and
-    programs): integer-valued partials that change every call, so every s is an exact, known sum.
-    Counts the calls whose s differs: none on any device."""
+    """4000 chained calls at each of 1, 16 and 64 rows in a jitted loop (the Mailbox reused across calls
+    and programs, rows sent from 6, 6 and 2 blocks, then 1 row from one block): integer-valued partials
+    that change every call, so every s is an exact, known sum. Counts the calls whose s differs: none
+    on any device."""
     if len(gpus()) < 2:
         pytest.skip("needs 2 GPUs")
     M = 4 if len(gpus()) >= 4 else 2
@@ -154,7 +170,7 @@ def test_kernel_exact_in_a_loop_gpu():
     mesh = parallel.make_mesh(model=M, devices=gpus()[:M])
     mailbox = allreduce.new_mailbox(mesh, H)
 
-    def loop(n, *mb):
+    def loop(n, *mb, parts=None):
         d = lax.axis_index("model").astype(jnp.float32)
         R = n.shape[0]
         pattern = jnp.broadcast_to((jnp.arange(H) % 4 + 1).astype(jnp.float32), (R, H))
@@ -165,7 +181,8 @@ def test_kernel_exact_in_a_loop_gpu():
             for j in range(chain):
                 v = ((i * chain + j) % 7).astype(jnp.float32)
                 part = (v + d + 1) * pattern + 0.0 * s.astype(jnp.float32)  # depends on the previous call
-                s, _ = allreduce.allreduce_add_rms_norm(part, zero, w, allreduce.Mailbox(*mb), eps=EPS, axis="model")
+                s, _ = allreduce.allreduce_add_rms_norm(part, zero, w, allreduce.Mailbox(*mb), eps=EPS, axis="model",
+                                                        parts=parts)
                 want = (M * v + M * (M + 1) / 2) * pattern
                 errs = errs + jnp.sum(s.astype(jnp.float32) != want).astype(jnp.int32)
             return s, errs
@@ -173,12 +190,12 @@ def test_kernel_exact_in_a_loop_gpu():
         return lax.fori_loop(0, n[0, 0], step, (zero, jnp.int32(0)))[1][None]
 
     every = P(tuple(mesh.axis_names))
-    run = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P(),) + (every,) * len(mailbox), out_specs=P("model"),
-                                check_vma=False))
-    for R in (1, 16, 1):
+    for R, parts in ((1, None), (16, None), (64, None), (1, 1)):
+        run = jax.jit(jax.shard_map(functools.partial(loop, parts=parts), mesh=mesh,
+                                    in_specs=(P(),) + (every,) * len(mailbox), out_specs=P("model"), check_vma=False))
         n = jax.device_put(jnp.full((R, 1), calls, jnp.int32), NamedSharding(mesh, P()))
         assert not allreduce.copied(run.lower(n, *mailbox).compile().as_text(), mailbox)
-        assert np.asarray(run(n, *mailbox)).tolist() == [0] * M, R
+        assert np.asarray(run(n, *mailbox)).tolist() == [0] * M, (R, parts)
 
 
 @pytest.mark.gpu

@@ -49,7 +49,8 @@ from jaxlib.mlir.dialects import arith, gpu, llvm, memref, scf, vector
 F32 = jnp.float32
 I32 = jnp.int32
 LANES = 64  # a row is viewed as [H / LANES, LANES]
-MAX_ROWS = 64  # one block a row: decode (B) and verify (B x draft tokens) sizes
+MAX_ROWS = 64  # decode (B) and verify (B x draft tokens) sizes
+MAX_BLOCKS = 128  # blocks a call: all resident at once on a 132-SM Hopper GPU
 THREADS = 128  # one warpgroup a block
 MAX_SPINS = 1 << 25  # reloads of a slot before a kernel gives up on a peer (tens of seconds)
 VEC = 4  # f32 elements a thread holds contiguously (WG_STRIDED): elements 512 i + 4 t + j
@@ -170,70 +171,100 @@ def _trap_if(cond):
         scf.yield_([])
 
 
-def _exchange(M: int, shape, layout):
-    """(inbox, calls, peers, x, me, row) -> the sum over the M devices of x (f32, [P, 64] in `layout`),
-    in device order; peers and me: the Mailbox's address table and rank. Each thread writes its
-    elements of x into slot `me` of every inbox of its group (peers[k], its own among them) with the
-    flag c + 1 beside each (c: the calls its row made before), then reads slot k of its own inbox for
-    k = 0 .. M - 1, loading its lines again until every flag says c + 1. A flag and its element
-    travel in one 8-byte half of a 16-byte store, so no fence and no separate signal precede the
-    data. Calls alternate between two slots by c % 2: a device writes call c + 2 only after reading
-    this device's call c + 1, that is after this device's kernel of call c has finished reading."""
-    arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), layout, plgpu.RefType(), SPLAT)
+def _line(base, parity, k, row64, t, i, half, M, words):
+    """Byte address of thread t's 16-byte line (register i, half) of row `row64` in slot k of the
+    inbox at `base` (i64 values; M, words static): elements 512 i + 4 t + 2 half + (0, 1)."""
+    i64 = ir.IntegerType.get_signless(64)
+    slot = arith.addi(arith.muli(arith.extui(i64, parity), _int(M, 64)), k)
+    off = arith.muli(arith.addi(arith.muli(slot, _int(MAX_ROWS, 64)), row64), _int(words * 4, 64))
+    lane = arith.muli(arith.index_cast(i64, t), _int(VEC * 8, 64))
+    return arith.addi(base, arith.addi(off, arith.addi(lane, _int(i * THREADS * VEC * 8 + 16 * half, 64))))
 
-    @plgpu.inline_mgpu(arg_types=arg_types, return_type=plgpu.ShapeDtypeStruct(shape, F32, layout=layout))
-    def f(ctx, inbox, calls, peers, x, me, row):
+
+def _call(calls, row):
+    """(thread id, row as i64, the calls thread t of this row made, their parity) at a kernel's start."""
+    t = gpu.thread_id(gpu.Dimension.x)
+    row32 = row.registers.item()
+    count = memref.load(calls, [arith.index_cast(ir.IndexType.get(), row32), t])
+    return t, arith.extui(ir.IntegerType.get_signless(64), row32), count, arith.andi(count, _int(1))
+
+
+def _send(M: int, parts: int, layout):
+    """(inbox, calls, peers, x, me, row, part) -> nothing: thread t of the row's block `part` writes
+    its registers i with i * parts // V == part (V registers in all: each of the row's `parts` blocks
+    sends its share) into slot `me` of every inbox of its group (peers[k], its own among them), each
+    element beside the flag c + 1 (c: the calls the row made before) in one 8-byte half of a
+    16-byte store, so data and signal arrive together with no fence and no separate signal."""
+    arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), layout, plgpu.RefType(), SPLAT, SPLAT)
+
+    @plgpu.inline_mgpu(arg_types=arg_types)
+    def f(ctx, inbox, calls, peers, x, me, row, part):
         del ctx
-        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        i32, i64, index = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64),
+                           ir.IndexType.get())
         words = ir.MemRefType(inbox.type).shape[-1]
-        t = gpu.thread_id(gpu.Dimension.x)
-        row64 = arith.extui(i64, row.registers.item())
-        row = arith.index_cast(ir.IndexType.get(), row.registers.item())
-        count = memref.load(calls, [row, t])
+        t, row64, count, parity = _call(calls, row)
         flag = arith.addi(count, _int(1))
-        parity = arith.andi(count, _int(1))
-        lane = arith.muli(arith.index_cast(i64, t), _int(VEC * 8, 64))  # the thread's first byte
-
-        def line(base, k, i, half):
-            """Byte address of the thread's 16-byte line (register i, half) in slot k of an inbox."""
-            slot = arith.addi(arith.muli(arith.extui(i64, parity), _int(M, 64)), k)
-            off = arith.muli(arith.addi(arith.muli(slot, _int(MAX_ROWS, 64)), row64), _int(words * 4, 64))
-            off = arith.addi(off, arith.addi(lane, _int(i * THREADS * VEC * 8 + 16 * half, 64)))
-            return arith.addi(base, off)
-
-        regs = x.registers.flat
-        vec_i32 = ir.VectorType.get((VEC,), i32)
-        bits = [[vector.extract(arith.bitcast(vec_i32, r), [], [j]) for j in range(VEC)] for r in regs]
-        zero = arith.constant(ir.IndexType.get(), 0)
+        zero = arith.constant(index, 0)
         me64 = arith.extui(i64, memref.load(me, [zero, zero]))
-        own = _address(inbox)
-        index = ir.IndexType.get()
+        part = part.registers.item()
+        vec_i32 = ir.VectorType.get((VEC,), i32)
+        regs = list(x.registers.flat)
 
         def peer_address(k):
             lo, hi = (arith.extui(i64, memref.load(peers, [arith.constant(index, k), arith.constant(index, j)]))
                       for j in (0, 1))
             return arith.ori(lo, arith.shli(hi, _int(32, 64)))
 
-        for base in [peer_address(k) for k in range(M)]:
-            for i, b in enumerate(bits):
-                for half in range(2):
-                    _store_line(line(base, me64, i, half), [b[2 * half], flag, b[2 * half + 1], flag])
+        bases = [peer_address(k) for k in range(M)]
+        for i, r in enumerate(regs):
+            b = [vector.extract(arith.bitcast(vec_i32, r), [], [j]) for j in range(VEC)]
+            mine = scf.IfOp(arith.cmpi(arith.CmpIPredicate.eq, part, _int(i * parts // len(regs))))
+            with ir.InsertionPoint(mine.then_block):
+                for base in bases:
+                    for half in range(2):
+                        _store_line(_line(base, parity, me64, row64, t, i, half, M, words),
+                                    [b[2 * half], flag, b[2 * half + 1], flag])
+                scf.yield_([])
 
+    return f
+
+
+def _receive(M: int, shape, layout):
+    """(inbox, calls, row) -> the sum over the M devices of the row's x (f32, `shape` in `layout`), in
+    device order: thread t reads slot k of its own inbox for k = 0 .. M - 1, loading its lines again
+    until every flag says c + 1, then records the call (c + 1 in calls). Calls alternate between two
+    slots by c % 2: a device writes call c + 2 only after its own receiving block read this device's
+    call c + 1, that is after this device's kernel of call c has finished reading. The count a
+    sending block reads cannot be the new one: the receiver records it only after reading that
+    block's own writes, made after it read the count."""
+    arg_types = (plgpu.RefType(), plgpu.RefType(), SPLAT)
+
+    @plgpu.inline_mgpu(arg_types=arg_types, return_type=plgpu.ShapeDtypeStruct(shape, F32, layout=layout))
+    def f(ctx, inbox, calls, row):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        words = ir.MemRefType(inbox.type).shape[-1]
+        t, row64, count, parity = _call(calls, row)
+        flag = arith.addi(count, _int(1))
+        own = _address(inbox)
+        V = shape[0] * shape[1] // (THREADS * VEC)
+        vec_i32 = ir.VectorType.get((VEC,), i32)
+        true = arith.constant(ir.IntegerType.get_signless(1), 1)
         total = None
         for k in range(M):  # device order: the same sum on every device
-            n = len(bits) * VEC
+            n = V * VEC
             wait = scf.WhileOp([i32] * (n + 1), [_int(0)])
             tries = wait.before.blocks.append(i32)
             with ir.InsertionPoint(tries):
-                values, ok = [], arith.constant(ir.IntegerType.get_signless(1), 1)
-                for i in range(len(bits)):
+                values, ok = [], true
+                for i in range(V):
                     for half in range(2):
-                        w = _load_line(line(own, _int(k, 64), i, half))
+                        w = _load_line(_line(own, parity, _int(k, 64), row64, t, i, half, M, words))
                         values += [w[0], w[2]]
                         for word in (w[1], w[3]):
                             ok = arith.andi(ok, arith.cmpi(arith.CmpIPredicate.eq, word, flag))
-                scf.condition(arith.xori(ok, arith.constant(ir.IntegerType.get_signless(1), 1)),
-                              values + [tries.arguments[0]])
+                scf.condition(arith.xori(ok, true), values + [tries.arguments[0]])
             after = wait.after.blocks.append(*[i32] * (n + 1))
             with ir.InsertionPoint(after):
                 spins = arith.addi(after.arguments[n], _int(1))
@@ -242,46 +273,66 @@ def _exchange(M: int, shape, layout):
             got = list(wait.results)[:n]
             vecs = [arith.bitcast(ir.VectorType.get((VEC,), ir.F32Type.get()),
                                   vector.from_elements(vec_i32, got[VEC * i:VEC * (i + 1)]))
-                    for i in range(len(bits))]
+                    for i in range(V)]
             total = vecs if total is None else [arith.addf(a, b) for a, b in zip(total, vecs)]
-        memref.store(flag, calls, [row, t])
-        return mgpu.FragmentedArray(_registers=np.array(total, dtype=object).reshape(x.registers.shape),
-                                    _layout=x.layout, _is_signed=None)
+        memref.store(flag, calls, [arith.index_cast(ir.IndexType.get(), row.registers.item()), t])
+        registers = layout.to_mgpu().registers_shape(shape)
+        return mgpu.FragmentedArray(_registers=np.array(total, dtype=object).reshape(registers),
+                                    _layout=layout.to_mgpu(), _is_signed=None)
 
     return f
 
 
-def _body(x_ref, r_ref, w_ref, inbox, calls, peers, rank, s_ref, y_ref, xs, rs, ws, ss, ys, bar, *, M, H, eps):
-    """Row `row` of the call. x_ref / r_ref / s_ref / y_ref [R, H/64, 64], w_ref [H/64, 64] in GMEM;
-    inbox, calls, peers, rank: the Mailbox shards (inbox and calls written in place); xs, rs, ws, ss, ys [P, 64] shared
-    memory; bar: the three loads' TMA barrier. Thread t of every device holds the same elements
-    (padding rows zero), so each thread exchanges its own elements only."""
-    row = lax.axis_index("row")
+def parts_for(rows: int, hidden: int) -> int:
+    """Blocks a row's message is sent from: as many as a thread has registers of the padded row (6 for
+    2880), at most MAX_BLOCKS // rows, so that every block of a call is resident at once (a
+    receiving block spins on its peers' sending blocks)."""
+    return max(1, min(_padded(hidden // LANES) // 8, MAX_BLOCKS // rows))
+
+
+def _body(x_ref, r_ref, w_ref, inbox, calls, peers, rank, s_ref, y_ref, xs, rs, ws, ss, ys, bar_x, bar_rw, *, M,
+          H, eps, parts):
+    """Block (row, part) of the call. x_ref / r_ref / s_ref / y_ref [R, H/64, 64], w_ref [H/64, 64] in
+    GMEM; inbox, calls, peers, rank: the Mailbox shards (inbox and calls written in place); xs, rs,
+    ws, ss, ys [P, 64] shared memory; bar_x, bar_rw: the loads' TMA barriers. Thread t of every
+    device holds the same elements (padding rows zero), so each thread exchanges its own elements
+    only. Every block sends its share of the row; block 0 receives, adds, normalizes and writes."""
+    row, part = lax.axis_index("row"), lax.axis_index("part")
     n, Pr = H // LANES, xs.shape[0]
     layout = plgpu.Layout.WG_STRIDED((Pr, LANES), vec_size=VEC)
     zeros = plgpu.layout_cast(jnp.zeros((Pr, LANES), F32), layout)
     for buf in (xs, rs, ws):
         buf[...] = zeros.astype(buf.dtype)
     plgpu.commit_smem()
-    plgpu.copy_gmem_to_smem(x_ref.at[row], xs.at[pl.ds(0, n)], bar)
-    plgpu.copy_gmem_to_smem(r_ref.at[row], rs.at[pl.ds(0, n)], bar)
-    plgpu.copy_gmem_to_smem(w_ref, ws.at[pl.ds(0, n)], bar)
-    plgpu.barrier_wait(bar)
-    t = _exchange(M, (Pr, LANES), layout)(inbox, calls, peers, _load(xs, layout).astype(F32), rank, row)
-    s = (t + _load(rs, layout).astype(F32)).astype(ss.dtype)
-    s32 = s.astype(F32)
-    inv = lax.rsqrt(jnp.sum(s32 * s32) / H + eps)
-    ss[...] = s
-    ys[...] = (s32 * inv * _load(ws, layout).astype(F32)).astype(ys.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(ss.at[pl.ds(0, n)], s_ref.at[row])
-    plgpu.copy_smem_to_gmem(ys.at[pl.ds(0, n)], y_ref.at[row])
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.copy_gmem_to_smem(x_ref.at[row], xs.at[pl.ds(0, n)], bar_x)
+
+    @pl.when(part == 0)
+    def _():
+        plgpu.copy_gmem_to_smem(r_ref.at[row], rs.at[pl.ds(0, n)], bar_rw)
+        plgpu.copy_gmem_to_smem(w_ref, ws.at[pl.ds(0, n)], bar_rw)
+
+    plgpu.barrier_wait(bar_x)
+    _send(M, parts, layout)(inbox, calls, peers, _load(xs, layout).astype(F32), rank, row, part)
+
+    @pl.when(part == 0)
+    def _():
+        plgpu.barrier_wait(bar_rw)
+        t = _receive(M, (Pr, LANES), layout)(inbox, calls, row)
+        s = (t + _load(rs, layout).astype(F32)).astype(ss.dtype)
+        s32 = s.astype(F32)
+        inv = lax.rsqrt(jnp.sum(s32 * s32) / H + eps)
+        ss[...] = s
+        ys[...] = (s32 * inv * _load(ws, layout).astype(F32)).astype(ys.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(ss.at[pl.ds(0, n)], s_ref.at[row])
+        plgpu.copy_smem_to_gmem(ys.at[pl.ds(0, n)], y_ref.at[row])
+        plgpu.wait_smem_to_gmem(0)
 
 
-def allreduce_add_rms_norm(x, residual, scale, mailbox: Mailbox, *, eps: float, axis: str):
+def allreduce_add_rms_norm(x, residual, scale, mailbox: Mailbox, *, eps: float, axis: str, parts: int | None = None):
     """See the module docstring. Inside shard_map over `axis`, mailbox this device's shard; GPU
-    only (the Mosaic GPU interpreter has no peer memory)."""
+    only (the Mosaic GPU interpreter has no peer memory). parts: blocks a row is sent from (1 to
+    the padded row's H / 512, rows x parts <= MAX_BLOCKS); by default `parts_for`."""
     check_shapes(x, residual, scale)
     M = lax.axis_size(axis)
     R, H = x.shape
@@ -293,13 +344,17 @@ def allreduce_add_rms_norm(x, residual, scale, mailbox: Mailbox, *, eps: float, 
         raise ValueError(f"allreduce_add_rms_norm: mailbox inbox {inbox.shape} / calls {calls.shape} / peers "
                          f"{peers.shape} / rank {rank.shape} are not for H={H} over {M} devices "
                          f"(new_mailbox(mesh, {H}))")
+    G = parts_for(R, H) if parts is None else parts
+    if not 1 <= G <= Pr // 8 or R * G > MAX_BLOCKS:
+        raise ValueError(f"allreduce_add_rms_norm: parts={G} for R={R}, H={H}; expected 1 to {Pr // 8} with "
+                         f"R x parts <= {MAX_BLOCKS}")
     dt = residual.dtype
     out = jax.ShapeDtypeStruct((R, n, LANES), dt)
     smem = [plgpu.SMEM((Pr, LANES), t) for t in (x.dtype, dt, scale.dtype, dt, dt)]
     s, y = plgpu.kernel(
-        functools.partial(_body, M=M, H=H, eps=float(eps)),
-        out_type=(out, out), scratch_types=(*smem, plgpu.Barrier(num_arrivals=3)),
-        grid=(R,), grid_names=("row",),
+        functools.partial(_body, M=M, H=H, eps=float(eps), parts=G),
+        out_type=(out, out), scratch_types=(*smem, plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=2)),
+        grid=(R, G), grid_names=("row", "part"),
     )(x.reshape(R, n, LANES), residual.reshape(R, n, LANES), scale.reshape(n, LANES), inbox, calls, peers,
       rank)
     return s.reshape(R, H), y.reshape(R, H)

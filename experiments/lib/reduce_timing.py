@@ -6,7 +6,8 @@ partials and a bf16 residual on each device of a (data 1, model n) mesh.
 `inputs` makes the arguments; `fused(mesh, kernel)` gives (once, loop) jitted programs: `once(x, r,
 w, *mb)` one call, (s, y) stacked per device; `loop(x, r, w, k, *mb)` k iterations of `chain` calls
 each, every call fed by the last (y times a per-device factor is the next partial, s the next
-residual). `per_call`: (best of 3 at `iters` iterations - best of 3 at none) / (iters x chain)
+residual), compiled as decode's programs are (`select.compiler_options`: on GPUs the loop one CUDA
+graph) unless `options` says otherwise ({}: XLA's defaults, whose kernels a profiler sees). `per_call`: (best of 3 at `iters` iterations - best of 3 at none) / (iters x chain)
 seconds.
 """
 
@@ -19,7 +20,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from eagle3_jax.pallas import allreduce
+from eagle3_jax.pallas import allreduce, select
 from lib import timing
 
 EPS = 1e-5
@@ -35,13 +36,15 @@ def inputs(mesh, rows: int, hidden: int, rng: np.random.Generator):
             put(jnp.asarray(1 + 0.1 * rng.normal(size=hidden), jnp.bfloat16), P()))
 
 
-def fused(mesh, kernel: bool, chain: int = 8):
-    """(once, loop) for the kernel (with the Mailbox's arrays as trailing arguments) or the reference."""
+def fused(mesh, kernel: bool, chain: int = 8, parts: int | None = None, options: dict | None = None):
+    """(once, loop) for the kernel (with the Mailbox's arrays as trailing arguments; `parts` blocks a
+    row, None: the kernel's default) or the reference."""
     n, every = mesh.shape["model"], P(tuple(mesh.axis_names))
 
     def op(x, r, w, mb):
         if kernel:
-            return allreduce.allreduce_add_rms_norm(x, r, w, allreduce.Mailbox(*mb), eps=EPS, axis="model")
+            return allreduce.allreduce_add_rms_norm(x, r, w, allreduce.Mailbox(*mb), eps=EPS, axis="model",
+                                                    parts=parts)
         return allreduce.allreduce_add_rms_norm_reference(x, r, w, eps=EPS, axis="model")
 
     def once(x, r, w, *mb):
@@ -63,7 +66,8 @@ def fused(mesh, kernel: bool, chain: int = 8):
     return (jax.jit(jax.shard_map(once, mesh=mesh, in_specs=(P("model"), P(), P()) + extra,
                                   out_specs=(P("model"), P("model")), check_vma=False)),
             jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P("model"), P(), P(), P()) + extra,
-                                  out_specs=P("model"), check_vma=False)))
+                                  out_specs=P("model"), check_vma=False),
+                    compiler_options=select.compiler_options() if options is None else options))
 
 
 def per_call(loop, args, mailbox=(), iters: int = 200, chain: int = 8) -> float:
