@@ -101,8 +101,8 @@ def test_bad_input_and_dispatch():
     with pytest.raises(ValueError, match="new_mailbox: the mesh spans .* processes"):
         allreduce.new_mailbox(types.SimpleNamespace(is_multi_process=True), 2880)
     # blocks a row is sent from: a thread's registers of the padded row (6 at 2880: 48 rows of 64 / 8),
-    # at most MAX_BLOCKS // rows; 1 for a row of one register
-    assert [allreduce.parts_for(r, 2880) for r in (1, 16, 21, 22, 43, 64)] == [6, 6, 6, 5, 2, 2]
+    # at most SPREAD_BLOCKS (24) // rows; 1 for a row of one register
+    assert [allreduce.parts_for(r, 2880) for r in (1, 4, 5, 8, 12, 13, 16, 64)] == [6, 6, 4, 3, 2, 1, 1, 1]
     assert allreduce.parts_for(1, 64) == allreduce.parts_for(64, 512) == 1
     mesh = parallel.make_mesh(model=1, devices=jax.devices()[:1])
     mailbox = allreduce.new_mailbox(mesh, 2880)
@@ -159,8 +159,8 @@ def test_kernel_matches_reference_gpu(R, dtype, parts):
 
 @pytest.mark.gpu
 def test_kernel_exact_in_a_loop_gpu():
-    """4000 chained calls at each of 1, 16 and 64 rows in a jitted loop (the Mailbox reused across calls
-    and programs, rows sent from 6, 6 and 2 blocks, then 1 row from one block): integer-valued partials
+    """4000 chained calls in a jitted loop for each of (rows, blocks a row): (1, default 6), (16, default
+    1), (16, 6), (64, 2), (1, 1), the Mailbox reused across calls and programs: integer-valued partials
     that change every call, so every s is an exact, known sum. Counts the calls whose s differs: none
     on any device."""
     if len(gpus()) < 2:
@@ -190,7 +190,7 @@ def test_kernel_exact_in_a_loop_gpu():
         return lax.fori_loop(0, n[0, 0], step, (zero, jnp.int32(0)))[1][None]
 
     every = P(tuple(mesh.axis_names))
-    for R, parts in ((1, None), (16, None), (64, None), (1, 1)):
+    for R, parts in ((1, None), (16, None), (16, 6), (64, 2), (1, 1)):
         run = jax.jit(jax.shard_map(functools.partial(loop, parts=parts), mesh=mesh,
                                     in_specs=(P(),) + (every,) * len(mailbox), out_specs=P("model"), check_vma=False))
         n = jax.device_put(jnp.full((R, 1), calls, jnp.int32), NamedSharding(mesh, P()))

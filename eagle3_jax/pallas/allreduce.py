@@ -8,23 +8,23 @@ f32, in device order (every device computes the same bits): s = (t + residual) r
 residual.dtype, y = s * rsqrt(mean(s^2) + eps) * scale in f32, rounded likewise; returns (s, y).
 `allreduce_add_rms_norm_reference` is the same through `lax.psum`, on any platform.
 
-One block (one warpgroup) a row: TMA brings the rows of x, the residual and the scale into shared
-memory ([H / 64, 64], zero rows padding to a multiple of 8: thread t holds the same elements on
-every device); each thread stores its elements into slot `rank` of its own and every peer's inbox,
-each beside a flag (the call's number) in one 8-byte half of a 16-byte volatile store, so data and
-signal arrive together with no fence; it reloads slot k of its own inbox, k = 0 .. M-1, until every
-flag is this call's, sums in device order, adds the residual, normalizes. Peers are reached through
-plain device addresses (a table in the `Mailbox`; the GPUs of one process have peer access, which
-XLA's GPU client enables), not through `plgpu.remote_ref` or `lax.axis_index`: a kernel reading
-XLA's collective metadata makes XLA launch a barrier (5-7 us) before every call. Calls alternate
-between two slots, reused with no handshake (a peer writes call c + 2 only after reading our call
-c + 1). After MAX_SPINS reloads a kernel traps (an error, not a hang). Every device must make the
-same calls in the same order, as one mesh's SPMD programs do.
+A row's blocks (one warpgroup each; `parts_for`: 6 at H = 2880 for up to 4 rows, 1 from 16): TMA
+brings the row of x into shared memory ([H / 64, 64], zero rows padding to a multiple of 8: thread t
+holds the same elements on every device); each block stores its share of the row into slot `rank`
+of its own and every peer's inbox, each element beside a flag (the call's number) in one 8-byte
+half of a 16-byte volatile store, so data and signal arrive together with no fence. Block 0 reloads
+slot k of its own inbox, k = 0 .. M-1, until every flag is this call's, sums in device order, adds
+the residual, normalizes and writes. Peers are reached through plain device addresses (a table in
+the `Mailbox`; the GPUs of one process have peer access), not `plgpu.remote_ref` or
+`lax.axis_index`: a kernel reading XLA's collective metadata makes XLA launch a barrier (5-7 us)
+before every call. Calls alternate between two slots, reused with no handshake (a peer writes call
+c + 2 only after reading our call c + 1). After MAX_SPINS reloads a kernel traps (an error, not a
+hang). Every device must make the same calls in the same order, as one mesh's SPMD programs do.
 
-4 H100s, JAX 0.11.2 (experiments/results/reduce_norm_h100x4.json, chains of 8 calls): 8.7 / 9.4 /
-11.0 / 18.8 us a call at 1 / 4 / 16 / 64 rows over 2 devices, 12.0 / 12.0 / 18.6 / 56.2 over 4
-(XLA's all-reduce + add + norm: 19.8-23.6 and 21.1-27.2). Requires H % 64 == 0, R <= MAX_ROWS and
-every device of the mesh in this process.
+4 H200s, JAX 0.11.2, loops as CUDA graphs (experiments/results/reduce_norm_parts_h200x4.json, chains
+of 8 calls): 6.7 / 8.1 / 9.6 / 17.5 us a call at 1 / 4 / 16 / 64 rows over 2 devices, 8.8 / 11.0 /
+16.6 / 42.1 over 4 (XLA's all-reduce + add + norm: 14.0-20.9 and 15.5-25.5). Requires H % 64 == 0,
+R <= MAX_ROWS and every device of the mesh in this process.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ F32 = jnp.float32
 I32 = jnp.int32
 LANES = 64  # a row is viewed as [H / LANES, LANES]
 MAX_ROWS = 64  # decode (B) and verify (B x draft tokens) sizes
-MAX_BLOCKS = 128  # blocks a call: all resident at once on a 132-SM Hopper GPU
+MAX_BLOCKS = 128  # blocks a call can have: all resident at once on a 132-SM Hopper GPU
+SPREAD_BLOCKS = 24  # blocks a call's rows are spread over by default (`parts_for`)
 THREADS = 128  # one warpgroup a block
 MAX_SPINS = 1 << 25  # reloads of a slot before a kernel gives up on a peer (tens of seconds)
 VEC = 4  # f32 elements a thread holds contiguously (WG_STRIDED): elements 512 i + 4 t + j
@@ -285,9 +286,9 @@ def _receive(M: int, shape, layout):
 
 def parts_for(rows: int, hidden: int) -> int:
     """Blocks a row's message is sent from: as many as a thread has registers of the padded row (6 for
-    2880), at most MAX_BLOCKS // rows, so that every block of a call is resident at once (a
-    receiving block spins on its peers' sending blocks)."""
-    return max(1, min(_padded(hidden // LANES) // 8, MAX_BLOCKS // rows))
+    2880), at most SPREAD_BLOCKS // rows blocks a call (reduce_norm_parts_h200x4.json: 1 and 4 rows
+    gained from 6 blocks a row, 16 and 64 rows lost)."""
+    return max(1, min(_padded(hidden // LANES) // 8, SPREAD_BLOCKS // rows))
 
 
 def _body(x_ref, r_ref, w_ref, inbox, calls, peers, rank, s_ref, y_ref, xs, rs, ws, ss, ys, bar_x, bar_rw, *, M,
