@@ -14,8 +14,8 @@ from; "auto": `allreduce.parts_for`). With --profile, also the device time of ea
 per call and device (`timing.kernel_records` of one run of a copy of the loop compiled with XLA's
 defaults, whose kernels the profiler sees: the fused kernel's own time, its spin included, against
 what the launches around it add). Rows {"tp", "rows", "parts", "kernel_us", "reference_us",
-"s_max_diff", "same_on_devices", "kernel_device_us", "reference_device_us"}. Needs GPUs (the kernel has no CPU path); the JSON is
-written after each row.
+"s_max_diff", "same_on_devices", "kernel_device_us", "reference_device_us"}. Needs GPUs (the
+kernel has no CPU path); the JSON is written after each row.
 """
 
 from absl import flags
