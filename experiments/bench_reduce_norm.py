@@ -85,7 +85,7 @@ def main(argv):
             reference_us = reduce_timing.per_call(ref[1], args, (), FLAGS.iters, FLAGS.chain) * 1e6
             reference_device_us = device_us(prog(False, None, {})[1], args, (), n) if FLAGS.profile else None
             for parts in sorted({allreduce.parts_for(R, H) if p == "auto" else int(p) for p in FLAGS.parts}):
-                if parts > allreduce.parts_for(1, H) or R * parts > allreduce.MAX_BLOCKS:
+                if parts > allreduce.max_parts(H) or R * parts > allreduce.MAX_BLOCKS:
                     continue
                 once, loop = prog(True, parts)
                 s, y = (np.asarray(a, np.float32) for a in once(*args, *mailbox))

@@ -104,6 +104,7 @@ def test_bad_input_and_dispatch():
     # at most SPREAD_BLOCKS (24) // rows; 1 for a row of one register
     assert [allreduce.parts_for(r, 2880) for r in (1, 4, 5, 8, 12, 13, 16, 64)] == [6, 6, 4, 3, 2, 1, 1, 1]
     assert allreduce.parts_for(1, 64) == allreduce.parts_for(64, 512) == 1
+    assert [allreduce.max_parts(h) for h in (64, 512, 576, 2880)] == [1, 1, 2, 6]
     mesh = parallel.make_mesh(model=1, devices=jax.devices()[:1])
     mailbox = allreduce.new_mailbox(mesh, 2880)
     for R, parts in ((1, 7), (1, 0), (64, 3)):

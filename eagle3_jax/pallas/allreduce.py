@@ -284,11 +284,17 @@ def _receive(M: int, shape, layout):
     return f
 
 
+def max_parts(hidden: int) -> int:
+    """The most blocks a row of `hidden` can be sent from: the registers a thread holds of the padded
+    row (6 for 2880: 48 rows of 64 over 128 threads, 4 f32 a register), each sent whole."""
+    return _padded(hidden // LANES) // 8
+
+
 def parts_for(rows: int, hidden: int) -> int:
-    """Blocks a row's message is sent from: as many as a thread has registers of the padded row (6 for
-    2880), at most SPREAD_BLOCKS // rows blocks a call (reduce_norm_parts_h200x4.json: 1 and 4 rows
-    gained from 6 blocks a row, 16 and 64 rows lost)."""
-    return max(1, min(_padded(hidden // LANES) // 8, SPREAD_BLOCKS // rows))
+    """Blocks a row's message is sent from by default: `max_parts`, at most SPREAD_BLOCKS // rows
+    blocks a call (reduce_norm_parts_h200x4.json: 1 and 4 rows gained from 6 blocks a row, 16 and
+    64 rows lost)."""
+    return max(1, min(max_parts(hidden), SPREAD_BLOCKS // rows))
 
 
 def _body(x_ref, r_ref, w_ref, inbox, calls, peers, rank, s_ref, y_ref, xs, rs, ws, ss, ys, bar_x, bar_rw, *, M,
@@ -333,7 +339,7 @@ def _body(x_ref, r_ref, w_ref, inbox, calls, peers, rank, s_ref, y_ref, xs, rs, 
 def allreduce_add_rms_norm(x, residual, scale, mailbox: Mailbox, *, eps: float, axis: str, parts: int | None = None):
     """See the module docstring. Inside shard_map over `axis`, mailbox this device's shard; GPU
     only (the Mosaic GPU interpreter has no peer memory). parts: blocks a row is sent from (1 to
-    the padded row's H / 512, rows x parts <= MAX_BLOCKS); by default `parts_for`."""
+    `max_parts(H)`, rows x parts <= MAX_BLOCKS); by default `parts_for`."""
     check_shapes(x, residual, scale)
     M = lax.axis_size(axis)
     R, H = x.shape
@@ -346,8 +352,8 @@ def allreduce_add_rms_norm(x, residual, scale, mailbox: Mailbox, *, eps: float, 
                          f"{peers.shape} / rank {rank.shape} are not for H={H} over {M} devices "
                          f"(new_mailbox(mesh, {H}))")
     G = parts_for(R, H) if parts is None else parts
-    if not 1 <= G <= Pr // 8 or R * G > MAX_BLOCKS:
-        raise ValueError(f"allreduce_add_rms_norm: parts={G} for R={R}, H={H}; expected 1 to {Pr // 8} with "
+    if not 1 <= G <= max_parts(H) or R * G > MAX_BLOCKS:
+        raise ValueError(f"allreduce_add_rms_norm: parts={G} for R={R}, H={H}; expected 1 to {max_parts(H)} with "
                          f"R x parts <= {MAX_BLOCKS}")
     dt = residual.dtype
     out = jax.ShapeDtypeStruct((R, n, LANES), dt)

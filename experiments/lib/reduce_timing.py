@@ -7,8 +7,8 @@ partials and a bf16 residual on each device of a (data 1, model n) mesh.
 w, *mb)` one call, (s, y) stacked per device; `loop(x, r, w, k, *mb)` k iterations of `chain` calls
 each, every call fed by the last (y times a per-device factor is the next partial, s the next
 residual), compiled as decode's programs are (`select.compiler_options`: on GPUs the loop one CUDA
-graph) unless `options` says otherwise ({}: XLA's defaults, whose kernels a profiler sees). `per_call`: (best of 3 at `iters` iterations - best of 3 at none) / (iters x chain)
-seconds.
+graph) unless `options` says otherwise ({}: XLA's defaults, whose kernels a profiler sees).
+`per_call`: (best of 3 at `iters` iterations - best of 3 at none) / (iters x chain) seconds.
 """
 
 from __future__ import annotations
