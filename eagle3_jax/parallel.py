@@ -264,12 +264,17 @@ def mailbox(mesh: Mesh | None, hidden: int) -> allreduce.Mailbox | None:
     """The Mailbox (pallas/allreduce.py) that decode programs on `mesh` pass to the one-shot
     all-reduce kernel, for rows of `hidden`: made on first use and shared by every program on the
     mesh (its flags count the calls, which every device makes alike). None where the kernel does not
-    run: no mesh, one device along "model", or not `select.tp_kernel(hidden)`."""
+    run: no mesh, one device along "model", not `select.tp_kernel(hidden)`, or model groups whose
+    GPUs cannot reach each other's memory (`allreduce.shared_memory_problem`: across hosts, or
+    several devices of a group in one process and others elsewhere). Across processes every process
+    must ask alike (it gathers from all of them)."""
     if mesh is None or model_size(mesh) == 1 or not select.tp_kernel(hidden):
         return None
     key = (mesh, hidden)
     if key not in _MAILBOXES:
-        _MAILBOXES[key] = allreduce.new_mailbox(mesh, hidden)
+        hosts = allreduce.process_hosts() if mesh.is_multi_process else None
+        shared = allreduce.shared_memory_problem(mesh, "model", hosts) is None
+        _MAILBOXES[key] = allreduce.new_mailbox(mesh, hidden) if shared else None
     return _MAILBOXES[key]
 
 

@@ -39,10 +39,12 @@ flags.DEFINE_string("out", None, "JSON output path")
 FLAGS = flags.FLAGS
 
 
-def device_us(run, args, mb, n):
-    """{kernel family: device microseconds per call and device} over one run of --iters iterations."""
+def device_us(run, args, mailbox, n):
+    """{kernel family: device microseconds per call and device} over one run of --iters iterations
+    (mailbox: the kernel's, None for the reference)."""
     k = jnp.int32(FLAGS.iters)
-    recs = timing.kernel_records(lambda: run(*args, k, *mb), repeats=1)
+    boxes = () if mailbox is None else (mailbox,)
+    recs = timing.kernel_records(lambda: run(*args, k, *boxes), repeats=1)
     out = {}
     for name, _, dur in recs:
         group = timing.kernel_group(name)
@@ -82,13 +84,13 @@ def main(argv):
             args = reduce_timing.inputs(mesh, R, H, rng)
             ref = prog(False, None)
             s_ref = np.asarray(ref[0](*args)[0], np.float32)
-            reference_us = reduce_timing.per_call(ref[1], args, (), FLAGS.iters, FLAGS.chain) * 1e6
-            reference_device_us = device_us(prog(False, None, {})[1], args, (), n) if FLAGS.profile else None
+            reference_us = reduce_timing.per_call(ref[1], args, None, FLAGS.iters, FLAGS.chain) * 1e6
+            reference_device_us = device_us(prog(False, None, {})[1], args, None, n) if FLAGS.profile else None
             for parts in sorted({allreduce.parts_for(R, H) if p == "auto" else int(p) for p in FLAGS.parts}):
                 if parts > allreduce.max_parts(H) or R * parts > allreduce.MAX_BLOCKS:
                     continue
                 once, loop = prog(True, parts)
-                s, y = (np.asarray(a, np.float32) for a in once(*args, *mailbox))
+                s, y = (np.asarray(a, np.float32) for a in once(*args, mailbox))
                 row = dict(tp=n, rows=R, parts=parts, s_max_diff=float(np.abs(s - s_ref).max()),
                            same_on_devices=bool(all(np.array_equal(s[0], s[d]) and np.array_equal(y[0], y[d])
                                                     for d in range(n))),

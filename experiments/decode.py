@@ -24,7 +24,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax import assets
+from eagle3_jax import assets, parallel
 from eagle3_jax.convert import load_eagle3, load_gpt_oss
 from eagle3_jax.spec import decode, generate
 from lib import cli
@@ -166,9 +166,11 @@ def main(argv):
                 _say("(sampling: outputs are independent exact draws, not expected to match)")
     if draft is not None and jax.default_backend() == "cpu" and jax.process_index() == 0:
         print(textwrap.fill(CPU_NOTE, 100), flush=True)
+    # the one-shot kernel's route (bf16 sums, the pick), else XLA's collectives; every process asks
+    mailbox = mesh is not None and parallel.mailbox(mesh, target.config.hidden_size) is not None
     if FLAGS.json_out and jax.process_index() == 0:
         if mesh is not None:
-            result["mesh"] = dict(mesh.shape, processes=jax.process_count(), experts=FLAGS.experts)
+            result["mesh"] = dict(mesh.shape, processes=jax.process_count(), experts=FLAGS.experts, mailbox=mailbox)
         with open(FLAGS.json_out, "w") as f:
             json.dump(result, f, indent=1)
 

@@ -26,14 +26,19 @@ from eagle3_jax.spec import loop  # noqa: E402
 
 
 def check_table(mesh, mailbox):
-    """Device (d, m)'s rank is m and its row k of peers is device (d, k)'s inbox shard address."""
-    address = {s.device: s.data.unsafe_buffer_pointer() for s in mailbox.inbox.addressable_shards}
+    """Device (d, m)'s rank is m, rows 0 .. M - 1 of its table are its group's inboxes, each the
+    address that member itself holds at its own rank, and its last row its own calls counter."""
+    table = {s.device: np.asarray(s.data).view(np.uint32).astype(np.int64) for s in mailbox.table.addressable_shards}
     rank = {s.device: int(np.asarray(s.data)[0, 0]) for s in mailbox.rank.addressable_shards}
-    peers = {s.device: np.asarray(s.data).view(np.uint32).astype(np.int64) for s in mailbox.peers.addressable_shards}
+    address = {dev: [int(lo) | (int(hi) << 32) for lo, hi in table[dev]] for dev in table}
+    M = mesh.shape["model"]
+    inbox_bytes = 2 * M * allreduce.MAX_ROWS * 2 * allreduce.row_width(mailbox) * 4
     for (d, m), dev in np.ndenumerate(mesh.devices):
         assert rank[dev] == m, (dev, rank[dev], m)
-        got = [int(lo) | (int(hi) << 32) for lo, hi in peers[dev]]
-        assert got == [address[mesh.devices[d, k]] for k in range(mesh.shape["model"])], (dev, got)
+        want = [address[mesh.devices[d, k]][k] for k in range(M)]
+        assert address[dev][:-1] == want, (dev, address[dev], want)
+        assert address[dev][-1] == address[dev][m] + inbox_bytes  # its calls counter, after its inbox
+    assert len({address[dev][rank[dev]] for dev in table}) == mesh.size  # each device its own memory
 
 
 def main():

@@ -5,6 +5,7 @@ read too early, a slot overwritten before its peer read it or a lost flag fails 
 
 import functools
 import os
+import socket
 import subprocess
 import sys
 import types
@@ -40,8 +41,7 @@ def mesh_fn(mesh, fn, with_mailbox):
         s, y = fn(x[0], r, w, *mb)
         return s[None], y[None]
 
-    every = P(tuple(mesh.axis_names))
-    specs = (P("model"), P(), P()) + ((every,) * len(allreduce.Mailbox._fields) if with_mailbox else ())
+    specs = (P("model"), P(), P()) + ((P(tuple(mesh.axis_names)),) if with_mailbox else ())
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P("model"), P("model")),
                                  check_vma=False))
 
@@ -93,37 +93,53 @@ def test_bad_input_and_dispatch():
     assert select.tp_reduce(z((1, 1, 2880 + 32), jnp.bfloat16), 1, 2, box, platform="gpu") == "reference"
     assert select.tp_kernel(2880, "gpu") and not select.tp_kernel(2912, "gpu") and not select.tp_kernel(2880, "cpu")
     # the pick: any dtype, the same row limits, the Mailbox's padded width (3072 for H = 2880)
-    shard = types.SimpleNamespace(inbox=types.SimpleNamespace(shape=(2, 4, 64, 6144)))
-    assert allreduce.row_width(shard) == 3072
+    mesh = parallel.make_mesh(model=1, devices=jax.devices()[:1])
+    mailbox = allreduce.new_mailbox(mesh, 2880)
+    shard = types.SimpleNamespace(width=3072)
+    assert allreduce.row_width(shard) == allreduce.row_width(mailbox) == jax.jit(lambda mb: mb)(mailbox).width == 3072
     assert [select.tp_pick(r, m, shard, platform="gpu") for r, m in ((1, 4), (21, 4), (22, 4), (64, 2), (65, 2))] == [
         "kernel", "kernel", "reference", "kernel", "reference"]
     assert select.tp_pick(1, 4, None, platform="gpu") == select.tp_pick(1, 4, shard, platform="cpu") == "reference"
-    with pytest.raises(ValueError, match="new_mailbox: the mesh spans .* processes"):
-        allreduce.new_mailbox(types.SimpleNamespace(is_multi_process=True), 2880)
     # blocks a row is sent from: a thread's registers of the padded row (6 at 2880: 48 rows of 64 / 8),
     # at most SPREAD_BLOCKS (24) // rows; 1 for a row of one register
     assert [allreduce.parts_for(r, 2880) for r in (1, 4, 5, 8, 12, 13, 16, 64)] == [6, 6, 4, 3, 2, 1, 1, 1]
     assert allreduce.parts_for(1, 64) == allreduce.parts_for(64, 512) == 1
     assert [allreduce.max_parts(h) for h in (64, 512, 576, 2880)] == [1, 1, 2, 6]
-    mesh = parallel.make_mesh(model=1, devices=jax.devices()[:1])
-    mailbox = allreduce.new_mailbox(mesh, 2880)
     for R, parts in ((1, 7), (1, 0), (64, 3)):
-        run = mesh_fn(mesh, lambda x, r, w, *mb, parts=parts: allreduce.allreduce_add_rms_norm(
-            x, r, w, allreduce.Mailbox(*mb), eps=EPS, axis="model", parts=parts), True)
+        run = mesh_fn(mesh, lambda x, r, w, mb, parts=parts: allreduce.allreduce_add_rms_norm(
+            x, r, w, mb, eps=EPS, axis="model", parts=parts), True)
         with pytest.raises(ValueError, match=f"parts={parts} for R={R}, H=2880; expected 1 to 6 with R x parts <= 128"):
-            run(z((1, R, 2880)), z((R, 2880), jnp.bfloat16), z((2880,)), *mailbox)
+            run(z((1, R, 2880)), z((R, 2880), jnp.bfloat16), z((2880,)), mailbox)
+    run = mesh_fn(mesh, lambda x, r, w, mb: allreduce.allreduce_add_rms_norm(x, r, w, mb, eps=EPS, axis="model"),
+                  True)  # a Mailbox made for rows of 2880 cannot carry rows of 4096
+    with pytest.raises(ValueError, match=r"rows of 3072 is not for H=4096 over 1 devices .*rows of 4096"):
+        run(z((1, 1, 4096)), z((1, 4096), jnp.bfloat16), z((4096,)), mailbox)
 
 
-def test_copied_finds_copies_of_the_mailbox_shapes():
-    """`copied` flags an HLO copy (or copy-start) of an array of a Mailbox shard's shape, nothing else."""
-    mesh = parallel.make_mesh(model=1, devices=jax.devices()[:1])
-    mailbox = allreduce.new_mailbox(mesh, 2880)
-    assert [a.shape for a in mailbox] == [(2, 1, 64, 6144), (64, 128), (1, 2), (1, 1)]
-    assert allreduce.copied("%copy.3 = s32[2,1,64,6144]{3,2,1,0} copy(%param.1)", mailbox)
-    assert allreduce.copied("  %c = s32[64,128]{1,0} copy-start(%p), metadata={}", mailbox)
-    assert not allreduce.copied("%copy.3 = s32[2,1,64,3072]{3,2,1,0} copy(%param.1)", mailbox)
-    assert not allreduce.copied("%add.3 = s32[2,1,64,6144]{3,2,1,0} add(%a, %b)", mailbox)
-    assert not allreduce.copied("%copy.3 = f32[2,1,64,6144]{3,2,1,0} copy(%param.1)", mailbox)
+def fake_mesh(layout, hosts=None):
+    """A mesh-like object over fake devices: layout [data, model] of process indices."""
+    procs = np.asarray(layout)
+    devices = np.empty(procs.shape, object)
+    for i, (idx, p) in enumerate(np.ndenumerate(procs)):
+        devices[idx] = types.SimpleNamespace(id=i, process_index=int(p))
+    return types.SimpleNamespace(devices=devices, axis_names=("data", "model"),
+                                 shape={"data": procs.shape[0], "model": procs.shape[1]},
+                                 is_multi_process=len(set(procs.flat)) > 1)
+
+
+def test_shared_memory_problem():
+    """Model groups reach each other's memory when all in one process, or one device a process with
+    the group's processes on one host; otherwise the reason names the group, processes or hosts."""
+    one_host = ["a"] * 4
+    assert allreduce.shared_memory_problem(fake_mesh([[0, 0, 0, 0]])) is None
+    assert allreduce.shared_memory_problem(fake_mesh([[0, 1, 2, 3]]), hosts=one_host) is None
+    assert allreduce.shared_memory_problem(fake_mesh([[0, 0], [1, 1]]), hosts=one_host) is None  # groups per process
+    assert allreduce.shared_memory_problem(fake_mesh([[0, 1], [0, 1]]), hosts=one_host) is None  # one a process
+    why = allreduce.shared_memory_problem(fake_mesh([[0, 0, 1, 1]]), hosts=one_host)
+    assert why.startswith("the model group [0, 1, 2, 3] spans processes [0, 1] with several of its devices"), why
+    why = allreduce.shared_memory_problem(fake_mesh([[0, 1], [2, 3]]), hosts=["a", "a", "b", "c"])
+    assert why == "the model group [2, 3] spans hosts ['b', 'c']; GPUs share memory only within a host", why
+    assert allreduce.shared_memory_problem(fake_mesh([[0, 1], [2, 3]]), hosts=["a", "a", "b", "b"]) is None
 
 
 def gpus():
@@ -146,9 +162,9 @@ def test_kernel_matches_reference_gpu(R, dtype, parts):
     mesh = parallel.make_mesh(model=M, devices=gpus()[:M])
     mailbox = allreduce.new_mailbox(mesh, H)
     host, dev = inputs(mesh, M, R, H, dtype, 7 * R)
-    kern = mesh_fn(mesh, lambda x, r, w, *mb: allreduce.allreduce_add_rms_norm(
-        x, r, w, allreduce.Mailbox(*mb), eps=EPS, axis="model", parts=parts), True)
-    s, y = (np.asarray(a, np.float64) for a in kern(*dev, *mailbox))
+    kern = mesh_fn(mesh, lambda x, r, w, mb: allreduce.allreduce_add_rms_norm(
+        x, r, w, mb, eps=EPS, axis="model", parts=parts), True)
+    s, y = (np.asarray(a, np.float64) for a in kern(*dev, mailbox))
     s_want, y_want = reduce_add_norm_np(*host, dtype)
     for d in range(M):
         np.testing.assert_array_equal(s[d], s[0])
@@ -171,7 +187,7 @@ def test_kernel_exact_in_a_loop_gpu():
     mesh = parallel.make_mesh(model=M, devices=gpus()[:M])
     mailbox = allreduce.new_mailbox(mesh, H)
 
-    def loop(n, *mb, parts=None):
+    def loop(n, mb, parts=None):
         d = lax.axis_index("model").astype(jnp.float32)
         R = n.shape[0]
         pattern = jnp.broadcast_to((jnp.arange(H) % 4 + 1).astype(jnp.float32), (R, H))
@@ -182,8 +198,7 @@ def test_kernel_exact_in_a_loop_gpu():
             for j in range(chain):
                 v = ((i * chain + j) % 7).astype(jnp.float32)
                 part = (v + d + 1) * pattern + 0.0 * s.astype(jnp.float32)  # depends on the previous call
-                s, _ = allreduce.allreduce_add_rms_norm(part, zero, w, allreduce.Mailbox(*mb), eps=EPS, axis="model",
-                                                        parts=parts)
+                s, _ = allreduce.allreduce_add_rms_norm(part, zero, w, mb, eps=EPS, axis="model", parts=parts)
                 want = (M * v + M * (M + 1) / 2) * pattern
                 errs = errs + jnp.sum(s.astype(jnp.float32) != want).astype(jnp.int32)
             return s, errs
@@ -193,10 +208,9 @@ def test_kernel_exact_in_a_loop_gpu():
     every = P(tuple(mesh.axis_names))
     for R, parts in ((1, None), (16, None), (16, 6), (64, 2), (1, 1)):
         run = jax.jit(jax.shard_map(functools.partial(loop, parts=parts), mesh=mesh,
-                                    in_specs=(P(),) + (every,) * len(mailbox), out_specs=P("model"), check_vma=False))
+                                    in_specs=(P(), every), out_specs=P("model"), check_vma=False))
         n = jax.device_put(jnp.full((R, 1), calls, jnp.int32), NamedSharding(mesh, P()))
-        assert not allreduce.copied(run.lower(n, *mailbox).compile().as_text(), mailbox)
-        assert np.asarray(run(n, *mailbox)).tolist() == [0] * M, (R, parts)
+        assert np.asarray(run(n, mailbox)).tolist() == [0] * M, (R, parts)
 
 
 @pytest.mark.gpu
@@ -228,9 +242,35 @@ def test_vocab_argmax_through_the_kernel_gpu(B, N):
 
     exe = jax.jit(pick).lower(mailbox, logits).compile()
     text = exe.as_text()
-    assert not allreduce.copied(text, mailbox)
     assert "all-gather" not in text and ("all-reduce" in text) != kernel
     np.testing.assert_array_equal(np.asarray(exe(mailbox, logits)), np.argmax(z, -1))
+
+
+@pytest.mark.gpu
+def test_kernel_one_process_a_gpu():
+    """tests/allreduce_processes.py in 2 or 4 processes (jax.distributed on localhost), each seeing one
+    GPU: the kernel reaches the other processes' inboxes through CUDA IPC; its values and 4000 exact
+    chained calls, checked in every process."""
+    if len(gpus()) < 2:
+        pytest.skip("needs 2 GPUs")
+    M = 4 if len(gpus()) >= 4 else 2
+    with socket.socket() as sock:  # a free port for the coordinator
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    here = os.path.dirname(__file__)
+    procs = [subprocess.Popen([sys.executable, os.path.join(here, "allreduce_processes.py"), str(i), str(M), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=here,
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": str(gpus()[i].local_hardware_id),
+                                   "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.1"})
+             for i in range(M)]
+    try:
+        outs = [p.communicate(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and out.rstrip().endswith("ok"), (out, err[-4000:])
 
 
 def test_model_kernels_lower_without_collective_metadata():

@@ -140,16 +140,16 @@ def reduce_add_norm(part, x, norm):
     box = mailbox()
     kernel = select.tp_reduce(x, rows_per_device(part.shape[1]), part.shape[0], box) == "kernel"
 
-    def body(p, r, scale, *mb):
+    def body(p, r, scale, *box):
         shape = r.shape
         args = (p[0], r.reshape(-1, shape[-1]), scale)
         if kernel:
-            s, y = allreduce.allreduce_add_rms_norm(*args, allreduce.Mailbox(*mb), eps=norm.eps, axis=MODEL)
+            s, y = allreduce.allreduce_add_rms_norm(*args, *box, eps=norm.eps, axis=MODEL)
         else:
             s, y = allreduce.allreduce_add_rms_norm_reference(*args, eps=norm.eps, axis=MODEL)
         return s.reshape(shape), y.reshape(shape)
 
-    boxes = tuple(box) if kernel else ()
+    boxes = (box,) if kernel else ()
     specs = (P(MODEL, DATA), ROWS, P()) + (P(AXES),) * len(boxes)
     return local(body, specs, (ROWS, ROWS))(part, x, norm.scale[...], *boxes)
 
@@ -172,14 +172,14 @@ def vocab_argmax(logits):
     box = mailbox()
     kernel = select.tp_pick(rows, M, box) == "kernel"
 
-    def body(z, *mb):
+    def body(z, *box):
         shape = z.shape[:-1]
         z = z.reshape(-1, z.shape[-1])
         me = lax.axis_index(MODEL)
         i = jnp.argmax(z, axis=-1)
         top = jnp.take_along_axis(z, i[:, None], -1)[:, 0]
         mine = jnp.stack([top, (i + me * z.shape[-1]).astype(jnp.float32)], -1)
-        local_box = allreduce.Mailbox(*mb) if kernel else None
+        local_box = box[0] if kernel else None
         width = allreduce.row_width(local_box) if kernel else 2 * M
         slots = jnp.where(jnp.arange(width) // 2 == me, jnp.tile(mine, (1, width // 2)), 0.0)
         if kernel:
@@ -192,6 +192,6 @@ def vocab_argmax(logits):
         pick = jnp.take_along_axis(pairs[..., 1], best[:, None], -1)[:, 0]
         return pick.astype(jnp.int32).reshape(shape)
 
-    boxes = tuple(box) if kernel else ()
+    boxes = (box,) if kernel else ()
     in_specs = (P(DATA, *([None] * (len(lead) - 1)), MODEL),) + (P(AXES),) * len(boxes)
     return local(body, in_specs, ROWS)(logits, *boxes)

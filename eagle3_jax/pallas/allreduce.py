@@ -1,9 +1,9 @@
 """One-shot all-reduce of a decode-sized residual update, fused with the residual add and RMSNorm
-that follow it: Pallas Mosaic GPU, Hopper GPUs of one host driven by one process.
+that follow it: Pallas Mosaic GPU, Hopper GPUs of one host, one process for them all or one a GPU.
 
 `allreduce_add_rms_norm(x, residual, scale, mailbox, *, eps, axis)`, inside `jax.shard_map` over the
 mesh axis `axis` (M devices): x [R, H] this device's partial sum (f32 or bf16), residual [R, H],
-scale [H], mailbox this device's shard of a `Mailbox`. With t the sum of x over the M devices in
+scale [H], mailbox this device's shards of a `Mailbox`. With t the sum of x over the M devices in
 f32, in device order (every device computes the same bits): s = (t + residual) rounded to
 residual.dtype, y = s * rsqrt(mean(s^2) + eps) * scale in f32, rounded likewise; returns (s, y).
 `allreduce_add_rms_norm_reference` is the same through `lax.psum`, on any platform.
@@ -14,37 +14,39 @@ holds the same elements on every device); each block stores its share of the row
 of its own and every peer's inbox, each element beside a flag (the call's number) in one 8-byte
 half of a 16-byte volatile store, so data and signal arrive together with no fence. Block 0 reloads
 slot k of its own inbox, k = 0 .. M-1, until every flag is this call's, sums in device order, adds
-the residual, normalizes and writes. Peers are reached through plain device addresses (a table in
-the `Mailbox`; the GPUs of one process have peer access), not `plgpu.remote_ref` or
-`lax.axis_index`: a kernel reading XLA's collective metadata makes XLA launch a barrier (5-7 us)
-before every call. Calls alternate between two slots, reused with no handshake (a peer writes call
-c + 2 only after reading our call c + 1). After MAX_SPINS reloads a kernel traps (an error, not a
-hang). Every device must make the same calls in the same order, as one mesh's SPMD programs do.
+the residual, normalizes and writes. Inboxes are memory outside XLA (`peer_memory`), reached through
+a table of addresses in the `Mailbox` (directly in one process, through CUDA IPC across processes),
+not `plgpu.remote_ref` or `lax.axis_index`: a kernel reading XLA's collective metadata makes XLA
+launch a barrier (5-7 us) before every call. Calls alternate between two slots, reused with no
+handshake (a peer writes call c + 2 only after reading our call c + 1). After MAX_SPINS reloads a
+kernel traps (an error, not a hang). Every device must make the same calls in the same order.
 
 4 H200s, JAX 0.11.2, loops as CUDA graphs (experiments/results/reduce_norm_parts_h200x4.json, chains
 of 8 calls): 6.7 / 8.1 / 9.6 / 17.5 us a call at 1 / 4 / 16 / 64 rows over 2 devices, 8.8 / 11.0 /
 16.6 / 42.1 over 4 (XLA's all-reduce + add + norm: 14.0-20.9 and 15.5-25.5). Requires H % 64 == 0,
-R <= MAX_ROWS and every device of the mesh in this process.
+R <= MAX_ROWS and model groups whose GPUs share memory (`shared_memory_problem`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import re
-from typing import NamedTuple
+import socket
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
-from jax.experimental.mosaic.gpu import utils as mgu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, gpu, llvm, memref, scf, vector
+
+from eagle3_jax.pallas import peer_memory
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -58,65 +60,99 @@ VEC = 4  # f32 elements a thread holds contiguously (WG_STRIDED): elements 512 i
 SPLAT = plgpu.Layout.WG_SPLAT(())
 
 
-class Mailbox(NamedTuple):
-    """Per device (global arrays sharded on their first axis over every device of the mesh):
-    inbox int32 [2, M, MAX_ROWS, P * 64 * 2]: [c % 2, k, b] device k's row b of x at call c of that
-    row (counted from 0), element e as words 2e (its f32 bits) and 2e + 1 (c + 1); calls int32
-    [MAX_ROWS, 128]: [b, t] the calls row b's thread t has made; peers int32 [M, 2]: the (low, high)
-    32 bits of the address of inbox on device k of this device's model group; rank int32 [1, 1]:
-    this device's index k in its group. The kernel writes inbox and calls in place: a program must
-    not copy them (`copied`), and the arrays must live as long as the programs that use them."""
-    inbox: jax.Array
-    calls: jax.Array
-    peers: jax.Array
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Mailbox:
+    """Where a mesh's devices meet (global arrays sharded on their first axis over every device of the
+    mesh; a device's shards): table int32 [M + 1, 2], the (low, high) 32 bits of the addresses, in
+    this device's address space, of the inboxes of its model group's devices k = 0 .. M - 1, then of
+    its own calls counter; rank int32 [1, 1], its index k in the group; width (static), the padded
+    row width the inboxes hold. Each device's inbox and counter (`peer_memory.allocate`, zeroed, never
+    freed) are int32 [2, M, MAX_ROWS, 2 width]: [c % 2, k, b] device k's row b of x at call c of that
+    row (counted from 0), element e as words 2e (its f32 bits) and 2e + 1 (c + 1); then int32
+    [MAX_ROWS, 128]: [b, t] the calls row b's thread t has made. The kernel writes only that memory,
+    never an XLA buffer, so a program may copy a Mailbox's arrays like any others."""
+    table: jax.Array
     rank: jax.Array
+    width: int = dataclasses.field(metadata={"static": True})
+
+
+def _memory_bytes(M: int, width: int) -> int:
+    return 4 * (2 * M * MAX_ROWS * 2 * width + MAX_ROWS * THREADS)
+
+
+def shared_memory_problem(mesh, axis: str = "model", hosts=None) -> str | None:
+    """Why the devices of some model group (along `axis`) of `mesh` cannot reach each other's memory,
+    or None where every group can: its devices all in this process, or each in its own process with
+    every process of the group on one host (CUDA IPC). hosts: a host name for each process index
+    (`process_hosts`), needed only where the mesh spans processes."""
+    if not mesh.is_multi_process:
+        return None
+    names = list(mesh.axis_names)
+    groups = np.moveaxis(mesh.devices, names.index(axis), -1).reshape(-1, mesh.shape[axis])
+    for group in groups:
+        procs = [d.process_index for d in group]
+        if len(set(procs)) == 1:
+            continue
+        if len(set(procs)) != len(procs):
+            return (f"the model group {[d.id for d in group]} spans processes {sorted(set(procs))} with several of "
+                    "its devices in one process; expected one process for the group or one a device")
+        if len({hosts[p] for p in procs}) > 1:
+            return (f"the model group {[d.id for d in group]} spans hosts {sorted({hosts[p] for p in procs})}; "
+                    "GPUs share memory only within a host")
+    return None
+
+
+def process_hosts() -> list[str]:
+    """The host name of every process (index order), gathered from all of them (a collective: every
+    process must call it at the same point)."""
+    name = np.frombuffer(socket.gethostname().encode()[:64].ljust(64, b"\0"), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(name))
+    return [bytes(row).rstrip(b"\0").decode() for row in every.reshape(jax.process_count(), 64)]
 
 
 def new_mailbox(mesh, hidden: int, axis: str = "model") -> Mailbox:
-    """A zeroed Mailbox for every device of `mesh` (model groups along `axis`), for rows of `hidden`,
-    with each device's table of its group's inbox addresses. Raises ValueError unless every device of
-    the mesh belongs to this process (the addresses are this process's)."""
-    if mesh.is_multi_process:
-        raise ValueError(f"new_mailbox: the mesh spans {jax.process_count()} processes; the one-shot kernel "
-                         "needs every device in this process")
+    """A Mailbox for every device of `mesh` (model groups along `axis`), for rows of `hidden`: each
+    device's zeroed inbox and counter, and each device's table of its group's inboxes, reached
+    directly in one process and through CUDA IPC handles across processes (gathered from every
+    process: a collective where the mesh spans processes; every process must call it alike). Raises
+    ValueError where a group's devices cannot share memory (`shared_memory_problem`)."""
+    hosts = process_hosts() if mesh.is_multi_process else None
+    problem = shared_memory_problem(mesh, axis, hosts)
+    if problem:
+        raise ValueError(f"new_mailbox: {problem}")
     M, n = mesh.shape[axis], mesh.size
-    words = _padded(hidden // LANES) * LANES * 2
+    width = _padded(hidden // LANES) * LANES
+    nbytes = _memory_bytes(M, width)
+    flat = list(mesh.devices.flat)  # the order of the shards along axis 0
+    local = [d for d in flat if d.process_index == jax.process_index()]
+    memory = {d: peer_memory.allocate(d, nbytes) for d in local}
+    handles = {}
+    if mesh.is_multi_process:
+        mine = np.zeros((n, peer_memory.HANDLE_BYTES), np.uint8)
+        for d in local:
+            mine[flat.index(d)] = np.frombuffer(peer_memory.export(d, memory[d]), np.uint8)
+        every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), n, -1)
+        handles = {d: bytes(every[d.process_index, i]) for i, d in enumerate(flat)}
+    k_axis = list(mesh.axis_names).index(axis)
+    tables, ranks = [], []
+    for d in local:
+        idx = tuple(np.argwhere(mesh.devices == d)[0])
+        group = [mesh.devices[idx[:k_axis] + (k,) + idx[k_axis + 1:]] for k in range(M)]
+        addresses = [memory[p] if p in memory else peer_memory.open_handle(d, handles[p]) for p in group]
+        addresses.append(memory[d] + nbytes - 4 * MAX_ROWS * THREADS)
+        table = np.array([(a & 0xFFFFFFFF, a >> 32) for a in addresses], np.int64).astype(np.uint32).view(np.int32)
+        tables.append(jax.device_put(table, d))
+        ranks.append(jax.device_put(np.full((1, 1), idx[k_axis], np.int32), d))
     sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-    inbox = jax.jit(lambda: jnp.zeros((n * 2, M, MAX_ROWS, words), I32), out_shardings=sharding)()
-    calls = jax.jit(lambda: jnp.zeros((n * MAX_ROWS, THREADS), I32), out_shardings=sharding)()
-    address = {s.device: s.data.unsafe_buffer_pointer() for s in inbox.addressable_shards}
-    names = list(mesh.axis_names)
-    k_axis = names.index(axis)
-    devices = mesh.devices  # order of the flattened mesh = the order of the shards along axis 0
-    table = np.zeros((n, M, 2), np.int64)
-    rank = np.zeros((n, 1), np.int32)
-    for i, d in enumerate(devices.flat):
-        idx = np.argwhere(devices == d)[0]
-        rank[i] = idx[k_axis]
-        for k in range(M):
-            peer = tuple(idx[:k_axis]) + (k,) + tuple(idx[k_axis + 1:])
-            a = address[devices[peer]]
-            table[i, k] = (a & 0xFFFFFFFF, a >> 32)
-    peers = jax.device_put(table.astype(np.uint32).view(np.int32).reshape(n * M, 2), sharding)
-    return Mailbox(inbox, calls, peers, jax.device_put(rank, sharding))
-
-
-def copied(hlo_text: str, mailbox: Mailbox) -> bool:
-    """Whether a compiled program (its optimized HLO, `compiled.as_text()`) copies an array of the
-    Mailbox's per-device shape. The kernel would then write a copy made when the program starts,
-    which a peer that starts first may already have written: a lost message, a hang. Callers compile
-    without the Mailbox (XLA's all-reduce) where this is True."""
-    names = {jnp.float32: "f32", jnp.int32: "s32"}
-    shapes = {f"{names[jnp.dtype(a.dtype).type]}[{','.join(map(str, a.sharding.shard_shape(a.shape)))}]"
-              for a in (mailbox.inbox, mailbox.calls)}  # the kernel only reads peers and rank
-    return any(m.group(1) in shapes for m in re.finditer(r"=\s*(\w+\[[\d,]*\])\{[^}]*\}\s+copy(?:-start)?\(",
-                                                             hlo_text))
+    return Mailbox(jax.make_array_from_single_device_arrays((n * (M + 1), 2), sharding, tables),
+                   jax.make_array_from_single_device_arrays((n, 1), sharding, ranks), width)
 
 
 def row_width(mailbox: Mailbox) -> int:
-    """The row width (a multiple of 64) a device's Mailbox shard (inside shard_map) carries with
-    no more room than rows of its `new_mailbox` hidden size: that size padded as the kernel pads it."""
-    return mailbox.inbox.shape[-1] // 2
+    """The row width (a multiple of 64) a Mailbox carries with no more room than rows of its
+    `new_mailbox` hidden size: that size padded as the kernel pads it."""
+    return mailbox.width
 
 
 def _padded(h_rows: int) -> int:
@@ -143,9 +179,17 @@ def _int(v, bits=32):
     return arith.constant(ir.IntegerType.get_signless(bits), v)
 
 
-def _address(ref):
-    """The i64 address of a GMEM memref's first element."""
-    return llvm.ptrtoint(ir.IntegerType.get_signless(64), mgu.memref_ptr(ref))
+def _table_address(table, k):
+    """The i64 address in row k (an index value) of a Mailbox table (GMEM ref)."""
+    i64, index = ir.IntegerType.get_signless(64), ir.IndexType.get()
+    lo, hi = (arith.extui(i64, memref.load(table, [k, arith.constant(index, j)])) for j in (0, 1))
+    return arith.ori(lo, arith.shli(hi, _int(32, 64)))
+
+
+def _rank(rank):
+    """This device's index in its group (the Mailbox's rank ref) as an index value."""
+    zero = arith.constant(ir.IndexType.get(), 0)
+    return arith.index_cast(ir.IndexType.get(), memref.load(rank, [zero, zero]))
 
 
 def _store_line(address, words):
@@ -161,6 +205,17 @@ def _load_line(address):
                           "ld.volatile.global.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
                           has_side_effects=True)
     return [llvm.extractvalue(i32, out, [j]) for j in range(4)]
+
+
+def _load_word(address):
+    """One volatile 4-byte load -> an i32."""
+    i32 = ir.IntegerType.get_signless(32)
+    return llvm.inline_asm(i32, [address], "ld.volatile.global.u32 $0, [$1];", "=r,l", has_side_effects=True)
+
+
+def _store_word(address, word):
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [address, word], "st.volatile.global.u32 [$0], $1;", "l,r",
+                    has_side_effects=True)
 
 
 def _trap_if(cond):
@@ -182,101 +237,102 @@ def _line(base, parity, k, row64, t, i, half, M, words):
     return arith.addi(base, arith.addi(off, arith.addi(lane, _int(i * THREADS * VEC * 8 + 16 * half, 64))))
 
 
-def _call(calls, row):
-    """(thread id, row as i64, the calls thread t of this row made, their parity) at a kernel's start."""
+def _call(table, M: int, row):
+    """(thread id, row as i64, the address of thread t's count of this row's calls, that count c, its
+    parity) at a kernel's start."""
+    i64 = ir.IntegerType.get_signless(64)
     t = gpu.thread_id(gpu.Dimension.x)
-    row32 = row.registers.item()
-    count = memref.load(calls, [arith.index_cast(ir.IndexType.get(), row32), t])
-    return t, arith.extui(ir.IntegerType.get_signless(64), row32), count, arith.andi(count, _int(1))
+    row64 = arith.extui(i64, row.registers.item())
+    slot = arith.addi(arith.muli(row64, _int(THREADS, 64)), arith.index_cast(i64, t))
+    counter = arith.addi(_table_address(table, arith.constant(ir.IndexType.get(), M)),
+                         arith.muli(slot, _int(4, 64)))
+    count = _load_word(counter)
+    return t, row64, counter, count, arith.andi(count, _int(1))
 
 
-def _send(M: int, parts: int, layout):
-    """(inbox, calls, peers, x, me, row, part) -> nothing: thread t of the row's block `part` writes
-    its registers i with i * parts // V == part (V registers in all: each of the row's `parts` blocks
-    sends its share) into slot `me` of every inbox of its group (peers[k], its own among them), each
-    element beside the flag c + 1 (c: the calls the row made before) in one 8-byte half of a
+def _send(M: int, parts: int, width: int, layout):
+    """(table, x, rank, row, part) -> nothing: thread t of the row's block `part` writes its registers
+    i with i * parts // V == part (V registers in all: each of the row's `parts` blocks sends its
+    share) into slot `rank` of every inbox of its group (table rows 0 .. M - 1, its own among them),
+    each element beside the flag c + 1 (c: the calls the row made before) in one 8-byte half of a
     16-byte store, so data and signal arrive together with no fence and no separate signal."""
-    arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), layout, plgpu.RefType(), SPLAT, SPLAT)
+    arg_types = (plgpu.RefType(), layout, plgpu.RefType(), SPLAT, SPLAT)
 
     @plgpu.inline_mgpu(arg_types=arg_types)
-    def f(ctx, inbox, calls, peers, x, me, row, part):
+    def f(ctx, table, x, rank, row, part):
         del ctx
-        i32, i64, index = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64),
-                           ir.IndexType.get())
-        words = ir.MemRefType(inbox.type).shape[-1]
-        t, row64, count, parity = _call(calls, row)
+        i32, i64, index = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.IndexType.get()
+        t, row64, _, count, parity = _call(table, M, row)
         flag = arith.addi(count, _int(1))
-        zero = arith.constant(index, 0)
-        me64 = arith.extui(i64, memref.load(me, [zero, zero]))
+        me64 = arith.index_cast(i64, _rank(rank))
         part = part.registers.item()
         vec_i32 = ir.VectorType.get((VEC,), i32)
         regs = list(x.registers.flat)
-
-        def peer_address(k):
-            lo, hi = (arith.extui(i64, memref.load(peers, [arith.constant(index, k), arith.constant(index, j)]))
-                      for j in (0, 1))
-            return arith.ori(lo, arith.shli(hi, _int(32, 64)))
-
-        bases = [peer_address(k) for k in range(M)]
+        bases = [_table_address(table, arith.constant(index, k)) for k in range(M)]
         for i, r in enumerate(regs):
             b = [vector.extract(arith.bitcast(vec_i32, r), [], [j]) for j in range(VEC)]
             mine = scf.IfOp(arith.cmpi(arith.CmpIPredicate.eq, part, _int(i * parts // len(regs))))
             with ir.InsertionPoint(mine.then_block):
                 for base in bases:
                     for half in range(2):
-                        _store_line(_line(base, parity, me64, row64, t, i, half, M, words),
+                        _store_line(_line(base, parity, me64, row64, t, i, half, M, 2 * width),
                                     [b[2 * half], flag, b[2 * half + 1], flag])
                 scf.yield_([])
 
     return f
 
 
-def _receive(M: int, shape, layout):
-    """(inbox, calls, row) -> the sum over the M devices of the row's x (f32, `shape` in `layout`), in
-    device order: thread t reads slot k of its own inbox for k = 0 .. M - 1, loading its lines again
-    until every flag says c + 1, then records the call (c + 1 in calls). Calls alternate between two
-    slots by c % 2: a device writes call c + 2 only after its own receiving block read this device's
-    call c + 1, that is after this device's kernel of call c has finished reading. The count a
-    sending block reads cannot be the new one: the receiver records it only after reading that
-    block's own writes, made after it read the count."""
+_AT_ONCE = False
+
+
+def _receive(M: int, width: int, shape, layout):
+    """(table, rank, row) -> the sum over the M devices of the row's x (f32, `shape` in `layout`), in
+    device order: thread t reads slot k of its own inbox (table row `rank`) for k = 0 .. M - 1, loading
+    its lines again until every flag says c + 1, then records the call (c + 1 in its counter). Calls
+    alternate between two slots by c % 2: a device writes call c + 2 only after its own receiving
+    block read this device's call c + 1, that is after this device's kernel of call c has finished
+    reading. The count a sending block reads cannot be the new one: the receiver records it only
+    after reading that block's own writes, made after it read the count."""
     arg_types = (plgpu.RefType(), plgpu.RefType(), SPLAT)
 
     @plgpu.inline_mgpu(arg_types=arg_types, return_type=plgpu.ShapeDtypeStruct(shape, F32, layout=layout))
-    def f(ctx, inbox, calls, row):
+    def f(ctx, table, rank, row):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
-        words = ir.MemRefType(inbox.type).shape[-1]
-        t, row64, count, parity = _call(calls, row)
+        t, row64, counter, count, parity = _call(table, M, row)
         flag = arith.addi(count, _int(1))
-        own = _address(inbox)
+        own = _table_address(table, _rank(rank))
         V = shape[0] * shape[1] // (THREADS * VEC)
         vec_i32 = ir.VectorType.get((VEC,), i32)
         true = arith.constant(ir.IntegerType.get_signless(1), 1)
-        total = None
-        for k in range(M):  # device order: the same sum on every device
-            n = V * VEC
+        got = []
+        for slots in ([list(range(M))] if _AT_ONCE else [[k] for k in range(M)]):
+            n = V * VEC * len(slots)
             wait = scf.WhileOp([i32] * (n + 1), [_int(0)])
             tries = wait.before.blocks.append(i32)
             with ir.InsertionPoint(tries):
                 values, ok = [], true
-                for i in range(V):
-                    for half in range(2):
-                        w = _load_line(_line(own, parity, _int(k, 64), row64, t, i, half, M, words))
-                        values += [w[0], w[2]]
-                        for word in (w[1], w[3]):
-                            ok = arith.andi(ok, arith.cmpi(arith.CmpIPredicate.eq, word, flag))
+                for k in slots:
+                    for i in range(V):
+                        for half in range(2):
+                            w = _load_line(_line(own, parity, _int(k, 64), row64, t, i, half, M, 2 * width))
+                            values += [w[0], w[2]]
+                            for word in (w[1], w[3]):
+                                ok = arith.andi(ok, arith.cmpi(arith.CmpIPredicate.eq, word, flag))
                 scf.condition(arith.xori(ok, true), values + [tries.arguments[0]])
             after = wait.after.blocks.append(*[i32] * (n + 1))
             with ir.InsertionPoint(after):
                 spins = arith.addi(after.arguments[n], _int(1))
                 _trap_if(arith.cmpi(arith.CmpIPredicate.ugt, spins, _int(MAX_SPINS)))
                 scf.yield_([spins])
-            got = list(wait.results)[:n]
+            got += list(wait.results)[:n]
+        total = None
+        for k in range(M):  # device order: the same sum on every device
             vecs = [arith.bitcast(ir.VectorType.get((VEC,), ir.F32Type.get()),
-                                  vector.from_elements(vec_i32, got[VEC * i:VEC * (i + 1)]))
+                                  vector.from_elements(vec_i32, got[VEC * (k * V + i):VEC * (k * V + i + 1)]))
                     for i in range(V)]
             total = vecs if total is None else [arith.addf(a, b) for a, b in zip(total, vecs)]
-        memref.store(flag, calls, [arith.index_cast(ir.IndexType.get(), row.registers.item()), t])
+        _store_word(counter, flag)
         registers = layout.to_mgpu().registers_shape(shape)
         return mgpu.FragmentedArray(_registers=np.array(total, dtype=object).reshape(registers),
                                     _layout=layout.to_mgpu(), _is_signed=None)
@@ -297,19 +353,23 @@ def parts_for(rows: int, hidden: int) -> int:
     return max(1, min(max_parts(hidden), SPREAD_BLOCKS // rows))
 
 
-def _body(x_ref, r_ref, w_ref, inbox, calls, peers, rank, s_ref, y_ref, xs, rs, ws, ss, ys, bar_x, bar_rw, *, M,
-          H, eps, parts):
+def _body(x_ref, r_ref, w_ref, table, rank, s_ref, y_ref, xs, rs, ws, ss, ys, bar_x, bar_rw, *, M, H, eps, parts):
     """Block (row, part) of the call. x_ref / r_ref / s_ref / y_ref [R, H/64, 64], w_ref [H/64, 64] in
-    GMEM; inbox, calls, peers, rank: the Mailbox shards (inbox and calls written in place); xs, rs,
-    ws, ss, ys [P, 64] shared memory; bar_x, bar_rw: the loads' TMA barriers. Thread t of every
-    device holds the same elements (padding rows zero), so each thread exchanges its own elements
-    only. Every block sends its share of the row; block 0 receives, adds, normalizes and writes."""
+    GMEM; table, rank: the Mailbox's shards; xs, rs, ws, ss, ys [P, 64] shared memory; bar_x, bar_rw:
+    the loads' TMA barriers. Thread t of every device holds the same elements (padding rows zero), so
+    each thread exchanges its own elements only. Every block sends its share of the row; block 0
+    receives, adds, normalizes and writes."""
     row, part = lax.axis_index("row"), lax.axis_index("part")
     n, Pr = H // LANES, xs.shape[0]
     layout = plgpu.Layout.WG_STRIDED((Pr, LANES), vec_size=VEC)
     zeros = plgpu.layout_cast(jnp.zeros((Pr, LANES), F32), layout)
-    for buf in (xs, rs, ws):
-        buf[...] = zeros.astype(buf.dtype)
+    xs[...] = zeros.astype(xs.dtype)
+
+    @pl.when(part == 0)
+    def _():
+        for buf in (rs, ws):
+            buf[...] = zeros.astype(buf.dtype)
+
     plgpu.commit_smem()
     plgpu.copy_gmem_to_smem(x_ref.at[row], xs.at[pl.ds(0, n)], bar_x)
 
@@ -319,12 +379,12 @@ def _body(x_ref, r_ref, w_ref, inbox, calls, peers, rank, s_ref, y_ref, xs, rs, 
         plgpu.copy_gmem_to_smem(w_ref, ws.at[pl.ds(0, n)], bar_rw)
 
     plgpu.barrier_wait(bar_x)
-    _send(M, parts, layout)(inbox, calls, peers, _load(xs, layout).astype(F32), rank, row, part)
+    _send(M, parts, Pr * LANES, layout)(table, _load(xs, layout).astype(F32), rank, row, part)
 
     @pl.when(part == 0)
     def _():
         plgpu.barrier_wait(bar_rw)
-        t = _receive(M, (Pr, LANES), layout)(inbox, calls, row)
+        t = _receive(M, Pr * LANES, (Pr, LANES), layout)(table, rank, row)
         s = (t + _load(rs, layout).astype(F32)).astype(ss.dtype)
         s32 = s.astype(F32)
         inv = lax.rsqrt(jnp.sum(s32 * s32) / H + eps)
@@ -337,20 +397,19 @@ def _body(x_ref, r_ref, w_ref, inbox, calls, peers, rank, s_ref, y_ref, xs, rs, 
 
 
 def allreduce_add_rms_norm(x, residual, scale, mailbox: Mailbox, *, eps: float, axis: str, parts: int | None = None):
-    """See the module docstring. Inside shard_map over `axis`, mailbox this device's shard; GPU
-    only (the Mosaic GPU interpreter has no peer memory). parts: blocks a row is sent from (1 to
-    `max_parts(H)`, rows x parts <= MAX_BLOCKS); by default `parts_for`."""
+    """See the module docstring. Inside shard_map over `axis`, mailbox the device's shards of a
+    `new_mailbox` for the mesh; GPU only (the Mosaic GPU interpreter has no peer memory). parts:
+    blocks a row is sent from (1 to `max_parts(H)`, rows x parts <= MAX_BLOCKS); by default
+    `parts_for`."""
     check_shapes(x, residual, scale)
     M = lax.axis_size(axis)
     R, H = x.shape
     n = H // LANES
     Pr = _padded(n)
-    inbox, calls, peers, rank = mailbox
-    if (inbox.shape[1:] != (M, MAX_ROWS, Pr * LANES * 2) or calls.shape != (MAX_ROWS, THREADS)
-            or peers.shape != (M, 2) or rank.shape != (1, 1)):
-        raise ValueError(f"allreduce_add_rms_norm: mailbox inbox {inbox.shape} / calls {calls.shape} / peers "
-                         f"{peers.shape} / rank {rank.shape} are not for H={H} over {M} devices "
-                         f"(new_mailbox(mesh, {H}))")
+    if mailbox.table.shape != (M + 1, 2) or mailbox.rank.shape != (1, 1) or mailbox.width != Pr * LANES:
+        raise ValueError(f"allreduce_add_rms_norm: a mailbox with table {mailbox.table.shape}, rank "
+                         f"{mailbox.rank.shape} and rows of {mailbox.width} is not for H={H} over {M} devices "
+                         f"(expected new_mailbox(mesh, {H}): table ({M + 1}, 2), rows of {Pr * LANES})")
     G = parts_for(R, H) if parts is None else parts
     if not 1 <= G <= max_parts(H) or R * G > MAX_BLOCKS:
         raise ValueError(f"allreduce_add_rms_norm: parts={G} for R={R}, H={H}; expected 1 to {max_parts(H)} with "
@@ -362,8 +421,7 @@ def allreduce_add_rms_norm(x, residual, scale, mailbox: Mailbox, *, eps: float, 
         functools.partial(_body, M=M, H=H, eps=float(eps), parts=G),
         out_type=(out, out), scratch_types=(*smem, plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=2)),
         grid=(R, G), grid_names=("row", "part"),
-    )(x.reshape(R, n, LANES), residual.reshape(R, n, LANES), scale.reshape(n, LANES), inbox, calls, peers,
-      rank)
+    )(x.reshape(R, n, LANES), residual.reshape(R, n, LANES), scale.reshape(n, LANES), mailbox.table, mailbox.rank)
     return s.reshape(R, H), y.reshape(R, H)
 
 

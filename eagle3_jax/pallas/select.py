@@ -19,9 +19,9 @@ name. `platform` defaults to the default backend (`util.on_gpu`). Kernels have n
 | | "grouped" | otherwise |
 | `moe_grouped(x, packed, interpret)` | "kernel" | MXFP4 experts, bf16, glue kernels or interpret; else "scan" |
 | `router_top_k(rows)` | "rank" | rows <= RANK_TOP_K_ROWS; else "sort" |
-| `tp_reduce(x, rows, devices, mailbox)` | "kernel" | a Mailbox, glue kernels, H % 64, one process, rows x peers <= 64 |
+| `tp_reduce(x, rows, devices, mailbox)` | "kernel" | a Mailbox, glue kernels, H % 64, rows x peers <= 64 |
 | | "reference" | otherwise: `lax.psum`, then the add and the norm in jnp |
-| `tp_pick(rows, devices, mailbox)` | "kernel" | a Mailbox, one process, rows x peers <= 64, any dtype |
+| `tp_pick(rows, devices, mailbox)` | "kernel" | a Mailbox, rows x peers <= 64, any dtype |
 | | "reference" | otherwise: `lax.psum` of each device's (maximum, index) |
 | `compiler_options()` | LOOP_GRAPHS | GPU, one process, XLA_FLAGS without command buffers; else {} |
 | `spec_op(interpret)` | "kernel" | GPU or interpret=True; else "reference" (tree_mask, accept, kv_rewind) |
@@ -128,9 +128,10 @@ def spec_op(interpret: bool | None = None, platform: str | None = None) -> str:
 
 
 def tp_kernel(hidden: int, platform: str | None = None) -> bool:
-    """Whether the one-shot kernel of pallas/allreduce.py can sum rows of `hidden` here: a GPU, every
-    device in this process, hidden % 64 == 0 (`parallel.mailbox` makes a Mailbox only then)."""
-    return _gpu(platform) and jax.process_count() == 1 and hidden % allreduce.LANES == 0
+    """Whether the one-shot kernel of pallas/allreduce.py can sum rows of `hidden` here: a GPU and
+    hidden % 64 == 0 (`parallel.mailbox` makes a Mailbox only then, and only for model groups whose
+    GPUs share memory: one process, or one process a GPU on one host)."""
+    return _gpu(platform) and hidden % allreduce.LANES == 0
 
 
 def tp_reduce(x, rows: int, devices: int, mailbox, platform: str | None = None) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +14,10 @@ from flax import nnx
 
 from eagle3_jax import parallel
 from eagle3_jax.models import eagle3, gpt_oss, shards
-from eagle3_jax.pallas import allreduce, select
+from eagle3_jax.pallas import select
 from eagle3_jax.spec.metrics import Counters
 from eagle3_jax.spec.state import DecodeState, Plan
 from eagle3_jax.spec.step import sample, step
-
 
 PER_ROW = ("lengths", "root", "h_root", "out", "n_out", "done")  # DecodeState's [B, ...] fields besides the caches
 
@@ -95,18 +93,6 @@ def _program(graphdef, params, mailbox, *args, plan: Plan, mesh=None):
     return results if mesh is None else parallel.constrain_replicated(results, mesh)
 
 
-def compile_with_mailbox(build, mailbox, what: str):
-    """(build(mailbox), mailbox) for `build(mailbox or None) -> compiled`, or (build(None), None) with a
-    warning where the program built with the Mailbox copies it (`allreduce.copied`: the fused kernel
-    would write a copy made at the program's start, which a faster peer may write first)."""
-    exe = build(mailbox)
-    if mailbox is None or not allreduce.copied(exe.as_text(), mailbox):
-        return exe, mailbox
-    warnings.warn(f"{what} copies the all-reduce Mailbox, which the fused kernel may not write "
-                  "(pallas/allreduce.py); compiled again with XLA's all-reduce")
-    return build(None), None
-
-
 _COMPILED: dict = {}
 
 
@@ -125,12 +111,9 @@ def compiled(plan: Plan, graphdef, *args, hidden: int | None = None):
     if key not in _COMPILED:
         t0 = time.perf_counter()
 
-        def build(mb):
-            lowered = jax.jit(_program, static_argnums=0, static_argnames=("plan", "mesh")).lower(
-                graphdef, args[0], mb, *args[1:], plan=plan, mesh=mesh)
-            return lowered.compile(compiler_options=select.compiler_options())
-
-        exe, mailbox = compile_with_mailbox(build, mailbox, "decode's program")
+        exe = jax.jit(_program, static_argnums=0, static_argnames=("plan", "mesh")).lower(
+            graphdef, args[0], mailbox, *args[1:], plan=plan, mesh=mesh).compile(
+            compiler_options=select.compiler_options())
         _COMPILED[key] = (lambda *a: exe(a[0], mailbox, *a[1:])), time.perf_counter() - t0
         return _COMPILED[key]
     return _COMPILED[key][0], 0.0

@@ -4,7 +4,7 @@ argument) or its reference (XLA's all-reduce, then the add and the norm), [rows,
 partials and a bf16 residual on each device of a (data 1, model n) mesh.
 
 `inputs` makes the arguments; `fused(mesh, kernel)` gives (once, loop) jitted programs: `once(x, r,
-w, *mb)` one call, (s, y) stacked per device; `loop(x, r, w, k, *mb)` k iterations of `chain` calls
+w[, mailbox])` one call, (s, y) stacked per device; `loop(x, r, w, k[, mailbox])` k iterations of `chain` calls
 each, every call fed by the last (y times a per-device factor is the next partial, s the next
 residual), compiled as decode's programs are (`select.compiler_options`: on GPUs the loop one CUDA
 graph) unless `options` says otherwise ({}: XLA's defaults, whose kernels a profiler sees).
@@ -37,14 +37,13 @@ def inputs(mesh, rows: int, hidden: int, rng: np.random.Generator):
 
 
 def fused(mesh, kernel: bool, chain: int = 8, parts: int | None = None, options: dict | None = None):
-    """(once, loop) for the kernel (with the Mailbox's arrays as trailing arguments; `parts` blocks a
-    row, None: the kernel's default) or the reference."""
+    """(once, loop) for the kernel (with the Mailbox as a trailing argument; `parts` blocks a row,
+    None: the kernel's default) or the reference."""
     n, every = mesh.shape["model"], P(tuple(mesh.axis_names))
 
     def op(x, r, w, mb):
         if kernel:
-            return allreduce.allreduce_add_rms_norm(x, r, w, allreduce.Mailbox(*mb), eps=EPS, axis="model",
-                                                    parts=parts)
+            return allreduce.allreduce_add_rms_norm(x, r, w, *mb, eps=EPS, axis="model", parts=parts)
         return allreduce.allreduce_add_rms_norm_reference(x, r, w, eps=EPS, axis="model")
 
     def once(x, r, w, *mb):
@@ -62,7 +61,7 @@ def fused(mesh, kernel: bool, chain: int = 8, parts: int | None = None, options:
 
         return lax.fori_loop(0, k, step, op(x[0], r, w, mb))[1][None]
 
-    extra = (every,) * len(allreduce.Mailbox._fields) if kernel else ()
+    extra = (every,) if kernel else ()
     return (jax.jit(jax.shard_map(once, mesh=mesh, in_specs=(P("model"), P(), P()) + extra,
                                   out_specs=(P("model"), P("model")), check_vma=False)),
             jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P("model"), P(), P(), P()) + extra,
@@ -70,10 +69,12 @@ def fused(mesh, kernel: bool, chain: int = 8, parts: int | None = None, options:
                     compiler_options=select.compiler_options() if options is None else options))
 
 
-def per_call(loop, args, mailbox=(), iters: int = 200, chain: int = 8) -> float:
-    """Seconds a call of `loop` (from `fused`, made with the same chain): (best of 3 at `iters`
-    iterations - best of 3 at none) / (iters x chain)."""
+def per_call(loop, args, mailbox=None, iters: int = 200, chain: int = 8) -> float:
+    """Seconds a call of `loop` (from `fused`, made with the same chain; mailbox: the kernel's):
+    (best of 3 at `iters` iterations - best of 3 at none) / (iters x chain)."""
+    boxes = () if mailbox is None else (mailbox,)
+
     def best(k):
-        return timing.best_seconds(lambda: loop(*args, jnp.int32(k), *mailbox))
+        return timing.best_seconds(lambda: loop(*args, jnp.int32(k), *boxes))
 
     return (best(iters) - best(0)) / (iters * chain)

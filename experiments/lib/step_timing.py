@@ -136,18 +136,11 @@ def compile_call(fn, *args, donate_argnums=(), mailbox=None, options=None):
     parameters) on a mesh of several devices: traced `on_mesh` as decode's loop is (the models'
     kernels on local shards).
     mailbox (`program_mailbox`): fn is traced under `shards.mailbox_context` with the Mailbox as a
-    first argument of the program, which the returned `WithMailbox` passes itself; a program that
-    would copy it is compiled again without it (`spec_loop.compile_with_mailbox`)."""
+    first argument of the program, which the returned `WithMailbox` passes itself."""
     if mailbox is not None:  # traced as decode's programs are: the Mailbox an argument (spec/loop.py)
         donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-
-        def build(mb):
-            if mb is None:
-                return compile_call(fn, *args, donate_argnums=donate_argnums, options=options)
-            return WithMailbox(compile_call(lambda m, *a: _with_mailbox(fn, m, *a), mb, *args,
-                                            donate_argnums=tuple(1 + i for i in donate), options=options), mb)
-
-        return spec_loop.compile_with_mailbox(build, mailbox, getattr(fn, "__name__", str(fn)))[0]
+        return WithMailbox(compile_call(lambda m, *a: _with_mailbox(fn, m, *a), mailbox, *args,
+                                        donate_argnums=tuple(1 + i for i in donate), options=options), mailbox)
     with spec_loop.on_mesh(spec_loop.loop_mesh(args[0]) if args else None):
         traced = jax.jit(fn, donate_argnums=donate_argnums).trace(*args)
     big = [c for c in traced.jaxpr.consts if getattr(c, "nbytes", 0) > MAX_CAPTURED_BYTES]
