@@ -258,10 +258,11 @@ def test_kernel_one_process_a_gpu():
         sock.bind(("localhost", 0))
         port = sock.getsockname()[1]
     here = os.path.dirname(__file__)
+    path = os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])  # where it is not installed
     procs = [subprocess.Popen([sys.executable, os.path.join(here, "allreduce_processes.py"), str(i), str(M), str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=here,
                               env={**os.environ, "CUDA_VISIBLE_DEVICES": str(gpus()[i].local_hardware_id),
-                                   "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.1"})
+                                   "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.1", "PYTHONPATH": path})
              for i in range(M)]
     try:
         outs = [p.communicate(timeout=400) for p in procs]

@@ -13,17 +13,17 @@ brings the row of x into shared memory ([H / 64, 64], zero rows padding to a mul
 holds the same elements on every device); each block stores its share of the row into slot `rank`
 of its own and every peer's inbox, each element beside a flag (the call's number) in one 8-byte
 half of a 16-byte volatile store, so data and signal arrive together with no fence. Block 0 reloads
-slot k of its own inbox, k = 0 .. M-1, until every flag is this call's, sums in device order, adds
-the residual, normalizes and writes. Inboxes are memory outside XLA (`peer_memory`), reached through
+the M slots of its own inbox until every flag is this call's, sums in device order, adds the
+residual, normalizes and writes. Inboxes are memory outside XLA (`peer_memory`), reached through
 a table of addresses in the `Mailbox` (directly in one process, through CUDA IPC across processes),
 not `plgpu.remote_ref` or `lax.axis_index`: a kernel reading XLA's collective metadata makes XLA
 launch a barrier (5-7 us) before every call. Calls alternate between two slots, reused with no
 handshake (a peer writes call c + 2 only after reading our call c + 1). After MAX_SPINS reloads a
 kernel traps (an error, not a hang). Every device must make the same calls in the same order.
 
-4 H200s, JAX 0.11.2, loops as CUDA graphs (experiments/results/reduce_norm_parts_h200x4.json, chains
-of 8 calls): 6.7 / 8.1 / 9.6 / 17.5 us a call at 1 / 4 / 16 / 64 rows over 2 devices, 8.8 / 11.0 /
-16.6 / 42.1 over 4 (XLA's all-reduce + add + norm: 14.0-20.9 and 15.5-25.5). Requires H % 64 == 0,
+4 H200s, JAX 0.11.2, loops as CUDA graphs, one process (experiments/results/reduce_norm_once_h200x4.json,
+chains of 8 calls): 6.5 / 7.4 / 9.6 us a call at 1 / 4 / 16 rows over 2 devices, 7.8 / 9.7 / 15.7
+over 4 (XLA's all-reduce + add + norm: 14.0-14.3 and 15.8-18.0). Requires H % 64 == 0,
 R <= MAX_ROWS and model groups whose GPUs share memory (`shared_memory_problem`).
 """
 
@@ -282,13 +282,12 @@ def _send(M: int, parts: int, width: int, layout):
     return f
 
 
-_AT_ONCE = False
-
-
 def _receive(M: int, width: int, shape, layout):
     """(table, rank, row) -> the sum over the M devices of the row's x (f32, `shape` in `layout`), in
-    device order: thread t reads slot k of its own inbox (table row `rank`) for k = 0 .. M - 1, loading
-    its lines again until every flag says c + 1, then records the call (c + 1 in its counter). Calls
+    device order: thread t loads its lines of every slot k = 0 .. M - 1 of its own inbox (table row
+    `rank`) at once, again until every flag says c + 1 (one round trip to memory a try, not one a
+    slot: 8.5 -> 7.8 us a call at one row over 4 H200s, reduce_norm_ipc_h200x4.json against
+    reduce_norm_once_h200x4.json), then records the call (c + 1 in its counter). Calls
     alternate between two slots by c % 2: a device writes call c + 2 only after its own receiving
     block read this device's call c + 1, that is after this device's kernel of call c has finished
     reading. The count a sending block reads cannot be the new one: the receiver records it only
@@ -305,27 +304,25 @@ def _receive(M: int, width: int, shape, layout):
         V = shape[0] * shape[1] // (THREADS * VEC)
         vec_i32 = ir.VectorType.get((VEC,), i32)
         true = arith.constant(ir.IntegerType.get_signless(1), 1)
-        got = []
-        for slots in ([list(range(M))] if _AT_ONCE else [[k] for k in range(M)]):
-            n = V * VEC * len(slots)
-            wait = scf.WhileOp([i32] * (n + 1), [_int(0)])
-            tries = wait.before.blocks.append(i32)
-            with ir.InsertionPoint(tries):
-                values, ok = [], true
-                for k in slots:
-                    for i in range(V):
-                        for half in range(2):
-                            w = _load_line(_line(own, parity, _int(k, 64), row64, t, i, half, M, 2 * width))
-                            values += [w[0], w[2]]
-                            for word in (w[1], w[3]):
-                                ok = arith.andi(ok, arith.cmpi(arith.CmpIPredicate.eq, word, flag))
-                scf.condition(arith.xori(ok, true), values + [tries.arguments[0]])
-            after = wait.after.blocks.append(*[i32] * (n + 1))
-            with ir.InsertionPoint(after):
-                spins = arith.addi(after.arguments[n], _int(1))
-                _trap_if(arith.cmpi(arith.CmpIPredicate.ugt, spins, _int(MAX_SPINS)))
-                scf.yield_([spins])
-            got += list(wait.results)[:n]
+        n = M * V * VEC
+        wait = scf.WhileOp([i32] * (n + 1), [_int(0)])
+        tries = wait.before.blocks.append(i32)
+        with ir.InsertionPoint(tries):
+            values, ok = [], true
+            for k in range(M):
+                for i in range(V):
+                    for half in range(2):
+                        w = _load_line(_line(own, parity, _int(k, 64), row64, t, i, half, M, 2 * width))
+                        values += [w[0], w[2]]
+                        for word in (w[1], w[3]):
+                            ok = arith.andi(ok, arith.cmpi(arith.CmpIPredicate.eq, word, flag))
+            scf.condition(arith.xori(ok, true), values + [tries.arguments[0]])
+        after = wait.after.blocks.append(*[i32] * (n + 1))
+        with ir.InsertionPoint(after):
+            spins = arith.addi(after.arguments[n], _int(1))
+            _trap_if(arith.cmpi(arith.CmpIPredicate.ugt, spins, _int(MAX_SPINS)))
+            scf.yield_([spins])
+        got = list(wait.results)[:n]
         total = None
         for k in range(M):  # device order: the same sum on every device
             vecs = [arith.bitcast(ir.VectorType.get((VEC,), ir.F32Type.get()),
