@@ -59,7 +59,8 @@ def compiler_options(platform: str | None = None) -> dict:
     none elsewhere, and none where XLA_FLAGS already sets command buffers (the user's choice stands).
     4 H100s, gpt-oss-120b, B=1: tp 1 2.84 -> 2.71 ms a token, tp 4 2.50 -> 2.00
     (tp_decode_b1_pick_h100x4.json against tp_decode_b1_pick_graphs_h100x4.json, one machine).
-    Not yet run with one process a GPU, which keeps XLA's defaults."""
+    Several processes keep XLA's defaults: with these options four processes a GPU gave decode
+    tokens unlike one process's (decode_procs4_graphs_h200x4.json; not understood)."""
     if not _gpu(platform) or jax.process_count() > 1 or "xla_gpu_enable_command_buffer" in os.environ.get(
             "XLA_FLAGS", ""):
         return {}
