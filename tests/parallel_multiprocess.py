@@ -2,7 +2,8 @@
 PROCESS_ID PORT`. Each has 2 CPU devices; through jax.distributed (CPU collectives: gloo) they form
 one (data 2, model 2) mesh, data across the processes. generate and the tree decode on the sharded
 pair must give the tokens this process computes alone on one device (the chain is left to
-parallel_decode.py, for time). Prints "ok"."""
+parallel_decode.py, for time); the one-shot kernel's Mailbox is refused (CPU devices across
+processes share no memory). Prints "ok"."""
 
 import sys
 
@@ -14,6 +15,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import numpy as np  # noqa: E402
 
 from eagle3_jax import parallel  # noqa: E402
+from eagle3_jax.pallas import allreduce
 from eagle3_jax.spec import decode, generate  # noqa: E402
 
 from parallel_decode import KW, NEW, RUNS, pair  # noqa: E402
@@ -32,6 +34,12 @@ def main(process_id: int, port: int):
     want = tokens(*pair(), prompts)  # this process alone, on its first device
     mesh = parallel.make_mesh(model=2, data=2)
     assert {d.process_index for d in mesh.devices[0]} == {0} and {d.process_index for d in mesh.devices[1]} == {1}
+    assert parallel.mailbox(mesh, 256) is None  # no GPUs: XLA's collectives
+    try:  # the one-shot kernel's memory is shared across processes only on GPUs
+        allreduce.new_mailbox(mesh, 256)
+        raise AssertionError("new_mailbox made a Mailbox across CPU processes")
+    except ValueError as e:
+        assert "across 2 processes shares memory only on GPUs (CUDA IPC); found cpu devices" in str(e), e
     t, d = pair()
     parallel.shard(t, mesh)
     parallel.shard(d, mesh)

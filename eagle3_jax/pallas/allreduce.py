@@ -117,6 +117,9 @@ def new_mailbox(mesh, hidden: int, axis: str = "model") -> Mailbox:
     directly in one process and through CUDA IPC handles across processes (gathered from every
     process: a collective where the mesh spans processes; every process must call it alike). Raises
     ValueError where a group's devices cannot share memory (`shared_memory_problem`)."""
+    if mesh.is_multi_process and any(d.platform != "gpu" for d in mesh.devices.flat):
+        raise ValueError(f"new_mailbox: a mesh across {jax.process_count()} processes shares memory only on "
+                         f"GPUs (CUDA IPC); found {mesh.devices.flat[0].platform} devices")
     hosts = process_hosts() if mesh.is_multi_process else None
     problem = shared_memory_problem(mesh, axis, hosts)
     if problem:

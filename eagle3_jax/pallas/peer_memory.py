@@ -46,13 +46,20 @@ def _check(cuda, name, *args):
         raise RuntimeError(f"peer_memory: {name} failed with {(text.value or b'?').decode()} ({rc})")
 
 
-def _in_context(device, name, *args):
-    """Driver call `name(*args)` with `device`'s primary context current (the context XLA uses)."""
+@functools.cache
+def _primary_context(ordinal: int) -> ctypes.c_void_p:
+    """The primary context of CUDA device `ordinal` (the one XLA uses), retained once."""
     cuda = _driver()
-    ordinal, ctx = ctypes.c_int(), ctypes.c_void_p()
-    _check(cuda, "cuDeviceGet", ctypes.byref(ordinal), device.local_hardware_id)
-    _check(cuda, "cuDevicePrimaryCtxRetain", ctypes.byref(ctx), ordinal)
-    _check(cuda, "cuCtxPushCurrent_v2", ctx)
+    device, ctx = ctypes.c_int(), ctypes.c_void_p()
+    _check(cuda, "cuDeviceGet", ctypes.byref(device), ordinal)
+    _check(cuda, "cuDevicePrimaryCtxRetain", ctypes.byref(ctx), device)
+    return ctx
+
+
+def _in_context(device, name, *args):
+    """Driver call `name(*args)` with `device`'s primary context current."""
+    cuda = _driver()
+    _check(cuda, "cuCtxPushCurrent_v2", _primary_context(device.local_hardware_id))
     try:
         _check(cuda, name, *args)
     finally:
