@@ -10,10 +10,9 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_pallas_allreduce import EPS, reduce_add_norm_np
+from test_pallas_allreduce import EPS, exact_calls, reduce_add_norm_np
 
 from eagle3_jax import parallel
 from eagle3_jax.pallas import allreduce
@@ -50,25 +49,9 @@ def check_values(mesh, mailbox, M, R, dtype):
     np.testing.assert_allclose(mine(y), y_want, rtol=2 * ulp, atol=2 * ulp)
 
 
-def check_loop(mesh, mailbox, M, R, calls=500, chain=8):
-    def loop(n, mb):
-        d = lax.axis_index("model").astype(jnp.float32)
-        pattern = jnp.broadcast_to((jnp.arange(H) % 4 + 1).astype(jnp.float32), (R, H))
-        zero, w = jnp.zeros((R, H), jnp.bfloat16), jnp.ones((H,), jnp.float32)
-
-        def step(i, carry):
-            s, errs = carry
-            for j in range(chain):
-                v = ((i * chain + j) % 7).astype(jnp.float32)
-                part = (v + d + 1) * pattern + 0.0 * s.astype(jnp.float32)  # depends on the previous call
-                s, _ = allreduce.allreduce_add_rms_norm(part, zero, w, mb, eps=EPS, axis="model")
-                errs = errs + jnp.sum(s.astype(jnp.float32) != (M * v + M * (M + 1) / 2) * pattern).astype(jnp.int32)
-            return s, errs
-
-        return lax.fori_loop(0, n[0, 0], step, (zero, jnp.int32(0)))[1][None]
-
-    run = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P(), P(("data", "model"))), out_specs=P("model"),
-                                check_vma=False))
+def check_loop(mesh, mailbox, M, R, calls=500):
+    run = jax.jit(jax.shard_map(exact_calls(M, H), mesh=mesh, in_specs=(P(), P(("data", "model"))),
+                                out_specs=P("model"), check_vma=False))
     errors = int(np.asarray(run(global_array(mesh, np.full((R, 1), calls, np.int32), P()), mailbox)
                             .addressable_shards[0].data)[0])
     assert errors == 0, (R, errors)

@@ -3,18 +3,16 @@ from its contract; the kernel on the GPUs of this machine (>= 2, one process), c
 thousands of times in a loop whose every sum is exact (integer-valued partials), so that a message
 read too early, a slot overwritten before its peer read it or a lost flag fails the test."""
 
-import functools
 import os
-import socket
 import subprocess
 import sys
 import types
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import local_processes
+import numpy as np
+import pytest
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -142,6 +140,33 @@ def test_shared_memory_problem():
     assert allreduce.shared_memory_problem(fake_mesh([[0, 1], [2, 3]]), hosts=["a", "a", "b", "b"]) is None
 
 
+def exact_calls(M: int, H: int, chain: int = 8, parts=None):
+    """loop(n [R, 1], mailbox) for shard_map over "model" (M devices): n[0, 0] iterations of `chain`
+    chained kernel calls on [R, H] integer-valued partials that change every call (each depending on
+    the last result), so every s is an exact, known sum; returns [1] a device: the elements that
+    differ over all calls."""
+
+    def loop(n, mb):
+        d = lax.axis_index("model").astype(jnp.float32)
+        R = n.shape[0]
+        pattern = jnp.broadcast_to((jnp.arange(H) % 4 + 1).astype(jnp.float32), (R, H))
+        zero, w = jnp.zeros((R, H), jnp.bfloat16), jnp.ones((H,), jnp.float32)
+
+        def step(i, carry):
+            s, errs = carry
+            for j in range(chain):
+                v = ((i * chain + j) % 7).astype(jnp.float32)
+                part = (v + d + 1) * pattern + 0.0 * s.astype(jnp.float32)  # depends on the previous call
+                s, _ = allreduce.allreduce_add_rms_norm(part, zero, w, mb, eps=EPS, axis="model", parts=parts)
+                want = (M * v + M * (M + 1) / 2) * pattern
+                errs = errs + jnp.sum(s.astype(jnp.float32) != want).astype(jnp.int32)
+            return s, errs
+
+        return lax.fori_loop(0, n[0, 0], step, (zero, jnp.int32(0)))[1][None]
+
+    return loop
+
+
 def gpus():
     return [d for d in jax.devices() if d.platform == "gpu"]
 
@@ -186,28 +211,9 @@ def test_kernel_exact_in_a_loop_gpu():
     H, calls, chain = 2880, 500, 8
     mesh = parallel.make_mesh(model=M, devices=gpus()[:M])
     mailbox = allreduce.new_mailbox(mesh, H)
-
-    def loop(n, mb, parts=None):
-        d = lax.axis_index("model").astype(jnp.float32)
-        R = n.shape[0]
-        pattern = jnp.broadcast_to((jnp.arange(H) % 4 + 1).astype(jnp.float32), (R, H))
-        zero, w = jnp.zeros((R, H), jnp.bfloat16), jnp.ones((H,), jnp.float32)
-
-        def step(i, carry):
-            s, errs = carry
-            for j in range(chain):
-                v = ((i * chain + j) % 7).astype(jnp.float32)
-                part = (v + d + 1) * pattern + 0.0 * s.astype(jnp.float32)  # depends on the previous call
-                s, _ = allreduce.allreduce_add_rms_norm(part, zero, w, mb, eps=EPS, axis="model", parts=parts)
-                want = (M * v + M * (M + 1) / 2) * pattern
-                errs = errs + jnp.sum(s.astype(jnp.float32) != want).astype(jnp.int32)
-            return s, errs
-
-        return lax.fori_loop(0, n[0, 0], step, (zero, jnp.int32(0)))[1][None]
-
     every = P(tuple(mesh.axis_names))
     for R, parts in ((1, None), (16, None), (16, 6), (64, 2), (1, 1)):
-        run = jax.jit(jax.shard_map(functools.partial(loop, parts=parts), mesh=mesh,
+        run = jax.jit(jax.shard_map(exact_calls(M, H, chain, parts), mesh=mesh,
                                     in_specs=(P(), every), out_specs=P("model"), check_vma=False))
         n = jax.device_put(jnp.full((R, 1), calls, jnp.int32), NamedSharding(mesh, P()))
         assert np.asarray(run(n, mailbox)).tolist() == [0] * M, (R, parts)
@@ -254,24 +260,11 @@ def test_kernel_one_process_a_gpu():
     if len(gpus()) < 2:
         pytest.skip("needs 2 GPUs")
     M = 4 if len(gpus()) >= 4 else 2
-    with socket.socket() as sock:  # a free port for the coordinator
-        sock.bind(("localhost", 0))
-        port = sock.getsockname()[1]
-    here = os.path.dirname(__file__)
-    path = os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])  # where it is not installed
-    procs = [subprocess.Popen([sys.executable, os.path.join(here, "allreduce_processes.py"), str(i), str(M), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=here,
-                              env={**os.environ, "CUDA_VISIBLE_DEVICES": str(gpus()[i].local_hardware_id),
-                                   "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.1", "PYTHONPATH": path})
-             for i in range(M)]
-    try:
-        outs = [p.communicate(timeout=400) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0 and out.rstrip().endswith("ok"), (out, err[-4000:])
+    port = local_processes.free_port()
+    path = os.pathsep.join([os.path.dirname(local_processes.HERE), os.environ.get("PYTHONPATH", "")])  # uninstalled
+    envs = [{**os.environ, "CUDA_VISIBLE_DEVICES": str(gpus()[i].local_hardware_id),
+             "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.1", "PYTHONPATH": path} for i in range(M)]
+    local_processes.run_all("allreduce_processes.py", [(i, M, port) for i in range(M)], envs, timeout=400)
 
 
 def test_model_kernels_lower_without_collective_metadata():

@@ -3,12 +3,12 @@ devices, tests/parallel_decode.py; two processes of 2 CPU devices each through j
 tests/parallel_multiprocess.py), the sharding table, and every promised error."""
 
 import os
-import socket
 import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
+import local_processes
 import numpy as np
 import pytest
 from flax import nnx
@@ -29,28 +29,16 @@ def abstract(data, model):
 def test_sharded_generate_and_decode_match_one_device():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, os.path.join(HERE, "parallel_decode.py")], capture_output=True, text=True,
-                       timeout=300, env=env)
+                       timeout=600, env=env)  # about 150 s on 2 cores, 280 on slower ones
     assert r.returncode == 0 and r.stdout.rstrip().endswith("ok"), (r.stdout, r.stderr[-4000:])
     for data, model in [(1, 2), (2, 2), (1, 4)]:
         assert f"mesh data={data} model={model}: tokens equal" in r.stdout, r.stdout
 
 
 def test_two_processes_match_one_device():
-    with socket.socket() as s:  # a free port for the coordinator
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = local_processes.free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "parallel_multiprocess.py"), str(i), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=HERE)
-             for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0 and out.rstrip().endswith("ok"), (out, err[-4000:])
+    local_processes.run_all("parallel_multiprocess.py", [(i, port) for i in range(2)], [env] * 2)
 
 
 @pytest.mark.parametrize("experts", ["mxfp4", "dense"])
