@@ -274,7 +274,7 @@ def mailbox(mesh: Mesh | None, hidden: int) -> allreduce.Mailbox | None:
     if key not in _MAILBOXES:
         hosts = allreduce.process_hosts() if mesh.is_multi_process else None
         shared = allreduce.shared_memory_problem(mesh, "model", hosts) is None
-        _MAILBOXES[key] = allreduce.new_mailbox(mesh, hidden) if shared else None
+        _MAILBOXES[key] = allreduce.new_mailbox(mesh, hidden, hosts=hosts) if shared else None
     return _MAILBOXES[key]
 
 

@@ -111,16 +111,18 @@ def process_hosts() -> list[str]:
     return [bytes(row).rstrip(b"\0").decode() for row in every.reshape(jax.process_count(), 64)]
 
 
-def new_mailbox(mesh, hidden: int, axis: str = "model") -> Mailbox:
+def new_mailbox(mesh, hidden: int, axis: str = "model", hosts=None) -> Mailbox:
     """A Mailbox for every device of `mesh` (model groups along `axis`), for rows of `hidden`: each
     device's zeroed inbox and counter, and each device's table of its group's inboxes, reached
     directly in one process and through CUDA IPC handles across processes (gathered from every
-    process: a collective where the mesh spans processes; every process must call it alike). Raises
-    ValueError where a group's devices cannot share memory (`shared_memory_problem`)."""
+    process: a collective where the mesh spans processes; every process must call it alike). hosts:
+    `process_hosts()` where the caller has it already (gathered here otherwise). Raises ValueError
+    where a group's devices cannot share memory (`shared_memory_problem`)."""
     if mesh.is_multi_process and any(d.platform != "gpu" for d in mesh.devices.flat):
         raise ValueError(f"new_mailbox: a mesh across {jax.process_count()} processes shares memory only on "
                          f"GPUs (CUDA IPC); found {mesh.devices.flat[0].platform} devices")
-    hosts = process_hosts() if mesh.is_multi_process else None
+    if mesh.is_multi_process and hosts is None:
+        hosts = process_hosts()
     problem = shared_memory_problem(mesh, axis, hosts)
     if problem:
         raise ValueError(f"new_mailbox: {problem}")
