@@ -255,6 +255,23 @@ def test_interpret_negative_ids_skip_pairs(fma):
     np.testing.assert_allclose(moe.mxfp4_moe_reference(*skipping, limit=LIMIT, alpha=ALPHA), ref, rtol=1e-6)
 
 
+@pytest.mark.parametrize("fma", [0, 64])
+def test_interpret_down_bias_flag(fma):
+    # down_bias_on (traced, as under shard_map): False adds no b2 on either path, True the usual output
+    args = _case(23, 5, E=8, H=64, I=64)
+    cfg = moe.MoeConfig(block_i=32, block_h=32, groups=2, fma_tokens=fma, fma_groups=2)
+    run = jax.jit(lambda on, *a: moe.mxfp4_moe(*a, limit=LIMIT, alpha=ALPHA, config=cfg, interpret=True,
+                                              down_bias_on=on))
+    off, on = np.asarray(run(jnp.bool_(False), *args)), np.asarray(run(jnp.bool_(True), *args))
+    plain = np.asarray(moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=cfg, interpret=True))
+    np.testing.assert_array_equal(on, plain)
+    unbiased = args[:-1] + (jnp.zeros_like(args[-1]),)
+    ref = moe.mxfp4_moe_reference(*unbiased, limit=LIMIT, alpha=ALPHA)
+    assert np.isfinite(off).all() and _rel(off, ref) < 2e-3
+    assert _rel(off, plain) > 0.01  # the bias mattered
+    np.testing.assert_array_equal(moe.mxfp4_moe_reference(*args, limit=LIMIT, alpha=ALPHA, down_bias_on=False), ref)
+
+
 @pytest.mark.parametrize("tiles", [dict(fma_block_i=16, fma_block_h=16), dict(fma_block_i=32, fma_block_h=32, fma_groups=4)])
 def test_interpret_fma_tiles(tiles):
     # other FMA tilings: 16 or 32 act columns a gate_up program (two or four 8-column blocks of the

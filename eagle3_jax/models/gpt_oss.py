@@ -346,15 +346,20 @@ class MoE(nnx.Module):
             out = self._on_shards(x, path, norm)
         return out.astype(dtype or x.dtype).reshape(shape)
 
-    def _run(self, x, path, norm, first_expert=None):
+    def _run(self, x, path, norm, first_expert=None, down_bias_on=None):
         """x [N, H] -> f32 [N, H] through the experts this module holds: all of them, or (first_expert
         int32, under a mesh) those numbered first_expert .. first_expert + held - 1, the other pairs
-        adding nothing."""
+        adding nothing. down_bias_on (a bool scalar; None: True): whether down's bias is added (split
+        "tensor": on one device); where it is False the kernel skips the bias and the other paths zero
+        it in this (merged, local) module."""
         path = path or self.path or self._path_for(x)
         if path not in self.PATHS:
             raise ValueError(f"MoE path: {path!r} not in {self.PATHS}")
         if path == "kernel":
-            return self._kernel(x, norm, first_expert)
+            return self._kernel(x, norm, first_expert, down_bias_on)
+        if down_bias_on is not None:
+            bias = self.experts.down_bias
+            bias.set_value(jnp.where(down_bias_on, bias.get_value(), jnp.zeros((), bias.get_value().dtype)))
         x = x if norm is None else norm(x)
         ids, w = self.route(x)
         if first_expert is not None:
@@ -396,9 +401,7 @@ class MoE(nnx.Module):
             n = None if norm_def is None else nnx.merge(norm_def, norm_state)
             me = jax.lax.axis_index(shards.MODEL)
             if split == "tensor":
-                bias = local.experts.down_bias
-                bias.set_value(jnp.where(me == 0, bias.get_value(), jnp.zeros((), bias.get_value().dtype)))
-                out = local._run(x, path, n)
+                out = local._run(x, path, n, down_bias_on=me == 0)
             else:
                 out = local._run(x, path, n, me * held)
             return out[None] if partial else jax.lax.psum(out, shards.MODEL)
@@ -420,11 +423,11 @@ class MoE(nnx.Module):
         y = self._ffn(jnp.broadcast_to(x[:, None], (N, E, H)), *self.experts.weights(jnp.arange(E)), "neh,eoh->neo")
         return jnp.einsum("neo,ne->no", y, combine)
 
-    def _kernel(self, x, norm, first_expert=None):
+    def _kernel(self, x, norm, first_expert=None, down_bias_on=None):
         """Few tokens on a GPU: norm, router and top k in two kernels (pallas/moe_route.py), then each
         (token, expert) pair's packed expert weights streamed from HBM or, for experts shared by tokens,
         mostly from L2 (pallas/moe.py); pairs of experts not held (first_expert: `_run`) get id -1, which
-        the kernel skips. f32 [N, H]."""
+        the kernel skips; down_bias_on: `_run`'s. f32 [N, H]."""
         scale, eps = (None, 0.0) if norm is None else (norm.scale[...], norm.eps)
         x, xq, ids, w = moe_route.route(x, scale, self.router_w[...], self.router_b[...], eps=eps, k=self.top_k)
         if first_expert is not None:
@@ -433,7 +436,8 @@ class MoE(nnx.Module):
         ex = self.experts
         return moe_kernel.mxfp4_moe(x, ids, w, ex.gate_up_blocks[...], ex.gate_up_scales[...], ex.gate_up_bias[...],
                                     ex.down_blocks[...], ex.down_scales[...], ex.down_bias[...],
-                                    limit=float(self.limit), alpha=float(self.alpha), xq=xq)
+                                    limit=float(self.limit), alpha=float(self.alpha), xq=xq,
+                                    down_bias_on=down_bias_on)
 
     def _gathered(self, x, ids, w):
         """Few tokens: read each (token, expert) pair's weights. Returns f32 [N, H]."""

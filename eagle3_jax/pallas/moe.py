@@ -516,9 +516,9 @@ def _fma_gate_up_kernel(ids_ref, xq_ref, wq_ref, sc_ref, b_ref, actq_ref, out_re
         util.store(actq_ref, (s, (blk_b // 4) * GROUP_WORDS + PAIR_WORDS + blk_b % 4), factor)
 
 
-def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H, I, BN, BG, decode,
-                 interpret, depth, fma_tokens):
-    """MMA path of down + combine; grid (slot, chunk, H tile)."""
+def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, on_ref, out_ref, *, T, k, H, I, BN, BG,
+                 decode, interpret, depth, fma_tokens):
+    """MMA path of down + combine; grid (slot, chunk, H tile); on_ref [1]: whether the bias is added."""
     del out_in_ref  # aliased with out_ref
     s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     e, first, member, eq, idx, is_e = _slot_tokens(ids_ref, s, c, T=T, k=k)
@@ -530,7 +530,7 @@ def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, out
     def _mma():
         [y] = _expert_rows(act_ref, (s,), wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, c,
                            K=I, BG=BG, decode=decode, x_rows=act_ref.shape[1], depth=depth)
-        b = util.load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
+        b = util.load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok & (on_ref[0] != 0), other=0).astype(F32)
         wt = util.load(w_ref, idx, mask=eq, other=0.0)
         wtok = jnp.sum(jnp.where(eq, wt, 0.0), axis=1)  # [16] routing weight of this expert per token
         val = (y * _UNSCALE + b[:, None]) * wtok[None, :]  # [BN, 16]
@@ -539,9 +539,9 @@ def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, out
         _combine(out_ref, rows, jnp.broadcast_to(cols[:, None], rows.shape), val, mask, interpret)
 
 
-def _fma_down_kernel(ids_ref, w_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref, out_ref, *, T, k, H, I, BN,
-                     interpret, fma):
-    """FMA path of down + combine; grid (pair, H / BN)."""
+def _fma_down_kernel(ids_ref, w_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref, on_ref, out_ref, *, T, k, H, I,
+                     BN, interpret, fma):
+    """FMA path of down + combine; grid (pair, H / BN); on_ref [1]: whether the bias is added."""
     del out_in_ref  # aliased with out_ref
     s, j = pl.program_id(0), pl.program_id(1)
     e, is_e, _ = _pair_expert(ids_ref, s, T * k)
@@ -552,7 +552,7 @@ def _fma_down_kernel(ids_ref, w_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref
     def _fma():
         [[y]] = _fma_rows(actq_ref, (), [s], wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, K=I, BG=fma.groups,
                           decoder=fma.decoder, depth=fma.prefetch, per_word=True)
-        b = util.load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok, other=0).astype(F32)
+        b = util.load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok & (on_ref[0] != 0), other=0).astype(F32)
         _combine(out_ref, jnp.broadcast_to(s // k, (BN,)), cols, (y + b) * w_ref[s], n_ok, interpret)
 
 
@@ -596,10 +596,13 @@ def _kernel_experts(gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, d
 
 @functools.partial(jax.jit, static_argnames=("limit", "alpha", "config", "interpret"))
 def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias,
-              *, limit: float, alpha: float, config: MoeConfig | None = None, interpret: bool = False, xq=None):
+              *, limit: float, alpha: float, config: MoeConfig | None = None, interpret: bool = False, xq=None,
+              down_bias_on=None):
     """x [T, H] (bf16), ids int [T, k], weights f32 [T, k] -> f32 [T, H]; T <= MAX_TOKENS. xq: x in the
     FMA path's pair layout (`f16_pairs(x)`, u32 [T, H/32, 5, 4]) where it is already at hand
-    (`moe_route.route` writes it), else computed here.
+    (`moe_route.route` writes it), else computed here. down_bias_on: a bool scalar, traced or not
+    (None: True); where False, b2 is taken as zero (tensor-parallel experts add it on one device:
+    a flag the down kernel reads, not a zeroed copy of the [E, H] bias each call).
 
     out[t] = sum_j weights[t, j] * (W2 act(W1 x[t] + b1) + b2) of expert ids[t, j], act(h) =
     g * sigmoid(alpha * g) * (l + 1), g = min(h[0::2], limit), l = clip(h[1::2], -limit, limit);
@@ -644,6 +647,7 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     Ia = max(Gp2 * BLOCK, nj1 * BI)  # act columns: every K step of kernel 2 and every store of kernel 1 in bounds
     ids_flat = ids.reshape(-1).astype(jnp.int32)
     w_flat = weights.reshape(-1).astype(F32)
+    on = jnp.ones((1,), jnp.int32) if down_bias_on is None else jnp.asarray(down_bias_on, jnp.int32).reshape(1)
     if xq is None:
         xq = f16_pairs(x.astype(F32))  # the FMA path's activations
     elif tuple(xq.shape) != (T, G1, PAIR_ROWS, 4) or xq.dtype != jnp.uint32:
@@ -684,7 +688,7 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
             out_shape=jax.ShapeDtypeStruct((To, Ho), F32),
             input_output_aliases={6: 0},
             compiler_params=fma_params, interpret=interpret, name="mxfp4_moe_down_fma",
-        )(ids_flat, w_flat, actq.reshape(P, Gf2, GROUP_WORDS), dn_w, dn_s, dn_b, out)
+        )(ids_flat, w_flat, actq.reshape(P, Gf2, GROUP_WORDS), dn_w, dn_s, dn_b, out, on)
     if mma:  # kernel 2, MMA path
         out = pl.pallas_call(
             functools.partial(_down_kernel, T=T, k=k, H=H, I=I, BN=BN, BG=BG, decode=decode, interpret=interpret,
@@ -693,7 +697,7 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
             out_shape=jax.ShapeDtypeStruct((To, Ho), F32),
             input_output_aliases={6: 0},
             compiler_params=params, interpret=interpret, name="mxfp4_moe_down",
-        )(ids_flat, w_flat, act, dn_w, dn_s, dn_b, out)
+        )(ids_flat, w_flat, act, dn_w, dn_s, dn_b, out, on)
     return out if (To, Ho) == (T, H) else out[:T, :H]
 
 
@@ -819,10 +823,12 @@ def mxfp4_moe_grouped(x_tiles, tile_expert, num_live, row_weight, gate_up_blocks
 @functools.partial(jax.jit, static_argnames=("limit", "alpha", "config", "interpret"))
 def mxfp4_moe_reference(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales,
                         down_bias, *, limit: float, alpha: float, config: MoeConfig | None = None,
-                        interpret: bool = False):
+                        interpret: bool = False, down_bias_on=None):
     """Plain-jnp `mxfp4_moe`: dequantize each (token, expert) pair's expert (tokens four at a time,
     so that full-size experts fit in memory); pairs with negative ids add nothing. f32 [T, H]."""
     del config, interpret
+    if down_bias_on is not None:
+        down_bias = jnp.where(down_bias_on, down_bias, jnp.zeros((), down_bias.dtype))
 
     def one_token(args):
         xt, it, wt = args  # [H], [k], [k]
