@@ -23,7 +23,7 @@ name. `platform` defaults to the default backend (`util.on_gpu`). Kernels have n
 | | "reference" | otherwise: `lax.psum`, then the add and the norm in jnp |
 | `tp_pick(rows, devices, mailbox)` | "kernel" | a Mailbox, rows x peers <= 64, any dtype |
 | | "reference" | otherwise: `lax.psum` of each device's (maximum, index) |
-| `compiler_options()` | LOOP_GRAPHS | GPU, one process, XLA_FLAGS without command buffers; else {} |
+| `compiler_options()` | LOOP_GRAPHS | GPU, XLA_FLAGS without command buffers; else {} |
 | `spec_op(interpret)` | "kernel" | GPU or interpret=True; else "reference" (tree_mask, accept, kv_rewind) |
 
 Why these thresholds: docs/perf/ (attention.md, moe.md, glue.md).
@@ -55,14 +55,14 @@ LOOP_GRAPHS = {  # XLA options: every loop a CUDA graph, its condition read on t
 
 
 def compiler_options(platform: str | None = None) -> dict:
-    """XLA options decode's and generate's programs compile with: LOOP_GRAPHS on GPUs in one process,
-    none elsewhere, and none where XLA_FLAGS already sets command buffers (the user's choice stands).
-    4 H100s, gpt-oss-120b, B=1: tp 1 2.84 -> 2.71 ms a token, tp 4 2.50 -> 2.00
-    (tp_decode_b1_pick_h100x4.json against tp_decode_b1_pick_graphs_h100x4.json, one machine).
-    Several processes keep XLA's defaults: with these options four processes a GPU gave decode
-    tokens unlike one process's (decode_procs4_graphs_h200x4.json; not understood)."""
-    if not _gpu(platform) or jax.process_count() > 1 or "xla_gpu_enable_command_buffer" in os.environ.get(
-            "XLA_FLAGS", ""):
+    """XLA options decode's and generate's programs compile with: LOOP_GRAPHS on GPUs (one process or
+    several), none elsewhere, and none where XLA_FLAGS already sets command buffers (the user's
+    choice stands). 4 H100s, gpt-oss-120b, B=1: tp 1 2.84 -> 2.71 ms a token, tp 4 2.50 -> 2.00
+    (tp_decode_b1_pick_h100x4.json against tp_decode_b1_pick_graphs_h100x4.json, one machine). On 4
+    H200s, four processes a GPU under them gave one process's generate tokens in bf16; decode's
+    bf16 near-tie there parted or not by machine, in one process as in four
+    (decode_bf16_parting_h200x4.json)."""
+    if not _gpu(platform) or "xla_gpu_enable_command_buffer" in os.environ.get("XLA_FLAGS", ""):
         return {}
     return dict(LOOP_GRAPHS)
 
