@@ -1,32 +1,16 @@
-"""CPU smoke tests of the experiment scripts: flags parse, output and JSON schema written."""
+"""CPU smoke tests of the experiment scripts that decode, train and evaluate (decode.py, make_data.py,
+train_target.py, train_draft.py, eval_pair.py, fr_spec.py), and every script's flag checks: flags
+parse, output and JSON schema written. The benchmark scripts: tests/test_bench_scripts.py."""
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
-import pytest
-
-from eagle3_jax.models import GptOssConfig
+from experiment_runner import fails, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))  # the scripts, and their shared modules in experiments/lib
-
-
-def run(script, *args, env=()):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *args], capture_output=True,
-                       text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu", **dict(env)})
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout
-
-
-def fails(script, *args, code=1, env=()):
-    """stderr of a script run that must exit with `code`."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *args], capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu", **dict(env)})
-    assert r.returncode == code, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
-    return r.stderr
 
 
 def test_decode_main_job_on_embedded_default(tmp_path):
@@ -56,202 +40,6 @@ def test_decode_main_job_on_embedded_default(tmp_path):
     assert m["decode"]["metrics"]["compile_seconds"] == 0.0  # the second run, reported, reused the executable
 
 
-def test_bench_on_a_mesh(tmp_path):
-    # two fake CPU devices: the target created split over them, the timed states laid out as decode's
-    path = tmp_path / "m.json"
-    run("bench.py", "--preset", "tiny", "--mesh", "model=2", "--scenarios", "single", "--iters", "1",
-        "--copy_bytes", "1000000", "--out", str(path), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
-    r = json.loads(path.read_text())
-    row = r["scenarios"][0]
-    assert r["num_devices"] == 2 and r["mesh"] == {"data": 1, "model": 2, "experts": "tensor"}
-    assert row["step_seconds"]["step"] > 0
-    from lib import roofline  # the roofline of one device: its half of the split weights and K/V
-
-    cfg = GptOssConfig.preset("tiny")
-    assert row["bytes"]["baseline"] == roofline.target_bytes(cfg, 1, 1, row["context"], model=2)["total"] < \
-        roofline.target_bytes(cfg, 1, 1, row["context"])["total"]
-    # a layer's 2 all-reduces (o_proj's, the MoE's psum) in each step; no all-gather a layer (each device
-    # projects its own heads' q|k|v: parallel.align_heads), a few for the argmax over the split vocabulary
-    n_layers = cfg.num_hidden_layers
-    for loop in ("baseline", "step"):
-        c = row["collectives"][loop]
-        assert c["all-gather"] < n_layers and c["all-reduce"] >= 2 * n_layers and c["collective-permute"] == 0, c
-    assert set(r["allreduce_seconds"]) == {"1", "4", "16", "64"} and all(t > 0 for t in r["allreduce_seconds"].values())
-    # a batch-1 row on a data axis of 2: refused before any weights are made, in one line
-    err = fails("bench.py", "--preset", "tiny", "--mesh", "data=2", "--scenarios", "single,batch", "--batch_sizes",
-                "2,3", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
-    assert err.strip() == ("error: --scenarios: rows single (batch 1), batch3 (batch 3) have a batch that is not a "
-                           "multiple of the mesh's data axis (2); choose scenarios or --batch_sizes that it divides"), err
-
-
-def test_busiest_device_experts_by_enumeration():
-    # expert parallel: the expected most routed experts one device holds, against every routed set
-    import itertools
-
-    from lib import roofline
-
-    for E, M, d in ((8, 2, 3), (8, 4, 3), (12, 3, 5), (8, 2, 8), (8, 4, 1)):
-        cfg = GptOssConfig.preset("tiny").replace(num_local_experts=E, num_experts_per_tok=2)
-        sets = list(itertools.combinations(range(E), d))
-        want = sum(max(sum(1 for e in s if e // (E // M) == g) for g in range(M)) for s in sets) / len(sets)
-        assert roofline.busiest_experts(cfg, d, M) == pytest.approx(want), (E, M, d)
-    cfg = GptOssConfig.preset("gpt-oss-120b")  # a token's 4 of 128: 2.74 on the busier of 2, 2.11 of 4
-    assert round(roofline.busiest_experts(cfg, 4, 2), 2) == 2.74 and round(roofline.busiest_experts(cfg, 4, 4), 2) == 2.11
-    assert roofline.busiest_experts(cfg, 4.5, 2) == pytest.approx((roofline.busiest_experts(cfg, 4, 2)
-                                                                   + roofline.busiest_experts(cfg, 5, 2)) / 2)
-    assert roofline.busiest_experts(cfg, 3.5, 1) == 3.5
-
-
-def test_bench_reduce_norm_needs_gpus():
-    # the fused kernel has no CPU path: one line naming what is missing, and bad flags refused
-    assert "error: bench_reduce_norm: needs 2 or more GPUs, found 0" in fails("bench_reduce_norm.py", "--tp", "2")
-    assert "--rows" in fails("bench_reduce_norm.py", "--rows", "0", code=1)
-    assert "--parts: a list of positive integers or auto" in fails("bench_reduce_norm.py", "--parts", "1,two", code=1)
-
-
-def test_reduce_timing_reference(tmp_path):
-    # the reduction benchmarks' reference programs on a one-device "model" axis: s = bf16(x + r) and
-    # y its RMSNorm times the scale; the timed loop feeds each call's outputs to the next
-    import jax
-    import jax.numpy as jnp
-    from lib import reduce_timing
-
-    from eagle3_jax import parallel
-
-    mesh = parallel.make_mesh(model=1, devices=jax.devices()[:1])
-    args = reduce_timing.inputs(mesh, 3, 128, np.random.default_rng(0))
-    once, loop = reduce_timing.fused(mesh, False, chain=2)
-    s, y = (np.asarray(a, np.float64)[0] for a in once(*args))
-    x, r, w = (np.asarray(a, np.float64) for a in args)
-    want = np.asarray(jnp.asarray((x[0] + r).astype(np.float32), jnp.bfloat16), np.float64)
-    np.testing.assert_array_equal(s, want)
-    norm = want / np.sqrt(np.mean(want ** 2, axis=-1, keepdims=True) + reduce_timing.EPS) * w
-    np.testing.assert_allclose(y, norm, rtol=2 ** -7, atol=1e-2)
-    out = np.asarray(loop(*args, jnp.int32(2)), np.float32)
-    assert out.shape == (1, 3, 128) and np.isfinite(out).all() and not np.array_equal(out[0], y)
-    assert np.isfinite(reduce_timing.per_call(loop, args, iters=2, chain=2))
-
-
-def test_bench_tp_rows(tmp_path):
-    # tp 1 and 2 over two fake CPU devices: a row each, the ratio against tp 1 of the same run
-    from lib import roofline
-
-    path = tmp_path / "tp.json"
-    out = run("bench_tp.py", "--preset", "tiny", "--tp", "1,2", "--batch_sizes", "2", "--context", "64", "--iters",
-              "1", "--allreduce_rows", "1,4", "--copy_bytes", "1000000", "--profile", "--experts", "expert,tensor",
-              "--noprogress", "--out", str(path),
-              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
-    r = json.loads(path.read_text())
-    assert r["num_devices"] == 2 and [(x["tp"], x["batch"], x["experts"]) for x in r["rows"]] == [
-        (1, 2, None), (2, 2, "expert"), (2, 2, "tensor")]
-    for x in r["rows"]:
-        assert x["ms_per_token"] > 0 and x["step_ms"] > 0 and 0 < x["roofline_fraction"]
-        nbytes = roofline.target_bytes(GptOssConfig.preset("tiny"), 2, 1, 64, model=x["tp"],
-                                       experts=x["experts"] or "expert")["total"]
-        assert x["roofline_fraction"] == pytest.approx(nbytes / r["copy_bandwidth"] / (x["ms_per_token"] / 1e3))
-        assert x["tokens_per_second"] == pytest.approx(x["batch"] / x["ms_per_token"] * 1e3)
-        one = next(y for y in r["rows"] if y["tp"] == 1 and y["batch"] == x["batch"])
-        assert x["speedup_vs_tp1"] == pytest.approx(one["ms_per_token"] / x["ms_per_token"])
-        # tp 2: o_proj's and the MoE's all-reduce a layer, a few for the embedding and the argmax
-        n, layers = sum(x["collectives"]["baseline"].values()), GptOssConfig.preset("tiny").num_hidden_layers
-        assert n == 0 if x["tp"] == 1 else 2 * layers <= n <= 2 * layers + 3, (x["tp"], n)
-        assert x["reduction"] == (None if x["tp"] == 1 else "xla")  # no GPU: psum, no Mailbox
-        assert x["baseline_kernels_ms"] == {} and x["baseline_launches"] == 0  # no device profile on CPU
-    assert [(a["tp"], a["rows"]) for a in r["allreduce"]] == [(2, 1), (2, 4)]
-    assert all(a["xla_us"] > 0 and a["kernel_us"] is None and a["reference_us"] is None for a in r["allreduce"])
-    assert "tp=2 B=2 " in out and "x tp1)" in out
-    # a degree the devices cannot hold, refused before any model is made
-    err = fails("bench_tp.py", "--preset", "tiny", "--tp", "1,4",
-                env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
-    assert err.strip() == "error: --tp: 4 devices, but 2 available", err
-    assert "--reductions" in fails("bench_tp.py", "--reductions", "nccl", code=1)
-    assert "--experts" in fails("bench_tp.py", "--experts", "heads", code=1)
-
-
-def test_bench_allreduce_routes(tmp_path):
-    # each route in its own process on two fake CPU devices; tp 4 skipped (two devices), sums checked
-    path = tmp_path / "ar.json"
-    out = run("bench_allreduce.py", "--routes", "xla,nccl_ll", "--tp", "2,4", "--rows", "1,4", "--out", str(path),
-              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
-    r = json.loads(path.read_text())
-    assert r["num_devices"] == 2 and list(r["routes"]) == ["xla", "nccl_ll"]
-    for name, route in r["routes"].items():
-        assert route["error"] is None and [(x["tp"], x["rows"]) for x in route["results"]] == [(2, 1), (2, 4)], route
-        assert all(x["us"] > 0 for x in route["results"])
-    assert r["routes"]["nccl_ll"]["env"] == {"NCCL_PROTO": "LL"} and "nccl_ll    tp2 1 rows " in out
-
-
-def test_bench_baseline_writes_json(tmp_path):
-    path = tmp_path / "r.json"
-    run("bench_baseline.py", "--preset", "tiny", "--prompt_len", "20", "--new_tokens", "96", "--prefill_chunk", "8",
-        "--repeats", "3", "--out", str(path))
-    r = json.loads(path.read_text())
-    for k in ("command", "device", "jax_version", "date", "prefill_seconds", "seconds_per_generated_token",
-              "param_bytes", "memory_after_run"):
-        assert k in r
-    assert r["seconds_per_generated_token"] > 0 and r["preset"] == "tiny"
-
-
-def test_bench_step_writes_json(tmp_path):
-    path = tmp_path / "s.json"
-    run("bench_step.py", "--preset", "tiny", "--context", "24", "--iters", "2", "--batch", "1", "--shapes",
-        "tree2x2n4", "--out", str(path))
-    r = json.loads(path.read_text())
-    assert r["recompile_check"]["second_call_compile_seconds"] == 0.0
-    (row,) = r["rows"]
-    assert row["topk"] == 2 and row["seconds"]["step"] > 0 and row["sum_of_parts"] > 0
-    assert set(row["seconds"]) == {"step", "draft", "verify", "accept", "rewind", "extend"}
-
-
-def test_kernel_families_and_step_minus_parts():
-    import bench_step
-    from lib import timing
-    g = timing.kernel_group
-    assert g("loop_fusion_12") == g("loop_fusion") == "loop_fusion" and g("input_reduce_fusion.3") == "input_reduce_fusion"
-    assert g("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == g("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
-    assert g("mxfp4_moe_gate_up") == "mxfp4_moe_gate_up" and g("MemcpyD2D") == "MemcpyD2D"
-    kernels = {"step": {"gemm": 5e-4, "mxfp4_moe_down": 3e-4, "launches": 30.0},
-               "verify": {"gemm": 2e-4, "mxfp4_moe_down": 3e-4, "launches": 20.0},
-               "draft": {"gemm": 1e-4, "tree_attention": 1e-5, "launches": 6.0}}
-    d = bench_step.kernel_diff(kernels)
-    assert np.isclose(d["by_family"]["gemm"], 2e-4) and np.isclose(d["by_family"]["tree_attention"], -1e-5)
-    assert d["launches"] == 4.0 and list(d["by_family"])[0] == "gemm" and "launches" not in d["by_family"]
-    assert np.isclose(d["kernel_seconds_step"], 8e-4) and np.isclose(d["kernel_seconds_parts"], 6.1e-4)
-
-
-def test_bench_and_gates(tmp_path):
-    path = tmp_path / "b.json"
-    # gates and stress: the sweep / large / single rows go through the same `measure` as the gate rows
-    # (tree shapes through step_timing: test_bench_step_writes_json), so they are left out for time
-    run("bench.py", "--preset", "tiny", "--scenarios", "gates,stress", "--iters", "1", "--copy_bytes", "1000000",
-        "--dense_rows", "single-32k", "--out", str(path))
-    r = json.loads(path.read_text())
-    names = [x["name"] for x in r["scenarios"]]
-    assert names == ["single-32k", "batch4-16k", "stress"]
-    gate = next(x for x in r["scenarios"] if x["name"] == "single-32k")
-    assert set(gate["step_seconds"]) == {"step", "draft", "verify", "accept_rewind", "extend"}
-    assert gate["bytes"]["step"] > gate["bytes"]["baseline"] > 0 and "3.22" in gate["projected_speedup"]
-    assert "memory" in gate and gate["dense_sliding"]["step_seconds"] > 0  # the same row, full-length sliding caches
-    kv = r["kv_bytes_per_token"]  # tiny: 2 full and 2 sliding layers (window 8) of 2 kv heads of 16, bf16
-    assert kv["dense"] == 2 * kv["ring"] == 4 * 2 * 2 * 16 * 2 and kv["ring_fixed"] == (8 + 128) * kv["ring"]
-    stress = next(x for x in r["scenarios"] if x["name"] == "stress")
-    assert len(stress["lengths"]) == 16 and min(stress["lengths"]) < 64  # early eos ended some slots
-    g = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "gates.py"), "--results", str(path)],
-                       capture_output=True, text=True, timeout=120)
-    assert g.returncode in (0, 1) and "single-32k chain3" in g.stdout and "byte roofline allows" in g.stdout
-    passed = all(x["projected"] >= x["need"] for x in __import__("gates").evaluate(r) if not x.get("missing"))
-    assert g.returncode == (0 if passed else 1)
-
-
-def test_parse_shape():
-    from lib.step_timing import parse_shape
-    assert parse_shape("chain3") == dict(depth=3, topk=1, num_nodes=4)
-    assert parse_shape("tree5x8n16") == dict(depth=5, topk=8, num_nodes=16)
-    for bad in ("nonsense", "chain", "chain0", "chain3x", "tree3x4", "tree3x4n8x", "tree3n8", " chain3"):
-        with pytest.raises(ValueError, match=f"draft shape {bad!r}: expected chainK or treeDxKnN"):
-            parse_shape(bad)
-
-
 def test_bad_flags_stop_at_parse():
     # each stops when flags are parsed: before a model is built or a checkpoint loaded
     err = fails("bench.py", "--preset", "tiny", "--scenarios", "gates,bogus")
@@ -263,7 +51,8 @@ def test_bad_flags_stop_at_parse():
     err = fails("fr_spec.py", "--corpus", "/nonexistent/corpus.npy")
     assert "flag --corpus=/nonexistent/corpus.npy: expected a readable file" in err
     err = fails("decode.py", "--mesh", "model=x")
-    assert err.strip().endswith("error: --mesh: 'model=x', expected model=M,data=D with integers >= 1 (each at most once)")
+    assert err.strip().endswith("error: --mesh: 'model=x', expected model=M,data=D with integers >= 1 "
+                                "(each at most once)")
     err = fails("decode.py", "--mesh", "model=2")  # one CPU device here
     assert err.count("\n") == 1 and err.startswith("error: make_mesh: ") and "2" in err
     err = fails("decode.py", "--experts", "tensor")
@@ -299,28 +88,6 @@ def test_numeric_flags_state_their_range():
     assert not unchecked, unchecked
     err = fails("bench_tp.py", "--iters", "0")
     assert "flag --iters=0: 0 is not a positive integer" in err, err
-
-
-def test_copy_buffer_that_does_not_fit_is_named():
-    from lib import timing
-    with pytest.raises(ValueError, match=r"^--moe_copy_bytes 35184372088832: the copy-bandwidth buffer does not "
-                                         r"fit on .*; pass a smaller --moe_copy_bytes$"):
-        timing.copy_bandwidth(1 << 45, "--moe_copy_bytes")
-
-
-def test_gates_names_file_and_missing_key(tmp_path):
-    import gates
-    path = tmp_path / "not_bench.json"
-    path.write_text(json.dumps({"rows": [{"k": 64}]}))  # e.g. an fr_spec.py JSON
-    # bad input: one line on stderr and exit status 2 (1 means a gate failed)
-    assert fails("gates.py", "--results", str(path), code=2) == \
-        f"error: {path}: no key 'scenarios' (expected a bench.py results JSON)\n"
-    row = dict(name="single-32k", shape="chain3", baseline_seconds_per_token=1e-3, step_seconds=dict(step=2e-3),
-               bytes=dict(baseline=1))
-    with pytest.raises(ValueError, match=r"r\.json scenario 'single-32k': no key 'bytes\.step' \(expected a bench"):
-        gates.evaluate(dict(scenarios=[row]), "r.json")
-    with pytest.raises(ValueError, match=r"r\.json scenarios\[1\]: no key 'name'"):
-        gates.evaluate(dict(scenarios=[{"name": "stress"}, {"shape": "chain3"}]), "r.json")
 
 
 def test_fr_spec_writes_json(tmp_path):
@@ -374,29 +141,16 @@ def test_make_data_train_and_eval_pair(tmp_path):
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps([[5, 6, 7, 8], [9, 10, 11]]))
     out = tmp_path / "e.json"
-    # speed at B=2, both prompts: the acceptance pass's executables (generate, decode chain2) run again
+    # speed at B=2, both prompts: the acceptance pass's executables (generate, decode chain2) run again; and
+    # so do the float32 check's (full-precision matmuls): the whole run at that precision, as on CPU anyway
     run("eval_pair.py", "--target", str(t), "--draft", str(dr), "--prompts_file", str(prompts), "--max_new_tokens",
         "6", "--shapes", "chain2", "--speed_batches", "2", "--speed_shapes", "chain2", "--repeats", "1",
-        "--dtype", "float32", "--exact_check", "chain2", "--out", str(out))
+        "--dtype", "float32", "--exact_check", "chain2", "--out", str(out),
+        env={"JAX_DEFAULT_MATMUL_PRECISION": "highest"})
     r = json.loads(out.read_text())
     assert [a["shape"] for a in r["acceptance"]] == ["chain2"]
     assert all(a["identical"] and a["tau"] >= 1 for a in r["acceptance"]) and r["identical_float32"] == {"chain2": True}
     assert r["speed"][0]["speedup"] > 0
-
-
-def test_bench_kernels_moe_grouped_writes_json(tmp_path):
-    # the prefill MoE section on the tiny preset (kernels interpreted on CPU): kernels agree with the scan
-    path = tmp_path / "g.json"
-    # with --moe_units, one device's share of each expert under the units split (96 of the tiny 64: more)
-    run("bench_kernels.py", "--only", "moe_grouped", "--moe_preset", "tiny", "--moe_units", "96", "--grouped_tokens",
-        "80", "--out", str(path))
-    res = json.loads(path.read_text())["moe_grouped"]
-    (row,) = res["rows"]
-    assert res["units"] == 96 and row["tokens"] == 80 and row["live_tiles"] >= 1
-    assert row["rel_err_kernel_vs_scan"] < 1e-3
-    err = fails("bench_kernels.py", "--only", "moe_grouped", "--moe_preset", "tiny", "--moe_units", "80")
-    assert "moe_units=80: intermediate_size: 80 must be a multiple of 32 for MXFP4 experts" in err
-    assert "Traceback" not in err
 
 
 def test_gpu_only_script_refuses_cpu():

@@ -29,10 +29,10 @@ def abstract(data, model):
 def test_sharded_generate_and_decode_match_one_device():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, os.path.join(HERE, "parallel_decode.py")], capture_output=True, text=True,
-                       timeout=600, env=env)  # about 150 s on 2 cores, 280 on slower ones
+                       timeout=600, env=env)
     assert r.returncode == 0 and r.stdout.rstrip().endswith("ok"), (r.stdout, r.stderr[-4000:])
-    for data, model in [(1, 2), (2, 2), (1, 4)]:
-        assert f"mesh data={data} model={model}: tokens equal" in r.stdout, r.stdout
+    assert "mesh data=2 model=2: tokens equal (generate, chain, tree, sampled tree)" in r.stdout, r.stdout
+    assert "mesh data=1 model=4: tokens equal (chain)" in r.stdout, r.stdout
 
 
 def test_two_processes_match_one_device():

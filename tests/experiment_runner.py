@@ -1,0 +1,159 @@
+"""Runs experiments/*.py scripts for the tests as `python experiments/<script> ARGS` would, each in a
+process forked from one server process that has imported JAX, Flax, absl and eagle3_jax already
+(about 2 s of each script's start on a 2-core CPU). No JAX backend is started before the fork: the
+child starts its own, with its own XLA_FLAGS. The child runs the script as __main__ with the
+script's folder first on sys.path, its argv, the caller's environment and working directory, stdout
+and stderr to files and stdin from /dev/null; its exit status is the script's (an uncaught
+exception: its traceback on stderr, status 1).
+
+`run` (stdout of a run that must exit 0) and `fails` (stderr of one that must exit with `code`) run
+experiments/<script> on CPU; `execute` runs any script path and returns a CompletedProcess. JAX reads
+its environment variables (JAX_*) when it is imported: a run whose JAX_* variables differ from the
+server's (those of the first run) gets a process of its own, started as usual.
+Server side: `python experiment_runner.py` reads one JSON job a line and answers one JSON line."""
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+EXPERIMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
+_server = None
+_server_jax_env = None
+
+
+def _server_main():
+    import runpy
+    import traceback
+
+    import absl.app  # noqa: F401
+    import absl.flags  # noqa: F401
+    import jax  # noqa: F401
+    import jax.numpy  # noqa: F401
+    import numpy  # noqa: F401
+    from flax import nnx  # noqa: F401
+
+    import eagle3_jax.assets  # noqa: F401
+    import eagle3_jax.convert  # noqa: F401
+    import eagle3_jax.models  # noqa: F401
+    import eagle3_jax.parallel  # noqa: F401
+    import eagle3_jax.spec  # noqa: F401
+    import eagle3_jax.train  # noqa: F401
+
+    jax_env = {k: v for k, v in os.environ.items() if k.startswith("JAX_")}
+    for line in sys.stdin:
+        job = json.loads(line)
+        changed = sorted(k for k in set(jax_env) | {k for k in job["env"] if k.startswith("JAX_")}
+                         if jax_env.get(k) != job["env"].get(k))
+        if changed:
+            print(json.dumps(dict(refused=f"JAX_ variables differ from the server's: {changed}")), flush=True)
+            continue
+        pid = os.fork()
+        if pid == 0:  # the child: the script as `python script args` runs it
+            code = 1
+            try:
+                os.environ.clear()
+                os.environ.update(job["env"])
+                os.chdir(job["cwd"])
+                fd = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(fd, 0)
+                for stream, path in ((1, job["stdout"]), (2, job["stderr"])):
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                    os.dup2(fd, stream)
+                    os.close(fd)
+                sys.argv = list(job["argv"])
+                script = os.path.abspath(job["argv"][0])
+                sys.path[0] = os.path.dirname(script)
+                try:
+                    runpy.run_path(script, run_name="__main__")
+                    code = 0
+                except SystemExit as e:
+                    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                    if e.code is not None and not isinstance(e.code, int):
+                        print(e.code, file=sys.stderr)
+                except BaseException:
+                    traceback.print_exc()
+                    code = 1
+                import atexit as _atexit
+                _atexit._run_exitfuncs()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps(dict(returncode=os.waitstatus_to_exitcode(status))), flush=True)
+
+
+def _stop():
+    global _server
+    if _server is not None:
+        _server.kill()
+        _server.wait()
+        _server = None
+
+
+def run(script, *args, env=(), cwd=None, timeout=600):
+    """stdout of `python experiments/<script> args` on CPU (from `cwd` with `script` relative to it, if
+    given), which must exit 0; `env`: variables set on top of this process's environment."""
+    r = execute(script if cwd else os.path.join(EXPERIMENTS, script), *args, cwd=cwd, timeout=timeout,
+                env={**os.environ, "JAX_PLATFORMS": "cpu", **dict(env)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def fails(script, *args, code=1, env=(), timeout=120):
+    """stderr of `python experiments/<script> args` on CPU, which must exit with `code`."""
+    r = execute(os.path.join(EXPERIMENTS, script), *args, timeout=timeout,
+                env={**os.environ, "JAX_PLATFORMS": "cpu", **dict(env)})
+    assert r.returncode == code, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    return r.stderr
+
+
+def execute(path, *args, env=None, cwd=None, timeout=600):
+    """`python path *args` in a child of the server (started on first use, with `env`); a
+    CompletedProcess. At `timeout` seconds the server and the run are killed. A run whose JAX_*
+    variables differ from the server's (which JAX read when the server imported it) runs in a
+    process of its own, started as usual."""
+    global _server, _server_jax_env
+    env = dict(os.environ if env is None else env)
+    jax_env = {k: v for k, v in env.items() if k.startswith("JAX_")}
+    if _server is None or _server.poll() is not None:
+        _server = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        _server_jax_env = jax_env
+        atexit.register(_stop)
+    if jax_env != _server_jax_env:
+        return subprocess.run([sys.executable, path, *map(str, args)], capture_output=True, text=True, env=env,
+                              cwd=cwd, timeout=timeout)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        job = dict(argv=[str(path), *map(str, args)], env=env, cwd=os.path.abspath(cwd or os.getcwd()),
+                   stdout=out, stderr=err)
+        _server.stdin.write(json.dumps(job) + "\n")
+        _server.stdin.flush()
+        answer = _read_line(timeout)
+        if "refused" in answer:
+            raise ValueError(f"experiment_runner: {answer['refused']}")
+        with open(out) as f, open(err) as g:
+            return subprocess.CompletedProcess([sys.executable, path, *args], answer["returncode"], f.read(), g.read())
+
+
+def _read_line(timeout):
+    import selectors
+
+    with selectors.DefaultSelector() as sel:
+        sel.register(_server.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            os.killpg(_server.pid, 9)  # the server and the child running the script
+            _stop()
+            raise subprocess.TimeoutExpired("experiment_runner", timeout)
+    line = _server.stdout.readline()
+    if not line:
+        raise RuntimeError(f"experiment_runner: the server ended (status {_server.poll()})")
+    return json.loads(line)
+
+
+if __name__ == "__main__":
+    _server_main()
