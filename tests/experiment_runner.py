@@ -28,18 +28,18 @@ def _server_main():
     import runpy
     import traceback
 
-    import absl.app  # noqa: F401
+    import absl.app
     import absl.flags  # noqa: F401
-    import jax  # noqa: F401
+    import jax
     import jax.numpy  # noqa: F401
     import numpy  # noqa: F401
     from flax import nnx  # noqa: F401
 
-    import eagle3_jax.assets  # noqa: F401
-    import eagle3_jax.convert  # noqa: F401
-    import eagle3_jax.models  # noqa: F401
-    import eagle3_jax.parallel  # noqa: F401
-    import eagle3_jax.spec  # noqa: F401
+    import eagle3_jax.assets
+    import eagle3_jax.convert
+    import eagle3_jax.models
+    import eagle3_jax.parallel
+    import eagle3_jax.spec
     import eagle3_jax.train  # noqa: F401
 
     jax_env = {k: v for k, v in os.environ.items() if k.startswith("JAX_")}
@@ -48,7 +48,7 @@ def _server_main():
         changed = sorted(k for k in set(jax_env) | {k for k in job["env"] if k.startswith("JAX_")}
                          if jax_env.get(k) != job["env"].get(k))
         if changed:
-            print(json.dumps(dict(refused=f"JAX_ variables differ from the server's: {changed}")), flush=True)
+            print(json.dumps({"refused": f"JAX_ variables differ from the server's: {changed}"}), flush=True)
             continue
         pid = os.fork()
         if pid == 0:  # the child: the script as `python script args` runs it
@@ -83,7 +83,7 @@ def _server_main():
                 sys.stderr.flush()
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
-        print(json.dumps(dict(returncode=os.waitstatus_to_exitcode(status))), flush=True)
+        print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
 
 
 def _stop():
