@@ -14,7 +14,7 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # One persistent XLA compilation cache for the whole run: the xdist workers and the experiment
-# scripts that tests/test_experiments.py runs as subprocesses compile many of the same programs
+# scripts that tests/test_experiments.py and test_bench_scripts.py run compile many of the same programs
 # (the tiny models' initializers, their train steps, decode and generate loops, ...), and on CPU
 # compiling is most of the suite's time. The process that starts first (the xdist controller, or
 # the only process) makes a fresh directory and removes it at the end; workers and subprocesses
