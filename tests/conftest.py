@@ -56,10 +56,10 @@ def _add_cpu_xla_flag():
 # of its current one left, so the files after these (each under ~6 s) even out the end. Seconds of
 # each, run alone on the 2-core machine (other work on it): 105, 41, 25, 25, 20, 18, 17, 17, 16, 14, 11, 8, 7, 6.
 SLOW_FILES = ("test_bench_scripts.py", "test_parallel.py", "test_experiments.py", "test_decode.py",
-              "test_pallas_moe.py", "test_readme.py", "test_notebooks.py", "test_ring_cache.py", "test_bench_memory.py",
-              "test_parallel_load.py", "test_gpt_oss.py", "test_train.py", "test_generate.py", "test_pallas_attention.py",
-              "test_pair.py", "test_sample_proposal.py", "test_accept.py", "test_gpu_lowering.py",
-              "test_pallas_moe_route.py", "test_eagle3.py", "test_transformers_parity.py")
+              "test_pallas_moe.py", "test_notebooks.py", "test_bench_memory.py", "test_ring_cache.py",
+              "test_readme.py", "test_train.py", "test_gpt_oss.py", "test_parallel_load.py", "test_generate.py",
+              "test_pallas_attention.py", "test_pair.py", "test_sample_proposal.py", "test_accept.py",
+              "test_gpu_lowering.py", "test_pallas_moe_route.py", "test_eagle3.py", "test_transformers_parity.py")
 
 
 def pytest_configure(config):

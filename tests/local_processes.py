@@ -18,7 +18,7 @@ def free_port() -> int:
 def run_all(script: str, args, envs, timeout: float = 300):
     """Runs `python tests/<script> *args[i]` with environment envs[i] for each i, all at once from the
     tests folder, and asserts that each exits 0 with its last line "ok" (its stdout and the tail of its
-    stderr otherwise). A process still running at `timeout` seconds is killed."""
+    stderr otherwise); returns their stdouts. A process still running at `timeout` seconds is killed."""
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, script), *map(str, a)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env, cwd=HERE) for a, env in zip(args, envs)]
     try:
@@ -29,3 +29,4 @@ def run_all(script: str, args, envs, timeout: float = 300):
                 p.kill()
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0 and out.rstrip().endswith("ok"), (out, err[-4000:])
+    return [out for out, _ in outs]

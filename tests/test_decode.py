@@ -9,17 +9,20 @@ from eagle3_jax.models import Eagle3Config, GptOssConfig, eagle3, gpt_oss
 from eagle3_jax.spec import decode, generate
 
 TREE = dict(num_spec_tokens=3, topk=4, num_draft_tokens=8)
+# the tiny preset's layers less one (sliding, full, sliding): a layer of each kind, the draft's 3 feature
+# layers, and programs that compile in less time
+TINY = GptOssConfig.preset("tiny").replace(num_hidden_layers=3, layer_types=())
 
 
 def draft_config(vocab=256, **kw):
     return Eagle3Config(**{**dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                                   head_dim=16, vocab_size=vocab, draft_vocab_size=vocab, target_hidden_size=64,
-                                  aux_layer_ids=(0, 1, 2), target_num_layers=4), **kw})
+                                  aux_layer_ids=(0, 1, 2), target_num_layers=TINY.num_hidden_layers), **kw})
 
 
 def pair(regime):
     """(target, draft) of the same shapes (so executables are shared) in one of three regimes."""
-    t = gpt_oss.GptOss(GptOssConfig.preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    t = gpt_oss.GptOss(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
     d = eagle3.Eagle3(draft_config(), dtype=jnp.float32, rngs=nnx.Rngs(1))
     if regime == "right":  # both heads zero: both always pick id 0
         t.lm_head[...] = jnp.zeros_like(t.lm_head[...])
@@ -113,9 +116,10 @@ forward = nnx.jit(gpt_oss.forward)
                          ids=["chain", "tree"])
 def test_sampling_follows_target_two_token_law(kw):
     """Temperature 1: the first two tokens' joint law equals the target's, enumerated on 8 ids."""
-    cfg = GptOssConfig.preset("tiny").replace(vocab_size=8, eos_token_ids=(1,))
+    cfg = GptOssConfig.preset("tiny").replace(vocab_size=8, eos_token_ids=(1,))  # as test_sample_proposal.py's
     t = gpt_oss.GptOss(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
-    d = eagle3.Eagle3(draft_config(vocab=8), dtype=jnp.float32, rngs=nnx.Rngs(4))
+    d = eagle3.Eagle3(draft_config(vocab=8, target_num_layers=cfg.num_hidden_layers), dtype=jnp.float32,
+                      rngs=nnx.Rngs(4))
     prompt = [2, 5, 3]
     lse = lambda x: x - jnp.log(jnp.sum(jnp.exp(x), -1, keepdims=True))  # noqa: E731
     p1 = np.exp(np.asarray(lse(forward(t, jnp.asarray([prompt]))[0][0, -1]), np.float64))

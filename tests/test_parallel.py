@@ -2,6 +2,7 @@
 devices, tests/parallel_decode.py; two processes of 2 CPU devices each through jax.distributed,
 tests/parallel_multiprocess.py), the sharding table, and every promised error."""
 
+import json
 import os
 import subprocess
 import sys
@@ -38,7 +39,9 @@ def test_sharded_generate_and_decode_match_one_device():
 def test_two_processes_match_one_device():
     port = local_processes.free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    local_processes.run_all("parallel_multiprocess.py", [(i, port) for i in range(2)], [env] * 2)
+    outs = local_processes.run_all("parallel_multiprocess.py", [(i, port) for i in range(2)], [env] * 2)
+    got = [json.loads(out.rstrip().splitlines()[-2]) for out in outs]  # process 0 checked its against one device
+    assert got[0] == got[1] and set(got[0]) == {"generate", "tree"}, got
 
 
 @pytest.mark.parametrize("experts", ["mxfp4", "dense"])

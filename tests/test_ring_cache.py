@@ -201,7 +201,8 @@ def test_decode_with_windowed_draft_and_rings_is_lossless(tiny):
     """Greedy decode (a windowed draft: its cache a ring too) equals generate over long outputs that
     wrap every ring several times; a tree and a chain."""
     from test_decode import draft_config
-    draft = eagle3.Eagle3(draft_config(sliding_window=6), dtype=jnp.float32, rngs=nnx.Rngs(4))
+    draft = eagle3.Eagle3(draft_config(sliding_window=6, target_num_layers=tiny.config.num_hidden_layers),
+                          dtype=jnp.float32, rngs=nnx.Rngs(4))
     assert eagle3.init_cache(draft, 1, 64, max_step_tokens=4).rings == (True,)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 256, n).tolist() for n in (4, 23, 11)]
