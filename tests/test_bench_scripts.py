@@ -67,7 +67,8 @@ def test_busiest_device_experts_by_enumeration():
 
 def test_bench_reduce_norm_needs_gpus():
     # the fused kernel has no CPU path: one line naming what is missing, and bad flags refused
-    assert "error: bench_reduce_norm: needs 2 or more GPUs, found 0" in fails("bench_reduce_norm.py", "--tp", "2")
+    want = "error: bench_reduce_norm: needs a GPU (the kernel has no CPU path), found none"
+    assert want in fails("bench_reduce_norm.py", "--tp", "2")
     assert "--rows" in fails("bench_reduce_norm.py", "--rows", "0", code=1)
     assert "--parts: a list of positive integers or auto" in fails("bench_reduce_norm.py", "--parts", "1,two", code=1)
 

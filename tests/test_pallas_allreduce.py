@@ -1,5 +1,5 @@
 """pallas/allreduce.py: the fused all-reduce + add + RMSNorm against a float64 numpy function written
-from its contract; the kernel on the GPUs of this machine (>= 2, one process), called once and then
+from its contract; the kernel on the GPUs of this machine (4, 2 or 1, one process), called once and then
 thousands of times in a loop whose every sum is exact (integer-valued partials), so that a message
 read too early, a slot overwritten before its peer read it or a lost flag fails the test."""
 
@@ -144,7 +144,8 @@ def exact_calls(M: int, H: int, chain: int = 8, parts=None):
     """loop(n [R, 1], mailbox) for shard_map over "model" (M devices): n[0, 0] iterations of `chain`
     chained kernel calls on [R, H] integer-valued partials that change every call (each depending on
     the last result), so every s is an exact, known sum; returns [1] a device: the elements that
-    differ over all calls."""
+    differ over all calls. parts: blocks a row is sent from, or a tuple of them taken in turn."""
+    turns = parts if isinstance(parts, tuple) else (parts,)
 
     def loop(n, mb):
         d = lax.axis_index("model").astype(jnp.float32)
@@ -157,7 +158,8 @@ def exact_calls(M: int, H: int, chain: int = 8, parts=None):
             for j in range(chain):
                 v = ((i * chain + j) % 7).astype(jnp.float32)
                 part = (v + d + 1) * pattern + 0.0 * s.astype(jnp.float32)  # depends on the previous call
-                s, _ = allreduce.allreduce_add_rms_norm(part, zero, w, mb, eps=EPS, axis="model", parts=parts)
+                s, _ = allreduce.allreduce_add_rms_norm(part, zero, w, mb, eps=EPS, axis="model",
+                                                        parts=turns[j % len(turns)])
                 want = (M * v + M * (M + 1) / 2) * pattern
                 errs = errs + jnp.sum(s.astype(jnp.float32) != want).astype(jnp.int32)
             return s, errs
@@ -171,19 +173,27 @@ def gpus():
     return [d for d in jax.devices() if d.platform == "gpu"]
 
 
+def model_gpus(least: int = 1) -> int:
+    """The "model" axis the GPU tests take: 4, 2 or 1 of this machine's GPUs (skips with fewer than
+    `least`; with one, the kernel meets only its own inbox)."""
+    n = len(gpus())
+    if n < least:
+        pytest.skip(f"needs {least} GPUs")
+    return 4 if n >= 4 else 2 if n >= 2 else 1
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("R,dtype,parts", [(1, jnp.bfloat16, None), (1, jnp.bfloat16, 1), (1, jnp.float32, 4),
-                                           (4, jnp.bfloat16, None), (16, jnp.float32, None), (64, jnp.bfloat16, None),
-                                           (64, jnp.bfloat16, 1)])
-def test_kernel_matches_reference_gpu(R, dtype, parts):
-    """On every GPU of the machine (2 or 4 as one "model" axis), a row sent from `parts` blocks (4: six
-    registers over four blocks, unevenly): the kernel's s equals the reference's bit for bit (the sum
-    of the partials in f32 is exact up to order, and M <= 2 sums commute; with more, within one
-    rounding), y within bf16 rounding, and every device holds the same bits."""
-    if len(gpus()) < 2:
-        pytest.skip("needs 2 GPUs")
-    M = 4 if len(gpus()) >= 4 else 2
-    H = 2880
+@pytest.mark.parametrize("R,dtype,parts,H", [
+    (1, jnp.bfloat16, None, 2880), (1, jnp.bfloat16, 1, 2880), (1, jnp.float32, 4, 2880), (4, jnp.bfloat16, None, 2880),
+    (16, jnp.float32, None, 2880), (64, jnp.bfloat16, None, 2880), (64, jnp.bfloat16, 1, 2880),
+    (3, jnp.bfloat16, None, 576), (2, jnp.float32, None, 64), (2, jnp.bfloat16, None, 3072)])
+def test_kernel_matches_reference_gpu(R, dtype, parts, H):
+    """On the GPUs of the machine (4, 2 or 1 as one "model" axis), a row sent from `parts` blocks (4:
+    six registers over four blocks, unevenly): the kernel's s equals the reference's bit for bit (the
+    sum of the partials in f32 is exact up to order, and M <= 2 sums commute; with more, within one
+    rounding), y within bf16 rounding, and every device holds the same bits. Rows of 576 and 64 end
+    within a thread's registers (threads past H hold padding), 3072 fills them."""
+    M = model_gpus()
     mesh = parallel.make_mesh(model=M, devices=gpus()[:M])
     mailbox = allreduce.new_mailbox(mesh, H)
     host, dev = inputs(mesh, M, R, H, dtype, 7 * R)
@@ -202,17 +212,15 @@ def test_kernel_matches_reference_gpu(R, dtype, parts):
 @pytest.mark.gpu
 def test_kernel_exact_in_a_loop_gpu():
     """4000 chained calls in a jitted loop for each of (rows, blocks a row): (1, default 6), (16, default
-    1), (16, 6), (64, 2), (1, 1), the Mailbox reused across calls and programs: integer-valued partials
-    that change every call, so every s is an exact, known sum. Counts the calls whose s differs: none
-    on any device."""
-    if len(gpus()) < 2:
-        pytest.skip("needs 2 GPUs")
-    M = 4 if len(gpus()) >= 4 else 2
+    1), (16, 6), (64, 2), (1, 1), and calls taking 6, 1 and 4 blocks in turn at 1 row (1 and 6 at 16),
+    the Mailbox reused across calls and programs: integer-valued partials that change every call, so
+    every s is an exact, known sum. Counts the calls whose s differs: none on any device."""
+    M = model_gpus()
     H, calls, chain = 2880, 500, 8
     mesh = parallel.make_mesh(model=M, devices=gpus()[:M])
     mailbox = allreduce.new_mailbox(mesh, H)
     every = P(tuple(mesh.axis_names))
-    for R, parts in ((1, None), (16, None), (16, 6), (64, 2), (1, 1)):
+    for R, parts in ((1, None), (16, None), (16, 6), (64, 2), (1, 1), (1, (6, 1, 4)), (16, (1, 6))):
         run = jax.jit(jax.shard_map(exact_calls(M, H, chain, parts), mesh=mesh,
                                     in_specs=(P(), every), out_specs=P("model"), check_vma=False))
         n = jax.device_put(jnp.full((R, 1), calls, jnp.int32), NamedSharding(mesh, P()))
@@ -226,9 +234,7 @@ def test_vocab_argmax_through_the_kernel_gpu(B, N):
     every row (ties within and across shards, a shard's first and last column, a row all -inf),
     through the kernel with no XLA collective where `select.tp_pick` takes it (rows x peers <= 64),
     else through XLA's all-reduce."""
-    if len(gpus()) < 2:
-        pytest.skip("needs 2 GPUs")
-    M, V = (4 if len(gpus()) >= 4 else 2), 201088
+    M, V = model_gpus(2), 201088
     mesh = parallel.make_mesh(model=M, devices=gpus()[:M])
     mailbox = allreduce.new_mailbox(mesh, 2880)
     kernel = B * N * (M - 1) <= select.TP_KERNEL_ROW_PEERS
@@ -257,9 +263,7 @@ def test_kernel_one_process_a_gpu():
     """tests/allreduce_processes.py in 2 or 4 processes (jax.distributed on localhost), each seeing one
     GPU: the kernel reaches the other processes' inboxes through CUDA IPC; its values and 4000 exact
     chained calls, checked in every process."""
-    if len(gpus()) < 2:
-        pytest.skip("needs 2 GPUs")
-    M = 4 if len(gpus()) >= 4 else 2
+    M = model_gpus(2)
     port = local_processes.free_port()
     path = os.pathsep.join([os.path.dirname(local_processes.HERE), os.environ.get("PYTHONPATH", "")])  # uninstalled
     envs = [{**os.environ, "CUDA_VISIBLE_DEVICES": str(gpus()[i].local_hardware_id),

@@ -8,23 +8,23 @@ f32, in device order (every device computes the same bits): s = (t + residual) r
 residual.dtype, y = s * rsqrt(mean(s^2) + eps) * scale in f32, rounded likewise; returns (s, y).
 `allreduce_add_rms_norm_reference` is the same through `lax.psum`, on any platform.
 
-A row's blocks (one warpgroup each; `parts_for`: 6 at H = 2880 for up to 4 rows, 1 from 16): TMA
-brings the row of x into shared memory ([H / 64, 64], zero rows padding to a multiple of 8: thread t
-holds the same elements on every device); each block stores its share of the row into slot `rank`
-of its own and every peer's inbox, each element beside a flag (the call's number) in one 8-byte
-half of a 16-byte volatile store, so data and signal arrive together with no fence. Block 0 reloads
-the M slots of its own inbox until every flag is this call's, sums in device order, adds the
-residual, normalizes and writes. Inboxes are memory outside XLA (`peer_memory`), reached through
-a table of addresses in the `Mailbox` (directly in one process, through CUDA IPC across processes),
-not `plgpu.remote_ref` or `lax.axis_index`: a kernel reading XLA's collective metadata makes XLA
-launch a barrier (5-7 us) before every call. Calls alternate between two slots, reused with no
-handshake (a peer writes call c + 2 only after reading our call c + 1). After MAX_SPINS reloads a
-kernel traps (an error, not a hang). Every device must make the same calls in the same order.
+A row's blocks (one warpgroup each; `parts_for`: 6 at H = 2880 for up to 4 rows, 1 from 16) load
+the row of x straight from global memory into registers (thread t the same elements on every
+device, zeros padding the row to a multiple of 512), and each stores its share into slot `rank` of
+every peer's inbox, each element beside a flag (the call's number) in one 8-byte half of a 16-byte
+volatile store, so data and signal arrive together with no fence. Block 0 loads the M - 1 peers'
+slots of its own inbox until every flag is this call's, sums them with its own x in device order,
+adds the residual, normalizes and writes s and y from registers. Inboxes are memory outside XLA
+(`peer_memory`), reached through a table of addresses in the `Mailbox` (directly in one process,
+through CUDA IPC across processes), not `plgpu.remote_ref` or `lax.axis_index`: a kernel reading
+XLA's collective metadata makes XLA launch a barrier (5-7 us) before every call. Calls alternate
+between two slots, reused with no handshake (see `_exchange`). After MAX_SPINS reloads a kernel traps
+(an error, not a hang). Every device must make the same calls in the same order.
 
-4 H200s, JAX 0.11.2, loops as CUDA graphs, one process (experiments/results/reduce_norm_once_h200x4.json,
-chains of 8 calls): 6.5 / 7.4 / 9.6 us a call at 1 / 4 / 16 rows over 2 devices, 7.8 / 9.7 / 15.7
-over 4 (XLA's all-reduce + add + norm: 14.0-14.3 and 15.8-18.0). Requires H % 64 == 0,
-R <= MAX_ROWS and model groups whose GPUs share memory (`shared_memory_problem`).
+2 H200s, JAX 0.11.2, loops as CUDA graphs, one process (experiments/results/reduce_norm_registers_h200x2.json,
+chains of 8 calls): 5.4 / 6.9 / 8.5 us a call at 1 / 4 / 16 rows over 2 devices, 3.7-4.1 on one
+(XLA's all-reduce + add + norm: 14.9-15.4 us; the add + norm alone on one device 1.6-2.5). Requires
+H % 64 == 0, R <= MAX_ROWS and model groups whose GPUs share memory (`shared_memory_problem`).
 """
 
 from __future__ import annotations
@@ -55,9 +55,11 @@ MAX_ROWS = 64  # decode (B) and verify (B x draft tokens) sizes
 MAX_BLOCKS = 128  # blocks a call can have: all resident at once on a 132-SM Hopper GPU
 SPREAD_BLOCKS = 24  # blocks a call's rows are spread over by default (`parts_for`)
 THREADS = 128  # one warpgroup a block
+MAX_PARTS = 8  # blocks a row can be sent from (each has its own calls counter)
 MAX_SPINS = 1 << 25  # reloads of a slot before a kernel gives up on a peer (tens of seconds)
 VEC = 4  # f32 elements a thread holds contiguously (WG_STRIDED): elements 512 i + 4 t + j
 SPLAT = plgpu.Layout.WG_SPLAT(())
+COUNTER_WORDS = MAX_ROWS * MAX_PARTS * THREADS  # a device's calls counters after its inbox
 
 
 @jax.tree_util.register_dataclass
@@ -70,7 +72,7 @@ class Mailbox:
     row width the inboxes hold. Each device's inbox and counter (`peer_memory.allocate`, zeroed, never
     freed) are int32 [2, M, MAX_ROWS, 2 width]: [c % 2, k, b] device k's row b of x at call c of that
     row (counted from 0), element e as words 2e (its f32 bits) and 2e + 1 (c + 1); then int32
-    [MAX_ROWS, 128]: [b, t] the calls row b's thread t has made. The kernel writes only that memory,
+    [MAX_ROWS, MAX_PARTS, 128]: [b, p, t] the calls row b's block p's thread t has made. The kernel writes only that memory,
     never an XLA buffer, so a program may copy a Mailbox's arrays like any others."""
     table: jax.Array
     rank: jax.Array
@@ -78,7 +80,7 @@ class Mailbox:
 
 
 def _memory_bytes(M: int, width: int) -> int:
-    return 4 * (2 * M * MAX_ROWS * 2 * width + MAX_ROWS * THREADS)
+    return 4 * (2 * M * MAX_ROWS * 2 * width + COUNTER_WORDS)
 
 
 def shared_memory_problem(mesh, axis: str = "model", hosts=None) -> str | None:
@@ -145,7 +147,7 @@ def new_mailbox(mesh, hidden: int, axis: str = "model", hosts=None) -> Mailbox:
         idx = tuple(np.argwhere(mesh.devices == d)[0])
         group = [mesh.devices[idx[:k_axis] + (k,) + idx[k_axis + 1:]] for k in range(M)]
         addresses = [memory[p] if p in memory else peer_memory.open_handle(d, handles[p]) for p in group]
-        addresses.append(memory[d] + nbytes - 4 * MAX_ROWS * THREADS)
+        addresses.append(memory[d] + nbytes - 4 * COUNTER_WORDS)
         table = np.array([(a & 0xFFFFFFFF, a >> 32) for a in addresses], np.int64).astype(np.uint32).view(np.int32)
         tables.append(jax.device_put(table, d))
         ranks.append(jax.device_put(np.full((1, 1), idx[k_axis], np.int32), d))
@@ -242,110 +244,217 @@ def _line(base, parity, k, row64, t, i, half, M, words):
     return arith.addi(base, arith.addi(off, arith.addi(lane, _int(i * THREADS * VEC * 8 + 16 * half, 64))))
 
 
-def _call(table, M: int, row):
-    """(thread id, row as i64, the address of thread t's count of this row's calls, that count c, its
-    parity) at a kernel's start."""
-    i64 = ir.IntegerType.get_signless(64)
-    t = gpu.thread_id(gpu.Dimension.x)
-    row64 = arith.extui(i64, row.registers.item())
-    slot = arith.addi(arith.muli(row64, _int(THREADS, 64)), arith.index_cast(i64, t))
-    counter = arith.addi(_table_address(table, arith.constant(ir.IndexType.get(), M)),
-                         arith.muli(slot, _int(4, 64)))
-    count = _load_word(counter)
-    return t, row64, counter, count, arith.andi(count, _int(1))
+def _ptr(ref):
+    """The i64 address of a GMEM ref's first element."""
+    return llvm.ptrtoint(ir.IntegerType.get_signless(64), mgpu.utils.memref_ptr(ref))
 
 
-def _send(M: int, parts: int, width: int, layout):
-    """(table, x, rank, row, part) -> nothing: thread t of the row's block `part` writes its registers
-    i with i * parts // V == part (V registers in all: each of the row's `parts` blocks sends its
-    share) into slot `rank` of every inbox of its group (table rows 0 .. M - 1, its own among them),
-    each element beside the flag c + 1 (c: the calls the row made before) in one 8-byte half of a
-    16-byte store, so data and signal arrive together with no fence and no separate signal."""
-    arg_types = (plgpu.RefType(), layout, plgpu.RefType(), SPLAT, SPLAT)
+def _words(dtype) -> int:
+    """i32 words a register of VEC elements of `dtype` spans (2 for bf16 and f16, 4 for f32)."""
+    return VEC * jnp.dtype(dtype).itemsize // 4
 
-    @plgpu.inline_mgpu(arg_types=arg_types)
-    def f(ctx, table, x, rank, row, part):
+
+def _load_row(H: int, shape, dtype, layout, per_row: bool = True):
+    """(ref, row, on) -> row `row` of a GMEM ref [R, H / 64, 64] (per_row False: [H / 64, 64], row
+    unused) of `dtype` in registers (`shape` [P, 64] in `layout`, thread t's register i the elements
+    512 i + 4 t + (0 .. 3)), loaded straight from global memory where on != 0 and the elements lie
+    within H; zeros elsewhere (the padding rows)."""
+    arg_types = (plgpu.RefType(), SPLAT, SPLAT)
+
+    @plgpu.inline_mgpu(arg_types=arg_types, return_type=plgpu.ShapeDtypeStruct(shape, dtype, layout=layout))
+    def f(ctx, ref, row, on):
         del ctx
-        i32, i64, index = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.IndexType.get()
-        t, row64, _, count, parity = _call(table, M, row)
-        flag = arith.addi(count, _int(1))
-        me64 = arith.index_cast(i64, _rank(rank))
-        part = part.registers.item()
-        vec_i32 = ir.VectorType.get((VEC,), i32)
-        regs = list(x.registers.flat)
-        bases = [_table_address(table, arith.constant(index, k)) for k in range(M)]
-        for i, r in enumerate(regs):
-            b = [vector.extract(arith.bitcast(vec_i32, r), [], [j]) for j in range(VEC)]
-            mine = scf.IfOp(arith.cmpi(arith.CmpIPredicate.eq, part, _int(i * parts // len(regs))))
-            with ir.InsertionPoint(mine.then_block):
-                for base in bases:
-                    for half in range(2):
-                        _store_line(_line(base, parity, me64, row64, t, i, half, M, 2 * width),
-                                    [b[2 * half], flag, b[2 * half + 1], flag])
-                scf.yield_([])
-
-    return f
-
-
-def _receive(M: int, width: int, shape, layout):
-    """(table, rank, row) -> the sum over the M devices of the row's x (f32, `shape` in `layout`), in
-    device order: thread t loads its lines of every slot k = 0 .. M - 1 of its own inbox (table row
-    `rank`) at once, again until every flag says c + 1 (one round trip to memory a try, not one a
-    slot: 8.5 -> 7.8 us a call at one row over 4 H200s, reduce_norm_ipc_h200x4.json against
-    reduce_norm_once_h200x4.json), then records the call (c + 1 in its counter). Calls
-    alternate between two slots by c % 2: a device writes call c + 2 only after its own receiving
-    block read this device's call c + 1, that is after this device's kernel of call c has finished
-    reading. The count a sending block reads cannot be the new one: the receiver records it only
-    after reading that block's own writes, made after it read the count."""
-    arg_types = (plgpu.RefType(), plgpu.RefType(), SPLAT)
-
-    @plgpu.inline_mgpu(arg_types=arg_types, return_type=plgpu.ShapeDtypeStruct(shape, F32, layout=layout))
-    def f(ctx, table, rank, row):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        t, row64, counter, count, parity = _call(table, M, row)
-        flag = arith.addi(count, _int(1))
-        own = _table_address(table, _rank(rank))
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        t = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
+        nw, size = _words(dtype), jnp.dtype(dtype).itemsize
+        base = _ptr(ref)
+        if per_row:
+            base = arith.addi(base, arith.muli(arith.extui(i64, row.registers.item()), _int(H * size, 64)))
+        live = arith.cmpi(arith.CmpIPredicate.ne, on.registers.item(), _int(0))
+        element = ir.VectorType.get((VEC,), mgpu.utils.dtype_to_ir_type(dtype))
         V = shape[0] * shape[1] // (THREADS * VEC)
-        vec_i32 = ir.VectorType.get((VEC,), i32)
-        true = arith.constant(ir.IntegerType.get_signless(1), 1)
-        n = M * V * VEC
-        wait = scf.WhileOp([i32] * (n + 1), [_int(0)])
-        tries = wait.before.blocks.append(i32)
-        with ir.InsertionPoint(tries):
-            values, ok = [], true
-            for k in range(M):
-                for i in range(V):
-                    for half in range(2):
-                        w = _load_line(_line(own, parity, _int(k, 64), row64, t, i, half, M, 2 * width))
-                        values += [w[0], w[2]]
-                        for word in (w[1], w[3]):
-                            ok = arith.andi(ok, arith.cmpi(arith.CmpIPredicate.eq, word, flag))
-            scf.condition(arith.xori(ok, true), values + [tries.arguments[0]])
-        after = wait.after.blocks.append(*[i32] * (n + 1))
-        with ir.InsertionPoint(after):
-            spins = arith.addi(after.arguments[n], _int(1))
-            _trap_if(arith.cmpi(arith.CmpIPredicate.ugt, spins, _int(MAX_SPINS)))
-            scf.yield_([spins])
-        got = list(wait.results)[:n]
-        total = None
-        for k in range(M):  # device order: the same sum on every device
-            vecs = [arith.bitcast(ir.VectorType.get((VEC,), ir.F32Type.get()),
-                                  vector.from_elements(vec_i32, got[VEC * (k * V + i):VEC * (k * V + i + 1)]))
-                    for i in range(V)]
-            total = vecs if total is None else [arith.addf(a, b) for a, b in zip(total, vecs)]
-        _store_word(counter, flag)
+        regs = []
+        for i in range(V):
+            e = arith.addi(_int(i * THREADS * VEC), arith.muli(t, _int(VEC)))
+            inside = arith.andi(live, arith.cmpi(arith.CmpIPredicate.slt, e, _int(H)))
+            load = scf.IfOp(inside, [i32] * nw, has_else=True)
+            with ir.InsertionPoint(load.then_block):
+                address = arith.addi(base, arith.muli(arith.extui(i64, e), _int(size, 64)))
+                scf.yield_(_load_vec(address, nw))
+            with ir.InsertionPoint(load.else_block):
+                scf.yield_([_int(0)] * nw)
+            regs.append(vector.bitcast(element, vector.from_elements(ir.VectorType.get((nw,), i32),
+                                                                    list(load.results))))
         registers = layout.to_mgpu().registers_shape(shape)
-        return mgpu.FragmentedArray(_registers=np.array(total, dtype=object).reshape(registers),
+        return mgpu.FragmentedArray(_registers=np.array(regs, dtype=object).reshape(registers),
                                     _layout=layout.to_mgpu(), _is_signed=None)
 
     return f
 
 
+def _store_row(H: int, layout):
+    """(ref, row, value) -> nothing: value [P, 64] (`layout`) into row `row` of a GMEM ref [R, H / 64,
+    64] of its dtype, straight from registers, the elements within H."""
+    arg_types = (plgpu.RefType(), SPLAT, layout)
+
+    @plgpu.inline_mgpu(arg_types=arg_types)
+    def f(ctx, ref, row, value):
+        del ctx
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        t = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
+        size = mgpu.utils.bitwidth(value.mlir_dtype) // 8
+        nw = VEC * size // 4
+        base = arith.addi(_ptr(ref), arith.muli(arith.extui(i64, row.registers.item()), _int(H * size, 64)))
+        vec_i32 = ir.VectorType.get((nw,), i32)
+        for i, r in enumerate(value.registers.flat):
+            e = arith.addi(_int(i * THREADS * VEC), arith.muli(t, _int(VEC)))
+            inside = scf.IfOp(arith.cmpi(arith.CmpIPredicate.slt, e, _int(H)))
+            with ir.InsertionPoint(inside.then_block):
+                words = vector.bitcast(vec_i32, r)
+                _store_vec(arith.addi(base, arith.muli(arith.extui(i64, e), _int(size, 64))),
+                           [vector.extract(words, [], [j]) for j in range(nw)])
+                scf.yield_([])
+
+    return f
+
+
+def _load_vec(address, nw):
+    """One (non-volatile) load of nw = 2 or 4 i32 words -> the words."""
+    i32 = ir.IntegerType.get_signless(32)
+    outs = ", ".join(f"${j}" for j in range(nw))
+    out = llvm.inline_asm(llvm.StructType.get_literal([i32] * nw), [address],
+                          f"ld.global.v{nw}.u32 {{{outs}}}, [${nw}];", ",".join(["=r"] * nw) + ",l",
+                          has_side_effects=False)
+    return [llvm.extractvalue(i32, out, [j]) for j in range(nw)]
+
+
+def _store_vec(address, words):
+    """One (non-volatile) store of 2 or 4 i32 words."""
+    nw = len(words)
+    ins = ", ".join(f"${j + 1}" for j in range(nw))
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [address, *words], f"st.global.v{nw}.u32 [$0], {{{ins}}};",
+                    "l" + ",r" * nw, has_side_effects=True)
+
+
+def _exchange(M: int, parts: int, width: int, shape, layout):
+    """(table, x, rank, row, part) -> in block 0 of the row, the sum over the M devices of the row's x
+    (f32, `shape` in `layout`) in device order; zeros in the other blocks.
+
+    Thread t reads its count c of the calls its (row, part) made (one counter a row, part and thread:
+    each block reads and writes only its own). Block `part` sends the registers i of its share (i *
+    parts // V == part of V) into slot `rank` of every peer's inbox (table rows 0 .. M - 1 but its
+    own), each element beside the flag c + 1 in one 8-byte half of a 16-byte volatile store, so data
+    and signal arrive together with no fence. Block 0 then loads its lines of every slot k != rank at
+    once, again until every flag says c + 1 (one round trip a try), and sums them with its own x
+    (held whole by every block, never sent to itself) in device order. Then each block records the
+    call (c + 1), block 0 also for the parts this call lacks (parts .. MAX_PARTS - 1), so a row's
+    counters stay equal whatever parts the calls use. Calls alternate between two slots by c % 2: a
+    device's blocks send call c + 2 only after its kernel of call c + 1 has ended, whose block 0
+    read every peer's call c + 1, which each peer sent after its kernel of call c, and its reading of
+    slot c % 2, had ended."""
+    arg_types = (plgpu.RefType(), layout, plgpu.RefType(), SPLAT, SPLAT)
+
+    @plgpu.inline_mgpu(arg_types=arg_types, return_type=plgpu.ShapeDtypeStruct(shape, F32, layout=layout))
+    def f(ctx, table, x, rank, row, part):
+        del ctx
+        i32, i64, index = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.IndexType.get()
+        t = gpu.thread_id(gpu.Dimension.x)
+        row64 = arith.extui(i64, row.registers.item())
+        part = part.registers.item()
+        counters = _table_address(table, arith.constant(index, M))
+
+        def counter(p):  # the address of thread t's count of (row, part p)'s calls
+            slot = arith.addi(arith.muli(arith.addi(arith.muli(row64, _int(MAX_PARTS, 64)), p), _int(THREADS, 64)),
+                              arith.index_cast(i64, t))
+            return arith.addi(counters, arith.muli(slot, _int(4, 64)))
+
+        mine = counter(arith.extui(i64, part))
+        count = _load_word(mine)
+        parity, flag = arith.andi(count, _int(1)), arith.addi(count, _int(1))
+        me = _rank(rank)
+        me64 = arith.index_cast(i64, me)
+        vec_i32 = ir.VectorType.get((VEC,), i32)
+        own = list(x.registers.flat)
+        V = len(own)
+        for k in range(M):
+            peer = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ne, me, arith.constant(index, k)))
+            with ir.InsertionPoint(peer.then_block):
+                base = _table_address(table, arith.constant(index, k))
+                for i, r in enumerate(own):
+                    b = [vector.extract(arith.bitcast(vec_i32, r), [], [j]) for j in range(VEC)]
+                    share = scf.IfOp(arith.cmpi(arith.CmpIPredicate.eq, part, _int(i * parts // V)))
+                    with ir.InsertionPoint(share.then_block):
+                        for half in range(2):
+                            _store_line(_line(base, parity, me64, row64, t, i, half, M, 2 * width),
+                                        [b[2 * half], flag, b[2 * half + 1], flag])
+                        scf.yield_([])
+                scf.yield_([])
+        lead = arith.cmpi(arith.CmpIPredicate.eq, part, _int(0))
+        vec_f32 = ir.VectorType.get((VEC,), ir.F32Type.get())
+        zero = arith.constant(vec_f32, ir.DenseElementsAttr.get_splat(vec_f32, ir.FloatAttr.get_f32(0.0)))
+        receive = scf.IfOp(lead, [vec_f32] * V, has_else=True)
+        with ir.InsertionPoint(receive.then_block):
+            total = _receive(table, own, me, row64, t, parity, flag, M, width)
+            scf.yield_(total)
+        with ir.InsertionPoint(receive.else_block):
+            scf.yield_([zero] * V)
+        _store_word(mine, flag)
+        rest = scf.IfOp(lead)
+        with ir.InsertionPoint(rest.then_block):
+            for p in range(parts, MAX_PARTS):
+                _store_word(counter(_int(p, 64)), flag)
+            scf.yield_([])
+        registers = layout.to_mgpu().registers_shape(shape)
+        return mgpu.FragmentedArray(_registers=np.array(list(receive.results), dtype=object).reshape(registers),
+                                    _layout=layout.to_mgpu(), _is_signed=None)
+
+    return f
+
+
+def _receive(table, own, me, row64, t, parity, flag, M: int, width: int):
+    """Block 0's wait (see `_exchange`): -> the V registers (vector<4xf32>) of the sum in device order,
+    own x at `me`, every other slot's lines loaded at once until all carry `flag`."""
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+    vec_i32, vec_f32 = ir.VectorType.get((VEC,), i32), ir.VectorType.get((VEC,), ir.F32Type.get())
+    V = len(own)
+    if M == 1:
+        return own
+    inbox = _table_address(table, me)
+    true = arith.constant(ir.IntegerType.get_signless(1), 1)
+    n = M * V * VEC
+    wait = scf.WhileOp([i32] * (n + 1), [_int(0)])
+    tries = wait.before.blocks.append(i32)
+    with ir.InsertionPoint(tries):
+        values, ok = [], true
+        for k in range(M):
+            itself = arith.cmpi(arith.CmpIPredicate.eq, me, arith.constant(index, k))
+            for i in range(V):
+                for half in range(2):
+                    w = _load_line(_line(inbox, parity, _int(k, 64), row64, t, i, half, M, 2 * width))
+                    values += [w[0], w[2]]
+                    for word in (w[1], w[3]):
+                        ok = arith.andi(ok, arith.ori(itself, arith.cmpi(arith.CmpIPredicate.eq, word, flag)))
+        scf.condition(arith.xori(ok, true), values + [tries.arguments[0]])
+    after = wait.after.blocks.append(*[i32] * (n + 1))
+    with ir.InsertionPoint(after):
+        spins = arith.addi(after.arguments[n], _int(1))
+        _trap_if(arith.cmpi(arith.CmpIPredicate.ugt, spins, _int(MAX_SPINS)))
+        scf.yield_([spins])
+    got = list(wait.results)[:n]
+    total = None
+    for k in range(M):  # device order: the same sum on every device
+        itself = arith.cmpi(arith.CmpIPredicate.eq, me, arith.constant(index, k))
+        vecs = [arith.select(itself, own[i], arith.bitcast(vec_f32, vector.from_elements(
+            vec_i32, got[VEC * (k * V + i):VEC * (k * V + i + 1)]))) for i in range(V)]
+        total = vecs if total is None else [arith.addf(a, b) for a, b in zip(total, vecs)]
+    return total
+
+
 def max_parts(hidden: int) -> int:
     """The most blocks a row of `hidden` can be sent from: the registers a thread holds of the padded
-    row (6 for 2880: 48 rows of 64 over 128 threads, 4 f32 a register), each sent whole."""
-    return _padded(hidden // LANES) // 8
+    row (6 for 2880: 48 rows of 64 over 128 threads, 4 f32 a register), each sent whole, at most
+    MAX_PARTS."""
+    return min(MAX_PARTS, _padded(hidden // LANES) // 8)
 
 
 def parts_for(rows: int, hidden: int) -> int:
@@ -355,47 +464,28 @@ def parts_for(rows: int, hidden: int) -> int:
     return max(1, min(max_parts(hidden), SPREAD_BLOCKS // rows))
 
 
-def _body(x_ref, r_ref, w_ref, table, rank, s_ref, y_ref, xs, rs, ws, ss, ys, bar_x, bar_rw, *, M, H, eps, parts):
-    """Block (row, part) of the call. x_ref / r_ref / s_ref / y_ref [R, H/64, 64], w_ref [H/64, 64] in
-    GMEM; table, rank: the Mailbox's shards; xs, rs, ws, ss, ys [P, 64] shared memory; bar_x, bar_rw:
-    the loads' TMA barriers. Thread t of every device holds the same elements (padding rows zero), so
-    each thread exchanges its own elements only. Every block sends its share of the row; block 0
-    receives, adds, normalizes and writes."""
+def _body(x_ref, r_ref, w_ref, table, rank, s_ref, y_ref, *, M, H, eps, parts, width):
+    """Block (row, part) of the call: x_ref / r_ref / s_ref / y_ref [R, H/64, 64], w_ref [H/64, 64] in
+    GMEM; table, rank: the Mailbox's shards. Every block loads the row of x into registers (thread t
+    the same elements on every device, zeros padding the row to `width`) and sends its share; block
+    0 also loads the residual and the scale, sums, adds, normalizes and writes s and y from
+    registers."""
     row, part = lax.axis_index("row"), lax.axis_index("part")
-    n, Pr = H // LANES, xs.shape[0]
-    layout = plgpu.Layout.WG_STRIDED((Pr, LANES), vec_size=VEC)
-    zeros = plgpu.layout_cast(jnp.zeros((Pr, LANES), F32), layout)
-    xs[...] = zeros.astype(xs.dtype)
+    shape = (width // LANES, LANES)
+    layout = plgpu.Layout.WG_STRIDED(shape, vec_size=VEC)
+    lead = (part == 0).astype(I32)
+    x = _load_row(H, shape, x_ref.dtype, layout)(x_ref, row, jnp.int32(1))
+    r = _load_row(H, shape, r_ref.dtype, layout)(r_ref, row, lead)
+    w = _load_row(H, shape, w_ref.dtype, layout, per_row=False)(w_ref, row, lead)
+    t = _exchange(M, parts, width, shape, layout)(table, x.astype(F32), rank, row, part)
 
     @pl.when(part == 0)
     def _():
-        for buf in (rs, ws):
-            buf[...] = zeros.astype(buf.dtype)
-
-    plgpu.commit_smem()
-    plgpu.copy_gmem_to_smem(x_ref.at[row], xs.at[pl.ds(0, n)], bar_x)
-
-    @pl.when(part == 0)
-    def _():
-        plgpu.copy_gmem_to_smem(r_ref.at[row], rs.at[pl.ds(0, n)], bar_rw)
-        plgpu.copy_gmem_to_smem(w_ref, ws.at[pl.ds(0, n)], bar_rw)
-
-    plgpu.barrier_wait(bar_x)
-    _send(M, parts, Pr * LANES, layout)(table, _load(xs, layout).astype(F32), rank, row, part)
-
-    @pl.when(part == 0)
-    def _():
-        plgpu.barrier_wait(bar_rw)
-        t = _receive(M, Pr * LANES, (Pr, LANES), layout)(table, rank, row)
-        s = (t + _load(rs, layout).astype(F32)).astype(ss.dtype)
+        s = (t + r.astype(F32)).astype(s_ref.dtype)
         s32 = s.astype(F32)
         inv = lax.rsqrt(jnp.sum(s32 * s32) / H + eps)
-        ss[...] = s
-        ys[...] = (s32 * inv * _load(ws, layout).astype(F32)).astype(ys.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(ss.at[pl.ds(0, n)], s_ref.at[row])
-        plgpu.copy_smem_to_gmem(ys.at[pl.ds(0, n)], y_ref.at[row])
-        plgpu.wait_smem_to_gmem(0)
+        _store_row(H, layout)(s_ref, row, s)
+        _store_row(H, layout)(y_ref, row, (s32 * inv * w.astype(F32)).astype(y_ref.dtype))
 
 
 def allreduce_add_rms_norm(x, residual, scale, mailbox: Mailbox, *, eps: float, axis: str, parts: int | None = None):
@@ -418,11 +508,9 @@ def allreduce_add_rms_norm(x, residual, scale, mailbox: Mailbox, *, eps: float, 
                          f"R x parts <= {MAX_BLOCKS}")
     dt = residual.dtype
     out = jax.ShapeDtypeStruct((R, n, LANES), dt)
-    smem = [plgpu.SMEM((Pr, LANES), t) for t in (x.dtype, dt, scale.dtype, dt, dt)]
     s, y = plgpu.kernel(
-        functools.partial(_body, M=M, H=H, eps=float(eps), parts=G),
-        out_type=(out, out), scratch_types=(*smem, plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=2)),
-        grid=(R, G), grid_names=("row", "part"),
+        functools.partial(_body, M=M, H=H, eps=float(eps), parts=G, width=Pr * LANES),
+        out_type=(out, out), grid=(R, G), grid_names=("row", "part"),
     )(x.reshape(R, n, LANES), residual.reshape(R, n, LANES), scale.reshape(n, LANES), mailbox.table, mailbox.rank)
     return s.reshape(R, H), y.reshape(R, H)
 
