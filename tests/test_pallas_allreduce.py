@@ -78,6 +78,8 @@ def test_bad_input_and_dispatch():
     with pytest.raises(ValueError, match=r"expected x \[R, H\], residual \[R, H\], scale \[H\]; got x \(2, 128\), "
                                          r"residual \(2, 64\)"):
         allreduce.check_shapes(z((2, 128)), z((2, 64)), z((128,)))
+    with pytest.raises(ValueError, match=r"residual must be float32, bfloat16 or float16; got int8"):
+        allreduce.check_shapes(z((2, 128)), z((2, 128), jnp.int8), z((128,)))
     x = z((2, 3, 2880), jnp.bfloat16)
     box = object()
     assert select.tp_reduce(x, 6, 2, box, platform="gpu") == "kernel"

@@ -60,6 +60,7 @@ MAX_SPINS = 1 << 25  # reloads of a slot before a kernel gives up on a peer (ten
 VEC = 4  # f32 elements a thread holds contiguously (WG_STRIDED): elements 512 i + 4 t + j
 SPLAT = plgpu.Layout.WG_SPLAT(())
 COUNTER_WORDS = MAX_ROWS * MAX_PARTS * THREADS  # a device's calls counters after its inbox
+FLOATS = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
 @jax.tree_util.register_dataclass
@@ -72,8 +73,9 @@ class Mailbox:
     row width the inboxes hold. Each device's inbox and counter (`peer_memory.allocate`, zeroed, never
     freed) are int32 [2, M, MAX_ROWS, 2 width]: [c % 2, k, b] device k's row b of x at call c of that
     row (counted from 0), element e as words 2e (its f32 bits) and 2e + 1 (c + 1); then int32
-    [MAX_ROWS, MAX_PARTS, 128]: [b, p, t] the calls row b's block p's thread t has made. The kernel writes only that memory,
-    never an XLA buffer, so a program may copy a Mailbox's arrays like any others."""
+    [MAX_ROWS, MAX_PARTS, 128]: [b, p, t] the calls row b's block p's thread t has made. The kernel
+    writes only that memory, never an XLA buffer, so a program may copy a Mailbox's arrays like any
+    others."""
     table: jax.Array
     rank: jax.Array
     width: int = dataclasses.field(metadata={"static": True})
@@ -168,18 +170,17 @@ def _padded(h_rows: int) -> int:
 
 
 def check_shapes(x, residual, scale):
-    """Raises ValueError unless x and residual are [R, H] with H % 64 == 0, R <= MAX_ROWS, scale [H]."""
+    """Raises ValueError unless x and residual are [R, H] with H % 64 == 0, R <= MAX_ROWS, scale [H],
+    each float32, bfloat16 or float16 (the kernel moves 4 elements a thread as 2 or 4 words)."""
     if x.ndim != 2 or residual.shape != x.shape or scale.shape != (x.shape[1],):
         raise ValueError(f"allreduce_add_rms_norm: expected x [R, H], residual [R, H], scale [H]; got x "
                          f"{x.shape}, residual {residual.shape}, scale {scale.shape}")
     if x.shape[1] % LANES or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"allreduce_add_rms_norm: H must be a multiple of {LANES} and R in [1, {MAX_ROWS}]; "
                          f"got R={x.shape[0]}, H={x.shape[1]}")
-
-
-def _load(ref, layout):
-    """ref[...] in registers with `layout` (the index argument: JAX 0.10 requires it, 0.11 warns)."""
-    return plgpu.load(ref, (), layout=layout)
+    for name, a in (("x", x), ("residual", residual), ("scale", scale)):
+        if jnp.dtype(a.dtype) not in FLOATS:
+            raise ValueError(f"allreduce_add_rms_norm: {name} must be float32, bfloat16 or float16; got {a.dtype}")
 
 
 def _int(v, bits=32):
