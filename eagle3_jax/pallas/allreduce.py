@@ -250,9 +250,19 @@ def _ptr(ref):
     return llvm.ptrtoint(ir.IntegerType.get_signless(64), mgpu.utils.memref_ptr(ref))
 
 
-def _words(dtype) -> int:
-    """i32 words a register of VEC elements of `dtype` spans (2 for bf16 and f16, 4 for f32)."""
-    return VEC * jnp.dtype(dtype).itemsize // 4
+def _words(size: int) -> int:
+    """i32 words a register of VEC elements of `size` bytes spans (2 for bf16 and f16, 4 for f32)."""
+    return VEC * size // 4
+
+
+def _element(i: int, t):
+    """The first of the VEC elements (i32) thread t (i32) holds in register i: 512 i + 4 t."""
+    return arith.addi(_int(i * THREADS * VEC), arith.muli(t, _int(VEC)))
+
+
+def _address(base, e, size: int):
+    """The i64 address of element e (i32) of a row of `size`-byte elements at `base` (i64)."""
+    return arith.addi(base, arith.muli(arith.extui(ir.IntegerType.get_signless(64), e), _int(size, 64)))
 
 
 def _load_row(H: int, shape, dtype, layout, per_row: bool = True):
@@ -267,7 +277,8 @@ def _load_row(H: int, shape, dtype, layout, per_row: bool = True):
         del ctx
         i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
         t = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
-        nw, size = _words(dtype), jnp.dtype(dtype).itemsize
+        size = jnp.dtype(dtype).itemsize
+        nw = _words(size)
         base = _ptr(ref)
         if per_row:
             base = arith.addi(base, arith.muli(arith.extui(i64, row.registers.item()), _int(H * size, 64)))
@@ -276,12 +287,11 @@ def _load_row(H: int, shape, dtype, layout, per_row: bool = True):
         V = shape[0] * shape[1] // (THREADS * VEC)
         regs = []
         for i in range(V):
-            e = arith.addi(_int(i * THREADS * VEC), arith.muli(t, _int(VEC)))
+            e = _element(i, t)
             inside = arith.andi(live, arith.cmpi(arith.CmpIPredicate.slt, e, _int(H)))
             load = scf.IfOp(inside, [i32] * nw, has_else=True)
             with ir.InsertionPoint(load.then_block):
-                address = arith.addi(base, arith.muli(arith.extui(i64, e), _int(size, 64)))
-                scf.yield_(_load_vec(address, nw))
+                scf.yield_(_load_vec(_address(base, e, size), nw))
             with ir.InsertionPoint(load.else_block):
                 scf.yield_([_int(0)] * nw)
             regs.append(vector.bitcast(element, vector.from_elements(ir.VectorType.get((nw,), i32),
@@ -304,16 +314,15 @@ def _store_row(H: int, layout):
         i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
         t = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
         size = mgpu.utils.bitwidth(value.mlir_dtype) // 8
-        nw = VEC * size // 4
+        nw = _words(size)
         base = arith.addi(_ptr(ref), arith.muli(arith.extui(i64, row.registers.item()), _int(H * size, 64)))
         vec_i32 = ir.VectorType.get((nw,), i32)
         for i, r in enumerate(value.registers.flat):
-            e = arith.addi(_int(i * THREADS * VEC), arith.muli(t, _int(VEC)))
+            e = _element(i, t)
             inside = scf.IfOp(arith.cmpi(arith.CmpIPredicate.slt, e, _int(H)))
             with ir.InsertionPoint(inside.then_block):
                 words = vector.bitcast(vec_i32, r)
-                _store_vec(arith.addi(base, arith.muli(arith.extui(i64, e), _int(size, 64))),
-                           [vector.extract(words, [], [j]) for j in range(nw)])
+                _store_vec(_address(base, e, size), [vector.extract(words, [], [j]) for j in range(nw)])
                 scf.yield_([])
 
     return f
@@ -414,7 +423,9 @@ def _exchange(M: int, parts: int, width: int, shape, layout):
 
 def _receive(table, own, me, row64, t, parity, flag, M: int, width: int):
     """Block 0's wait (see `_exchange`): -> the V registers (vector<4xf32>) of the sum in device order,
-    own x at `me`, every other slot's lines loaded at once until all carry `flag`."""
+    its own x at `me`. Every slot's lines are loaded at once, again until each peer's carry `flag`; its
+    own slot's (never written) are loaded with them and not used: a dynamic rank cannot drop them from
+    the unrolled loads, and they cost no extra round trip."""
     i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
     vec_i32, vec_f32 = ir.VectorType.get((VEC,), i32), ir.VectorType.get((VEC,), ir.F32Type.get())
     V = len(own)
