@@ -57,8 +57,8 @@ flags.DEFINE_list("allreduce_rows", ["1", "4", "16", "64"], "rows of the all-red
 flags.DEFINE_list("experts", [parallel.EXPERTS], "how the experts are split over 'model' at tp > 1 "
                   "(parallel.split_experts: tensor, expert); each its own model, timed in turn")
 flags.DEFINE_integer("iters", 24, "steps per timed loop (at 6, tp 2's B=1 baseline moved 1.82-2.14 ms a token "
-                     "between runs while the chain3 step held: the call's own cost, taken off, weighs less on more "
-                     "steps)", lower_bound=1)
+                     "between runs; at 24 and 48, 2.00-2.07 on four runs: the call's own cost, taken off once a "
+                     "loop, weighs less on more steps)", lower_bound=1)
 flags.DEFINE_integer("copy_bytes", 1 << 30, "buffer size of the copy-bandwidth measurement (first device)",
                      lower_bound=1 << 10)
 flags.DEFINE_bool("profile", False, "also each baseline step's device time by kernel family (ms a step and device)")
