@@ -5,9 +5,9 @@
 
 Random packed gpt-oss-120b and a random draft of the published EAGLE-3 shape (hidden 2880, MLP
 17280, draft vocab 32000): acceptance is meaningless, so each scenario reports the baseline time
-per token, the speculative step split into draft / verify / accept+rewind / extend, the byte
-roofline of each (experiments/lib/roofline.py, at the copy bandwidth measured in this run; with
---mesh the bytes one device reads, at one device's bandwidth), and the
+per token, the speculative step split into draft / verify / accept+rewind / extend (with --noparts
+the whole step only), the byte roofline of each (experiments/lib/roofline.py, at the copy bandwidth
+measured in this run; with --mesh the bytes one device reads, at one device's bandwidth), and the
 projected speedup tau * T_base / T_step for the published gpt-oss-120b tau (2.29, 2.68, 3.22 at 3
 draft tokens) and, with --tau_trained, a measured one.
 
@@ -52,6 +52,8 @@ flags.DEFINE_list("sweep_shapes", ["chain1", "chain2", "chain3", "chain4", "chai
 flags.DEFINE_integer("short_context", 1024, "context of the single and batch scenarios", lower_bound=1)
 flags.DEFINE_list("batch_sizes", ["4"], "batch sizes of the batch scenario (rows batch<B>)")
 flags.DEFINE_integer("iters", 8, "steps per timed loop", lower_bound=1)
+flags.DEFINE_bool("parts", True, "also time the step's parts (draft, verify, accept+rewind, extend), each its own "
+                  "loop; --noparts times the whole step and the baseline only (two loops a row, not six)")
 flags.DEFINE_integer("copy_bytes", 4 << 30, "buffer size of the copy-bandwidth measurement", lower_bound=1 << 10)
 flags.DEFINE_list("dense_rows", [], "rows (by name) also timed with full-length sliding-layer caches, in the same "
                   "process (baseline and step; the library keeps rings)")
@@ -96,10 +98,10 @@ def measure(target, draft, bw, name, B, ctx, shape_name, base_cache):
         base_mem = {}
         base_cache[(B, ctx)] = time_baseline(target, B, ctx, FLAGS.iters, memory=base_mem), base_mem
     t_base, base_mem = base_cache[(B, ctx)]
-    r = time_step(target, draft, B, shape, ctx, FLAGS.iters)
+    r = time_step(target, draft, B, shape, ctx, FLAGS.iters, parts=FLAGS.parts)
     sec = r["seconds"]
     split = dict(draft=sec["draft"], verify=sec["verify"], accept_rewind=sec["accept"] + sec.get("rewind", 0.0),
-                 extend=sec["extend"])
+                 extend=sec["extend"]) if FLAGS.parts else {}
     per_device = mesh_axes(target)  # on a mesh: the bytes one device reads
     sb = roofline.step_bytes(target.config, draft.config, B, ctx, shape["depth"], shape["num_nodes"], **per_device)
     base_bytes = roofline.target_bytes(target.config, B, 1, ctx, **per_device)["total"]
@@ -127,7 +129,7 @@ def measure(target, draft, bw, name, B, ctx, shape_name, base_cache):
     row["step_roofline_fraction"] = row["roofline_seconds"]["step"] / sec["step"]
     cli.write(f"{name:<12} B={B:<2} ctx={ctx:<6} {shape_name:<10} base {t_base * 1e3:7.2f} ms "
           f"({row['baseline_roofline_fraction']:.0%} of roofline)  step {sec['step'] * 1e3:7.2f} ms "
-          f"({row['step_roofline_fraction']:.0%})  " + " ".join(f"{k} {v * 1e3:.2f}" for k, v in split.items()) +
+          f"({row['step_roofline_fraction']:.0%}) " + "".join(f" {k} {v * 1e3:.2f}" for k, v in split.items()) +
           f"  proj@3.22 {row['projected_speedup']['3.22']:.2f}x roof@3.22 {row['roofline_speedup']['3.22']:.2f}x"
           f"  {peak_text(memory)}" + (f"  collectives base {sum(row['collectives']['baseline'].values())} step "
                                      f"{sum(row['collectives']['step'].values())}" if per_device else ""))

@@ -1,10 +1,10 @@
 """Run by tests/test_parallel.py in a fresh process with 4 CPU devices: generate and decode (chain,
-tree, sampled tree) on sharded models give the one-device tokens (also for a batch the data axis
-does not divide, and with the experts split "tensor" or "expert"), and parameters, caches and state
+sampled tree; the greedy tree on a batch the data axis does not divide) on sharded models give the
+one-device tokens (also with the experts split "expert", not only the default "tensor"), and parameters, caches and state
 are split; a verify step sums its sublayers through the fused reduction and equals the unfused one;
 a bf16 step through the GPU's kernels (interpreted) on a mesh gives one device's logits.
 
-Two meshes: (data=2, model=2) runs every decode (each run compiles its own loop, ~10 s on CPU);
+Two meshes: (data=2, model=2) runs every kind of decode (each run compiles its own loop, ~10 s on CPU);
 (data=1, model=4) splits the heads, experts and vocabulary four ways and runs generate (through the
 mailbox plumbing) and chain decode; the per-module checks (MoE paths, vocabulary split and argmax,
 the fused reduction, caches and state) run on both.
@@ -48,7 +48,9 @@ DRAFT = Eagle3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4
 RUNS = {"generate": None, "chain": dict(num_spec_tokens=3), "tree": dict(num_spec_tokens=3, topk=4, num_draft_tokens=8),
         # drafts drawn from the draft, verified by accept_sample (each device on its rows, the batch's draws)
         "sampled tree": dict(num_spec_tokens=3, topk=2, num_draft_tokens=6, temperature=0.9, seed=3, proposal="sample")}
-MESHES = {(2, 2): tuple(RUNS), (1, 4): ("chain",)}  # (data, model): the RUNS compared there
+# (data, model): the RUNS compared there. The greedy tree on a mesh: the batch of 3 below (and the two
+# processes of parallel_multiprocess.py)
+MESHES = {(2, 2): ("generate", "chain", "sampled tree"), (1, 4): ("chain",)}
 KW = dict(eos_ids=(), prefill_chunk=8)
 NEW = 14
 
@@ -327,17 +329,19 @@ def check_moe_paths(mesh, split):
     x = jnp.asarray(rng.normal(size=(4, 24, CONFIG.hidden_size)), jnp.float32)
     M = mesh.shape["model"]
     for experts, size in (("mxfp4", 96), ("dense", 65)):
-        cfg = CONFIG.replace(experts_format=experts, **({"intermediate_size": size} if split == "tensor" else {}))
-        one = gpt_oss.GptOss(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3)).layers[0].mlp
-        split_moe = parallel.shard(gpt_oss.GptOss(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3)), mesh, experts=split)
-        split_moe = split_moe.layers[0].mlp
+        # one layer is enough: each path's output is the layer's MoE on the rows, before and after the split
+        cfg = CONFIG.replace(experts_format=experts, num_hidden_layers=1, layer_types=(),
+                             **({"intermediate_size": size} if split == "tensor" else {}))
+        model = gpt_oss.GptOss(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
+        paths = (("gathered", x[:, :2]), ("dense", x), ("grouped", x))
+        wants = [np.asarray(model.layers[0].mlp(rows, path=path)) for path, rows in paths]  # one device
+        split_moe = parallel.shard(model, mesh, experts=split).layers[0].mlp
         local = shard_shape(split_moe.experts.gate_up_bias.get_value())
         units = parallel.expert_units(cfg, mesh, split)
         want_local = (cfg.num_local_experts // M, 2 * units) if split == "expert" else (cfg.num_local_experts,
                                                                                         2 * units // M)
         assert split_moe.expert_split == split and local == want_local, (split, local, want_local)
-        for path, rows in (("gathered", x[:, :2]), ("dense", x), ("grouped", x)):
-            want = np.asarray(one(rows, path=path))
+        for (path, rows), want in zip(paths, wants):
 
             @jax.jit
             def run(rows, path=path, moe=split_moe):
@@ -350,15 +354,13 @@ def check_moe_paths(mesh, split):
 
 def check_whole_experts(mesh, prompts, want):
     """The target placed with experts="expert" (whole experts a device; the main loop places the
-    default, parallel.EXPERTS = "tensor"): generate and chain decode give the one-device tokens."""
+    default, parallel.EXPERTS = "tensor"): chain decode gives the one-device tokens."""
     assert parallel.EXPERTS == "tensor"
     t, d = pair()
     parallel.shard(t, mesh, experts="expert")
     parallel.shard(d, mesh)
-    for name in ("generate", "chain"):
-        kw = RUNS[name]
-        got = (generate(t, prompts, NEW, **KW) if kw is None else decode(t, d, prompts, NEW, **kw, **KW)).tokens
-        assert got == want[name], (mesh.shape, name, got, want[name])
+    got = decode(t, d, prompts, NEW, **RUNS["chain"], **KW).tokens
+    assert got == want["chain"], (mesh.shape, got, want["chain"])
 
 
 def check_errors(prompts):
@@ -381,7 +383,7 @@ def main():
     prompts = [rng.integers(3, 256, n).tolist() for n in (5, 13, 20, 9)]
     t0 = time.perf_counter()
     t, d = pair()
-    want = tokens(t, d, prompts)
+    want = tokens(t, d, prompts, MESHES[2, 2])
     odd = decode(t, d, prompts[:3], NEW, **RUNS["tree"], **KW)  # a batch the data axis does not divide
     print(f"one device: {time.perf_counter() - t0:.1f} s", flush=True)
     for (data, model), names in MESHES.items():

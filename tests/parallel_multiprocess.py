@@ -1,7 +1,7 @@
 """One of two processes that tests/test_parallel.py starts on localhost: `python parallel_multiprocess.py
 PROCESS_ID PORT`. Each has 2 CPU devices; through jax.distributed (CPU collectives: gloo) they form
-one (data 2, model 2) mesh, data across the processes. generate and the tree decode on the sharded
-pair must give the tokens process 0 then computes alone on its first device (the chain is left to
+one (data 2, model 2) mesh, data across the processes. The tree decode on the sharded pair must give
+the tokens process 0 then computes alone on its first device (generate and the chain are left to
 parallel_decode.py, for time); the one-shot kernel's Mailbox is refused (CPU devices across
 processes share no memory). Prints the sharded runs' tokens as JSON (tests/test_parallel.py checks
 that both processes got the same), then "ok"."""
@@ -18,14 +18,13 @@ import numpy as np  # noqa: E402
 
 from eagle3_jax import parallel  # noqa: E402
 from eagle3_jax.pallas import allreduce
-from eagle3_jax.spec import decode, generate  # noqa: E402
+from eagle3_jax.spec import decode  # noqa: E402
 
 from parallel_decode import KW, NEW, RUNS, pair  # noqa: E402
 
 
 def tokens(t, d, prompts):
-    return {"generate": generate(t, prompts, NEW, **KW).tokens,
-            "tree": decode(t, d, prompts, NEW, **RUNS["tree"], **KW).tokens}
+    return {"tree": decode(t, d, prompts, NEW, **RUNS["tree"], **KW).tokens}
 
 
 def main(process_id: int, port: int):
