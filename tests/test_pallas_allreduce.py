@@ -264,12 +264,13 @@ def test_vocab_argmax_through_the_kernel_gpu(B, N):
 def test_kernel_one_process_a_gpu():
     """tests/allreduce_processes.py in 2 or 4 processes (jax.distributed on localhost), each seeing one
     GPU: the kernel reaches the other processes' inboxes through CUDA IPC; its values and 4000 exact
-    chained calls, checked in every process."""
+    chained calls, checked in every process. The children allocate as they go (no preallocation), so
+    they fit beside this process's own allocation, whatever XLA_PYTHON_CLIENT_MEM_FRACTION it has."""
     M = model_gpus(2)
     port = local_processes.free_port()
     path = os.pathsep.join([os.path.dirname(local_processes.HERE), os.environ.get("PYTHONPATH", "")])  # uninstalled
     envs = [{**os.environ, "CUDA_VISIBLE_DEVICES": str(gpus()[i].local_hardware_id),
-             "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.1", "PYTHONPATH": path} for i in range(M)]
+             "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONPATH": path} for i in range(M)]
     local_processes.run_all("allreduce_processes.py", [(i, M, port) for i in range(M)], envs, timeout=400)
 
 
