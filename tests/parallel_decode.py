@@ -1,8 +1,9 @@
 """Run by tests/test_parallel.py in a fresh process with 4 CPU devices: generate and decode (chain,
 sampled tree; the greedy tree on a batch the data axis does not divide) on sharded models give the
-one-device tokens (also with the experts split "expert", not only the default "tensor"), and parameters, caches and state
-are split; a verify step sums its sublayers through the fused reduction and equals the unfused one;
-a bf16 step through the GPU's kernels (interpreted) on a mesh gives one device's logits.
+one-device tokens (also with the experts split "expert", not only the default "tensor"), and
+parameters, caches and state are split; a verify step sums its sublayers through the fused
+reduction and equals the unfused one; a bf16 step through the GPU's kernels (interpreted) on a mesh
+gives one device's logits.
 
 Two meshes: (data=2, model=2) runs every kind of decode (each run compiles its own loop, ~10 s on CPU);
 (data=1, model=4) splits the heads, experts and vocabulary four ways and runs generate (through the
