@@ -336,7 +336,7 @@ def check_moe_paths(mesh, split):
         model = gpt_oss.GptOss(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
         paths = (("gathered", x[:, :2]), ("dense", x), ("grouped", x))
         moe = model.layers[0].mlp  # one device; jitted: one compile a path, not one a primitive (eager)
-        wants = [np.asarray(jax.jit(lambda r, p=path: moe(r, path=p))(rows)) for path, rows in paths]
+        wants = [np.asarray(jax.jit(lambda r, p=path, m=moe: m(r, path=p))(rows)) for path, rows in paths]
         split_moe = parallel.shard(model, mesh, experts=split).layers[0].mlp
         local = shard_shape(split_moe.experts.gate_up_bias.get_value())
         units = parallel.expert_units(cfg, mesh, split)
