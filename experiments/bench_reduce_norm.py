@@ -86,7 +86,7 @@ def main(argv):
             s_ref = np.asarray(ref[0](*args)[0], np.float32)
             reference_us = reduce_timing.per_call(ref[1], args, None, FLAGS.iters, FLAGS.chain) * 1e6
             reference_device_us = device_us(prog(False, None, {})[1], args, None, n) if FLAGS.profile else None
-            for parts in sorted({allreduce.parts_for(R, H) if p == "auto" else int(p) for p in FLAGS.parts}):
+            for parts in sorted({allreduce.parts_for(R, H, n) if p == "auto" else int(p) for p in FLAGS.parts}):
                 if parts > allreduce.max_parts(H) or R * parts > allreduce.MAX_BLOCKS:
                     continue
                 once, loop = prog(True, parts)

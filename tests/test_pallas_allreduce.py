@@ -101,9 +101,11 @@ def test_bad_input_and_dispatch():
         "kernel", "kernel", "reference", "kernel", "reference"]
     assert select.tp_pick(1, 4, None, platform="gpu") == select.tp_pick(1, 4, shard, platform="cpu") == "reference"
     # blocks a row is sent from: a thread's registers of the padded row (6 at 2880: 48 rows of 64 / 8),
-    # at most SPREAD_BLOCKS (24) // rows; 1 for a row of one register
-    assert [allreduce.parts_for(r, 2880) for r in (1, 4, 5, 8, 12, 13, 16, 64)] == [6, 6, 4, 3, 2, 1, 1, 1]
-    assert allreduce.parts_for(1, 64) == allreduce.parts_for(64, 512) == 1
+    # at most SPREAD_BLOCKS (24) // rows over 2 devices, MAX_BLOCKS (128) // rows over more; 1 for a row
+    # of one register
+    assert [allreduce.parts_for(r, 2880, 2) for r in (1, 4, 5, 8, 12, 13, 16, 64)] == [6, 6, 4, 3, 2, 1, 1, 1]
+    assert [allreduce.parts_for(r, 2880, 4) for r in (1, 16, 21, 22, 32, 64)] == [6, 6, 6, 5, 4, 2]
+    assert allreduce.parts_for(1, 64, 4) == allreduce.parts_for(64, 512, 2) == 1
     assert [allreduce.max_parts(h) for h in (64, 512, 576, 2880)] == [1, 1, 2, 6]
     for R, parts in ((1, 7), (1, 0), (64, 3)):
         run = mesh_fn(mesh, lambda x, r, w, mb, parts=parts: allreduce.allreduce_add_rms_norm(

@@ -8,22 +8,24 @@ f32, in device order (every device computes the same bits): s = (t + residual) r
 residual.dtype, y = s * rsqrt(mean(s^2) + eps) * scale in f32, rounded likewise; returns (s, y).
 `allreduce_add_rms_norm_reference` is the same through `lax.psum`, on any platform.
 
-A row's blocks (one warpgroup each; `parts_for`: 6 at H = 2880 for up to 4 rows, 1 from 16) load
-the row of x straight from global memory into registers (thread t the same elements on every
-device, zeros padding the row to a multiple of 512), and each stores its share into slot `rank` of
-every peer's inbox, each element beside a flag (the call's number) in one 8-byte half of a 16-byte
-volatile store, so data and signal arrive together with no fence. Block 0 loads the M - 1 peers'
-slots of its own inbox until every flag is this call's, sums them with its own x in device order,
-adds the residual, normalizes and writes s and y from registers. Inboxes are memory outside XLA
+A row's blocks (one warpgroup each; `parts_for`: at H = 2880, 6 for up to 4 rows, over 4 devices
+up to 21) issue every load at once (the Mailbox's addresses, the row of x straight from global
+memory into registers, thread t the same elements on every device, zeros padding the row to a
+multiple of 512), and each stores its share into slot `rank` of every peer's inbox, each element
+beside a flag (the call's number) in one 8-byte half of a 16-byte volatile store, so data and
+signal arrive together with no fence. Block 0 reloads the slots of its inbox whose peers are not
+all in until every flag is this call's, sums them with its own x in device order, adds the
+residual, normalizes and writes s and y from registers. Inboxes are memory outside XLA
 (`peer_memory`), reached through a table of addresses in the `Mailbox` (directly in one process,
 through CUDA IPC across processes), not `plgpu.remote_ref` or `lax.axis_index`: a kernel reading
 XLA's collective metadata makes XLA launch a barrier (5-7 us) before every call. Calls alternate
 between two slots, reused with no handshake (see `_exchange`). After MAX_SPINS reloads a kernel traps
 (an error, not a hang). Every device must make the same calls in the same order.
 
-2 H200s, JAX 0.11.2, loops as CUDA graphs, one process (experiments/results/reduce_norm_registers_h200x2.json,
-chains of 8 calls): 5.4 / 6.9 / 8.5 us a call at 1 / 4 / 16 rows over 2 devices, 3.7-4.1 on one
-(XLA's all-reduce + add + norm: 14.9-15.4 us; the add + norm alone on one device 1.6-2.5). Requires
+4 H200s, JAX 0.11.2, loops as CUDA graphs, one process (experiments/results/reduce_norm_prefetch_h200x4.json,
+chains of 8 calls): 1 / 4 / 16 rows 3.7 / 3.8 / 4.1 us a call on one device, 5.9 / 6.8 / 8.4 over 2,
+6.8 / 8.6 / 13.5 over 4 (16 rows from 6 blocks a row: reduce_norm_parts_prefetch_h200x4.json); XLA's
+all-reduce + add + norm 14.4-18.1 us, the add + norm alone on one device 1.6-2.2. Requires
 H % 64 == 0, R <= MAX_ROWS and model groups whose GPUs share memory (`shared_memory_problem`).
 """
 
@@ -265,6 +267,27 @@ def _address(base, e, size: int):
     return arith.addi(base, arith.muli(arith.extui(ir.IntegerType.get_signless(64), e), _int(size, 64)))
 
 
+def _load_registers(base, t, H: int, dtype, V: int, live):
+    """Thread t's (i32) V registers (vector<VEC x dtype>) of a row of H `dtype` elements at `base`
+    (i64): register i the elements 512 i + 4 t + (0 .. 3), loaded straight from global memory where
+    live (i1) holds and they lie within H; zeros elsewhere (the padding)."""
+    i32 = ir.IntegerType.get_signless(32)
+    size = jnp.dtype(dtype).itemsize
+    nw = _words(size)
+    element = ir.VectorType.get((VEC,), mgpu.utils.dtype_to_ir_type(dtype))
+    regs = []
+    for i in range(V):
+        e = _element(i, t)
+        inside = arith.andi(live, arith.cmpi(arith.CmpIPredicate.slt, e, _int(H)))
+        load = scf.IfOp(inside, [i32] * nw, has_else=True)
+        with ir.InsertionPoint(load.then_block):
+            scf.yield_(_load_vec(_address(base, e, size), nw))
+        with ir.InsertionPoint(load.else_block):
+            scf.yield_([_int(0)] * nw)
+        regs.append(vector.bitcast(element, vector.from_elements(ir.VectorType.get((nw,), i32), list(load.results))))
+    return regs
+
+
 def _load_row(H: int, shape, dtype, layout, per_row: bool = True):
     """(ref, row, on) -> row `row` of a GMEM ref [R, H / 64, 64] (per_row False: [H / 64, 64], row
     unused) of `dtype` in registers (`shape` [P, 64] in `layout`, thread t's register i the elements
@@ -277,25 +300,12 @@ def _load_row(H: int, shape, dtype, layout, per_row: bool = True):
         del ctx
         i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
         t = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
-        size = jnp.dtype(dtype).itemsize
-        nw = _words(size)
         base = _ptr(ref)
         if per_row:
+            size = jnp.dtype(dtype).itemsize
             base = arith.addi(base, arith.muli(arith.extui(i64, row.registers.item()), _int(H * size, 64)))
         live = arith.cmpi(arith.CmpIPredicate.ne, on.registers.item(), _int(0))
-        element = ir.VectorType.get((VEC,), mgpu.utils.dtype_to_ir_type(dtype))
-        V = shape[0] * shape[1] // (THREADS * VEC)
-        regs = []
-        for i in range(V):
-            e = _element(i, t)
-            inside = arith.andi(live, arith.cmpi(arith.CmpIPredicate.slt, e, _int(H)))
-            load = scf.IfOp(inside, [i32] * nw, has_else=True)
-            with ir.InsertionPoint(load.then_block):
-                scf.yield_(_load_vec(_address(base, e, size), nw))
-            with ir.InsertionPoint(load.else_block):
-                scf.yield_([_int(0)] * nw)
-            regs.append(vector.bitcast(element, vector.from_elements(ir.VectorType.get((nw,), i32),
-                                                                    list(load.results))))
+        regs = _load_registers(base, t, H, dtype, shape[0] * shape[1] // (THREADS * VEC), live)
         registers = layout.to_mgpu().registers_shape(shape)
         return mgpu.FragmentedArray(_registers=np.array(regs, dtype=object).reshape(registers),
                                     _layout=layout.to_mgpu(), _is_signed=None)
@@ -346,65 +356,72 @@ def _store_vec(address, words):
                     "l" + ",r" * nw, has_side_effects=True)
 
 
-def _exchange(M: int, parts: int, width: int, shape, layout):
-    """(table, x, rank, row, part) -> in block 0 of the row, the sum over the M devices of the row's x
-    (f32, `shape` in `layout`) in device order; zeros in the other blocks.
+def _exchange(M: int, parts: int, width: int, H: int, shape, layout, dtype):
+    """(table, x_ref, rank, row, part) -> in block 0 of the row, the sum over the M devices of row
+    `row` of x_ref (GMEM [R, H / 64, 64] of `dtype`; the sum f32, `shape` in `layout`) in device
+    order; zeros in the other blocks.
 
-    Thread t reads its count c of the calls its (row, part) made (one counter a row, part and thread:
-    each block reads and writes only its own). Block `part` sends the registers i of its share (i *
-    parts // V == part of V) into slot `rank` of every peer's inbox (table rows 0 .. M - 1 but its
-    own), each element beside the flag c + 1 in one 8-byte half of a 16-byte volatile store, so data
-    and signal arrive together with no fence. Block 0 then loads its lines of every slot k != rank at
-    once, again until every flag says c + 1 (one round trip a try), and sums them with its own x
-    (held whole by every block, never sent to itself) in device order. Then each block records the
+    Every block first issues all its independent loads at once (the table's M + 1 addresses, the
+    rank, its row of x), so the only waits before it sends are those loads and its calls count.
+    Thread t's count c of the calls its (row, part) made is its own word (one counter a row, part and
+    thread: each block reads and writes only its own). Block `part` sends the registers i of its
+    share (i * parts // V == part of V) into slot `rank` of every peer's inbox (table rows 0 .. M - 1
+    but its own), each element beside the flag c + 1 in one 8-byte half of a 16-byte volatile store,
+    so data and signal arrive together with no fence. Block 0 then waits (`_receive`) and sums the
+    peers' rows with its own x (never sent to itself) in device order. Then each block records the
     call (c + 1), block 0 also for the parts this call lacks (parts .. MAX_PARTS - 1), so a row's
     counters stay equal whatever parts the calls use. Calls alternate between two slots by c % 2: a
     device's blocks send call c + 2 only after its kernel of call c + 1 has ended, whose block 0
     read every peer's call c + 1, which each peer sent after its kernel of call c, and its reading of
     slot c % 2, had ended."""
-    arg_types = (plgpu.RefType(), layout, plgpu.RefType(), SPLAT, SPLAT)
+    arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), SPLAT, SPLAT)
 
     @plgpu.inline_mgpu(arg_types=arg_types, return_type=plgpu.ShapeDtypeStruct(shape, F32, layout=layout))
-    def f(ctx, table, x, rank, row, part):
+    def f(ctx, table, x_ref, rank, row, part):
         del ctx
-        i32, i64, index = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.IndexType.get()
+        i1, i32 = ir.IntegerType.get_signless(1), ir.IntegerType.get_signless(32)
+        i64, index = ir.IntegerType.get_signless(64), ir.IndexType.get()
         t = gpu.thread_id(gpu.Dimension.x)
         row64 = arith.extui(i64, row.registers.item())
         part = part.registers.item()
-        counters = _table_address(table, arith.constant(index, M))
+        addresses = [_table_address(table, arith.constant(index, k)) for k in range(M + 1)]
+        me = _rank(rank)
+        size = jnp.dtype(dtype).itemsize
+        x_row = arith.addi(_ptr(x_ref), arith.muli(row64, _int(H * size, 64)))
+        V = shape[0] * shape[1] // (THREADS * VEC)
+        loaded = _load_registers(x_row, arith.index_cast(i32, t), H, dtype, V, arith.constant(i1, 1))
+        vec_i32, vec_f32 = ir.VectorType.get((VEC,), i32), ir.VectorType.get((VEC,), ir.F32Type.get())
+        own = [r if size == 4 else arith.extf(vec_f32, r) for r in loaded]
 
         def counter(p):  # the address of thread t's count of (row, part p)'s calls
             slot = arith.addi(arith.muli(arith.addi(arith.muli(row64, _int(MAX_PARTS, 64)), p), _int(THREADS, 64)),
                               arith.index_cast(i64, t))
-            return arith.addi(counters, arith.muli(slot, _int(4, 64)))
+            return arith.addi(addresses[M], arith.muli(slot, _int(4, 64)))
 
         mine = counter(arith.extui(i64, part))
         count = _load_word(mine)
         parity, flag = arith.andi(count, _int(1)), arith.addi(count, _int(1))
-        me = _rank(rank)
         me64 = arith.index_cast(i64, me)
-        vec_i32 = ir.VectorType.get((VEC,), i32)
-        own = list(x.registers.flat)
-        V = len(own)
         for k in range(M):
             peer = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ne, me, arith.constant(index, k)))
             with ir.InsertionPoint(peer.then_block):
-                base = _table_address(table, arith.constant(index, k))
                 for i, r in enumerate(own):
                     b = [vector.extract(arith.bitcast(vec_i32, r), [], [j]) for j in range(VEC)]
                     share = scf.IfOp(arith.cmpi(arith.CmpIPredicate.eq, part, _int(i * parts // V)))
                     with ir.InsertionPoint(share.then_block):
                         for half in range(2):
-                            _store_line(_line(base, parity, me64, row64, t, i, half, M, 2 * width),
+                            _store_line(_line(addresses[k], parity, me64, row64, t, i, half, M, 2 * width),
                                         [b[2 * half], flag, b[2 * half + 1], flag])
                         scf.yield_([])
                 scf.yield_([])
+        inbox = addresses[0]
+        for k in range(1, M):
+            inbox = arith.select(arith.cmpi(arith.CmpIPredicate.eq, me, arith.constant(index, k)), addresses[k], inbox)
         lead = arith.cmpi(arith.CmpIPredicate.eq, part, _int(0))
-        vec_f32 = ir.VectorType.get((VEC,), ir.F32Type.get())
         zero = arith.constant(vec_f32, ir.DenseElementsAttr.get_splat(vec_f32, ir.FloatAttr.get_f32(0.0)))
         receive = scf.IfOp(lead, [vec_f32] * V, has_else=True)
         with ir.InsertionPoint(receive.then_block):
-            total = _receive(table, own, me, row64, t, parity, flag, M, width)
+            total = _receive(inbox, own, me, row64, t, parity, flag, M, width)
             scf.yield_(total)
         with ir.InsertionPoint(receive.else_block):
             scf.yield_([zero] * V)
@@ -421,43 +438,52 @@ def _exchange(M: int, parts: int, width: int, shape, layout):
     return f
 
 
-def _receive(table, own, me, row64, t, parity, flag, M: int, width: int):
+def _receive(inbox, own, me, row64, t, parity, flag, M: int, width: int):
     """Block 0's wait (see `_exchange`): -> the V registers (vector<4xf32>) of the sum in device order,
-    its own x at `me`. Every slot's lines are loaded at once, again until each peer's carry `flag`; its
-    own slot's (never written) are loaded with them and not used: a dynamic rank cannot drop them from
-    the unrolled loads, and they cost no extra round trip."""
-    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+    its own x at `me`. Each try loads, at once, the lines of every peer's slot of the inbox at `inbox`
+    not yet complete (its own slot never), and marks a slot complete when every flag of the try says
+    `flag`: one round trip a try, each line loaded again only while its peer's row is incomplete."""
+    i1, i32, index = ir.IntegerType.get_signless(1), ir.IntegerType.get_signless(32), ir.IndexType.get()
     vec_i32, vec_f32 = ir.VectorType.get((VEC,), i32), ir.VectorType.get((VEC,), ir.F32Type.get())
     V = len(own)
     if M == 1:
         return own
-    inbox = _table_address(table, me)
-    true = arith.constant(ir.IntegerType.get_signless(1), 1)
-    n = M * V * VEC
-    wait = scf.WhileOp([i32] * (n + 1), [_int(0)])
-    tries = wait.before.blocks.append(i32)
+    true = arith.constant(i1, 1)
+    n = V * VEC  # words of one slot a thread holds
+    itself = [arith.cmpi(arith.CmpIPredicate.eq, me, arith.constant(index, k)) for k in range(M)]
+    types = [i32] * (M * n) + [i1] * M + [i32]
+    wait = scf.WhileOp(types, [_int(0)] * (M * n) + itself + [_int(0)])
+    tries = wait.before.blocks.append(*types)
     with ir.InsertionPoint(tries):
-        values, ok = [], true
+        args = list(tries.arguments)
+        values, done = [], []
         for k in range(M):
-            itself = arith.cmpi(arith.CmpIPredicate.eq, me, arith.constant(index, k))
-            for i in range(V):
-                for half in range(2):
-                    w = _load_line(_line(inbox, parity, _int(k, 64), row64, t, i, half, M, 2 * width))
-                    values += [w[0], w[2]]
-                    for word in (w[1], w[3]):
-                        ok = arith.andi(ok, arith.ori(itself, arith.cmpi(arith.CmpIPredicate.eq, word, flag)))
-        scf.condition(arith.xori(ok, true), values + [tries.arguments[0]])
-    after = wait.after.blocks.append(*[i32] * (n + 1))
+            poll = scf.IfOp(args[M * n + k], [i32] * n + [i1], has_else=True)
+            with ir.InsertionPoint(poll.then_block):
+                scf.yield_(args[k * n:(k + 1) * n] + [true])
+            with ir.InsertionPoint(poll.else_block):
+                got, ok = [], true
+                for i in range(V):
+                    for half in range(2):
+                        w = _load_line(_line(inbox, parity, _int(k, 64), row64, t, i, half, M, 2 * width))
+                        got += [w[0], w[2]]
+                        for word in (w[1], w[3]):
+                            ok = arith.andi(ok, arith.cmpi(arith.CmpIPredicate.eq, word, flag))
+                scf.yield_(got + [ok])
+            values += list(poll.results)[:n]
+            done.append(poll.results[n])
+        every = functools.reduce(arith.andi, done)
+        scf.condition(arith.xori(every, true), values + done + [args[-1]])
+    after = wait.after.blocks.append(*types)
     with ir.InsertionPoint(after):
-        spins = arith.addi(after.arguments[n], _int(1))
+        spins = arith.addi(after.arguments[-1], _int(1))
         _trap_if(arith.cmpi(arith.CmpIPredicate.ugt, spins, _int(MAX_SPINS)))
-        scf.yield_([spins])
-    got = list(wait.results)[:n]
+        scf.yield_(list(after.arguments)[:-1] + [spins])
+    got = list(wait.results)[:M * n]
     total = None
     for k in range(M):  # device order: the same sum on every device
-        itself = arith.cmpi(arith.CmpIPredicate.eq, me, arith.constant(index, k))
-        vecs = [arith.select(itself, own[i], arith.bitcast(vec_f32, vector.from_elements(
-            vec_i32, got[VEC * (k * V + i):VEC * (k * V + i + 1)]))) for i in range(V)]
+        vecs = [arith.select(itself[k], own[i], arith.bitcast(vec_f32, vector.from_elements(
+            vec_i32, got[k * n + VEC * i:k * n + VEC * (i + 1)]))) for i in range(V)]
         total = vecs if total is None else [arith.addf(a, b) for a, b in zip(total, vecs)]
     return total
 
@@ -469,11 +495,13 @@ def max_parts(hidden: int) -> int:
     return min(MAX_PARTS, _padded(hidden // LANES) // 8)
 
 
-def parts_for(rows: int, hidden: int) -> int:
+def parts_for(rows: int, hidden: int, devices: int) -> int:
     """Blocks a row's message is sent from by default: `max_parts`, at most SPREAD_BLOCKS // rows
-    blocks a call (reduce_norm_parts_h200x4.json: 1 and 4 rows gained from 6 blocks a row, 16 and
-    64 rows lost)."""
-    return max(1, min(max_parts(hidden), SPREAD_BLOCKS // rows))
+    blocks a call over 2 devices (reduce_norm_parts_h200x4.json: 1 and 4 rows gained from 6 blocks a
+    row, 16 and 64 rows lost), MAX_BLOCKS // rows over more (reduce_norm_parts_prefetch_h200x4.json,
+    4 devices: 16 rows 15.8 us from 1 block a row, 13.5 from 6)."""
+    spread = SPREAD_BLOCKS if devices <= 2 else MAX_BLOCKS
+    return max(1, min(max_parts(hidden), spread // rows))
 
 
 def _body(x_ref, r_ref, w_ref, table, rank, s_ref, y_ref, *, M, H, eps, parts, width):
@@ -486,10 +514,9 @@ def _body(x_ref, r_ref, w_ref, table, rank, s_ref, y_ref, *, M, H, eps, parts, w
     shape = (width // LANES, LANES)
     layout = plgpu.Layout.WG_STRIDED(shape, vec_size=VEC)
     lead = (part == 0).astype(I32)
-    x = _load_row(H, shape, x_ref.dtype, layout)(x_ref, row, jnp.int32(1))
     r = _load_row(H, shape, r_ref.dtype, layout)(r_ref, row, lead)
     w = _load_row(H, shape, w_ref.dtype, layout, per_row=False)(w_ref, row, lead)
-    t = _exchange(M, parts, width, shape, layout)(table, x.astype(F32), rank, row, part)
+    t = _exchange(M, parts, width, H, shape, layout, x_ref.dtype)(table, x_ref, rank, row, part)
 
     @pl.when(part == 0)
     def _():
@@ -514,7 +541,7 @@ def allreduce_add_rms_norm(x, residual, scale, mailbox: Mailbox, *, eps: float, 
         raise ValueError(f"allreduce_add_rms_norm: a mailbox with table {mailbox.table.shape}, rank "
                          f"{mailbox.rank.shape} and rows of {mailbox.width} is not for H={H} over {M} devices "
                          f"(expected new_mailbox(mesh, {H}): table ({M + 1}, 2), rows of {Pr * LANES})")
-    G = parts_for(R, H) if parts is None else parts
+    G = parts_for(R, H, M) if parts is None else parts
     if not 1 <= G <= max_parts(H) or R * G > MAX_BLOCKS:
         raise ValueError(f"allreduce_add_rms_norm: parts={G} for R={R}, H={H}; expected 1 to {max_parts(H)} with "
                          f"R x parts <= {MAX_BLOCKS}")
