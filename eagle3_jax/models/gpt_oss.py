@@ -33,7 +33,7 @@ from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.models import rope, shards
 from eagle3_jax.models.config import GptOssConfig
 from eagle3_jax.models.layers import F32, keep_position, normal, over_chunks, rows_dot, shape_of
-from eagle3_jax.pallas import moe_route, select
+from eagle3_jax.pallas import gemv, moe_route, select
 from eagle3_jax.pallas import moe as moe_kernel
 from eagle3_jax.pallas import norm as norm_kernel
 from eagle3_jax.pallas.attention import rope_attention
@@ -176,7 +176,11 @@ class Attention(nnx.Module):
         """o [B, T, Hq, D] (heads over "model") -> f32 [M, B * T, H]: each device's heads through its
         rows of wo, the bias on device 0's."""
         def body(o, wo, *bo):
-            y = rows_dot(o.reshape(-1, wo.shape[0]), wo, preferred_element_type=F32)
+            o = o.reshape(-1, wo.shape[0])
+            if select.rows_matmul(o, wo) == "kernel":
+                y = gemv.rows_matmul(o, wo, out_dtype=F32, block_n=32, block_k=512)
+            else:
+                y = rows_dot(o, wo, preferred_element_type=F32)
             if bo:
                 y = y + jnp.where(jax.lax.axis_index(shards.MODEL) == 0, bo[0].astype(F32), 0.0)
             return y[None]

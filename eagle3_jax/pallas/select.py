@@ -23,6 +23,7 @@ name. `platform` defaults to the default backend (`util.on_gpu`). Kernels have n
 | | "reference" | otherwise: `lax.psum`, then the add and the norm in jnp |
 | `tp_pick(rows, devices, mailbox)` | "kernel" | a Mailbox, rows x peers <= 64, any dtype |
 | | "reference" | otherwise: `lax.psum` of each device's (maximum, index) |
+| `rows_matmul(x, w)` | "kernel" | one bf16 row on a GPU, w.size <= ROWS_MATMUL_MAX_ELEMENTS; else "xla" |
 | `compiler_options()` | LOOP_GRAPHS | GPU, XLA_FLAGS without command buffers; else {} |
 | `spec_op(interpret)` | "kernel" | GPU or interpret=True; else "reference" (tree_mask, accept, kv_rewind) |
 
@@ -44,6 +45,7 @@ MOE_KERNEL_MAX_TOKENS = moe.MAX_TOKENS  # every decode and verify size: 64
 GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which the jnp MoE gathers each pair's weights
 TP_KERNEL_ROW_PEERS = 64  # rows x peers up to which the one-shot sum beat XLA's (reduce_norm_h100x4.json)
 DENSE_MAX_EXPERTS_PER_TOPK = 4  # E <= 4 k: every expert on every token costs at most 4x the selected FLOPs
+ROWS_MATMUL_MAX_ELEMENTS = 4_000_000  # o_proj at 4 devices (2.9M) measured faster; at 2 (5.9M) not timed
 RANK_TOP_K_ROWS = 64  # router rows up to which the jnp top k counts ranks (one fusion) instead of sorting
 MOE_PATHS = ("kernel", "gathered", "grouped", "dense")
 
@@ -93,6 +95,14 @@ def target_attention(x, k_cache, platform: str | None = None) -> str:
             and k_cache.shape[-1] <= MAX_HEAD_DIM):
         return "rope_kernel"
     return "plain"
+
+
+def rows_matmul(x, w, platform: str | None = None) -> str:
+    """x [R, K] @ w [K, N] (a device's o_proj under tensor parallelism): "kernel" (`gemv.rows_matmul`)
+    or "xla" (`layers.rows_dot`)."""
+    if x.shape[0] == 1 and glue_kernels(x, platform) and w.size <= ROWS_MATMUL_MAX_ELEMENTS:
+        return "kernel"
+    return "xla"
 
 
 def norm(x, platform: str | None = None) -> str:

@@ -1,0 +1,82 @@
+"""Few-row matmul streamed from HBM, for decode's projections at a device's share of the weights.
+
+`rows_matmul(x, w, bias=None, *, out_dtype)`: x [R, K] (R <= MAX_ROWS), w [K, N], bias [N] or None
+-> x @ w (+ bias) [R, N] in out_dtype, products and sums in f32. One Pallas (Triton) program per
+`block_n` output columns streams its [K, block_n] strip of w in `block_k` steps (Triton's software
+pipeline keeps `num_stages` of them in flight) against x's rows padded to 16 (the tensor cores'
+least M). `rows_matmul_reference` is the jnp function of the same signature.
+
+The model runs a device's o_proj through it at one row under tensor parallelism (`select.rows_matmul`:
+at 4 devices [1024, 2880], block_n 32, block_k 512), where XLA pads the row to two (`layers.rows_dot`)
+and runs a GEMM and a copy. One H200, JAX 0.11.2, device time a call, 36 distinct weights: 4.8 us
+against XLA's 7.4 (a probe, docs/perf/multi_gpu.md); tp 4 B=1 decode of gpt-oss-120b 1.71 ms a token
+(experiments/results/tp_decode_b1_gemv_tp4_h200x4.json; 1.94 ms without it in an earlier process).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from eagle3_jax.pallas import util
+
+F32 = jnp.float32
+MAX_ROWS = 16
+
+
+def _kernel(x_ref, w_ref, b_ref, o_ref, *, R, K, N, BN, BK, has_bias):
+    j = pl.program_id(0)
+    rows = lax.broadcasted_iota(jnp.int32, (MAX_ROWS,), 0)
+    cols = j * BN + lax.broadcasted_iota(jnp.int32, (BN,), 0)
+    ks = lax.broadcasted_iota(jnp.int32, (BK,), 0)
+
+    def step(i, acc):
+        k = i * BK + ks
+        xk = util.load(x_ref, (pl.ds(0, MAX_ROWS), pl.ds(i * BK, BK)),
+                       mask=(rows < R)[:, None] & (k < K)[None, :], other=0)
+        wk = util.load(w_ref, (pl.ds(i * BK, BK), pl.ds(j * BN, BN)), mask=(k < K)[:, None] & (cols < N)[None, :],
+                       other=0)
+        return acc + jnp.dot(xk, wk, preferred_element_type=F32)
+
+    acc = lax.fori_loop(0, pl.cdiv(K, BK), step, jnp.zeros((MAX_ROWS, BN), F32))
+    if has_bias:
+        acc = acc + util.load(b_ref, (pl.ds(j * BN, BN),), mask=cols < N, other=0).astype(F32)[None, :]
+    util.store(o_ref, (pl.ds(0, MAX_ROWS), pl.ds(j * BN, BN)), acc.astype(o_ref.dtype),
+               mask=(rows < R)[:, None] & (cols < N)[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "block_n", "block_k", "num_warps", "num_stages",
+                                             "interpret"))
+def rows_matmul(x, w, bias=None, *, out_dtype, block_n: int = 16, block_k: int = 512, num_warps: int = 4,
+                num_stages: int = 4, interpret: bool = False):
+    """See the module docstring. block_n, block_k: powers of two (block_n >= 16)."""
+    R, K = x.shape
+    if w.ndim != 2 or w.shape[0] != K or not 1 <= R <= MAX_ROWS or (bias is not None and bias.shape != w.shape[1:]):
+        raise ValueError(f"rows_matmul: expected x [R <= {MAX_ROWS}, K], w [K, N], bias [N]; got x {x.shape}, "
+                         f"w {w.shape}, bias {None if bias is None else bias.shape}")
+    N = w.shape[1]
+    b = jnp.zeros((1,), F32) if bias is None else bias
+    if interpret:  # the interpreter cannot read past an array's end (the Triton kernel masks such reads)
+        Kp, Np = pl.cdiv(K, block_k) * block_k, pl.cdiv(N, block_n) * block_n
+        x, w = util.pad(x, (MAX_ROWS, Kp)), util.pad(w, (Kp, Np))
+        b = b if bias is None else util.pad(b, (Np,))
+    out_rows = MAX_ROWS if interpret else R
+    out = pl.pallas_call(
+        functools.partial(_kernel, R=R, K=K, N=N, BN=block_n, BK=block_k, has_bias=bias is not None),
+        grid=(pl.cdiv(N, block_n),),
+        out_shape=jax.ShapeDtypeStruct((out_rows, pl.cdiv(N, block_n) * block_n if interpret else N), out_dtype),
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name="rows_matmul",
+    )(x, w, b)
+    return out[:R, :N]
+
+
+def rows_matmul_reference(x, w, bias=None, *, out_dtype, **_):
+    """Plain-jnp `rows_matmul`."""
+    y = jnp.dot(x.astype(F32), w.astype(F32), precision=lax.Precision.HIGHEST)
+    return (y if bias is None else y + bias.astype(F32)).astype(out_dtype)

@@ -1,0 +1,54 @@
+"""pallas/gemv.py: rows_matmul against a float64 numpy product, in interpret mode on CPU and compiled on GPUs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle3_jax.pallas import gemv, select
+
+
+def check(R, K, N, bias, out_dtype, seed, **kw):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((R, K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((K, N)) / np.sqrt(K), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(N), jnp.bfloat16) if bias else None
+    got = np.asarray(gemv.rows_matmul(x, w, b, out_dtype=out_dtype, **kw), np.float64)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + (0 if b is None else np.asarray(b, np.float64))
+    assert got.shape == (R, N) and np.isfinite(got).all()
+    tol = 1e-5 if out_dtype == jnp.float32 else 2 ** -7
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    ref = np.asarray(gemv.rows_matmul_reference(x, w, b, out_dtype=out_dtype), np.float64)
+    np.testing.assert_allclose(ref, want, rtol=tol, atol=tol)
+
+
+# ragged K and N (masked tails), one row and the most, with and without bias, both output dtypes
+@pytest.mark.parametrize("R,K,N,bias,out_dtype", [(1, 200, 48, True, jnp.float32), (3, 64, 16, False, jnp.bfloat16),
+                                                   (16, 130, 33, True, jnp.bfloat16)])
+def test_interpret_matches_numpy(R, K, N, bias, out_dtype):
+    check(R, K, N, bias, out_dtype, seed=R * K + N, block_n=16, block_k=64, interpret=True)
+
+
+def test_bad_input_and_dispatch():
+    x, w = jnp.zeros((1, 64), jnp.bfloat16), jnp.zeros((64, 32), jnp.bfloat16)
+    for args, what in (((jnp.zeros((17, 64), jnp.bfloat16), w), "x \\(17, 64\\)"), ((x, w.T), "w \\(32, 64\\)"),
+                       ((x, w, jnp.zeros(31)), "bias \\(31,\\)")):
+        with pytest.raises(ValueError, match=what):
+            gemv.rows_matmul(*args, out_dtype=jnp.float32, interpret=True)
+    # a device's o_proj at 4 devices ([1024, 2880]) takes the kernel at one bf16 row on GPUs only
+    wo = jax.ShapeDtypeStruct((1024, 2880), jnp.bfloat16)
+    o = jnp.zeros((1, 1024), jnp.bfloat16)
+    assert select.rows_matmul(o, wo, platform="gpu") == "kernel"
+    assert select.rows_matmul(o, wo, platform="cpu") == "xla"
+    assert select.rows_matmul(jnp.zeros((2, 1024), jnp.bfloat16), wo, platform="gpu") == "xla"
+    assert select.rows_matmul(o.astype(jnp.float32), wo, platform="gpu") == "xla"
+    assert select.rows_matmul(jnp.zeros((1, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((2048, 2880), jnp.bfloat16),
+                              platform="gpu") == "xla"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,K,N,bias,out_dtype,bn,bk", [(1, 1024, 2880, False, jnp.float32, 32, 512),
+                                                         (1, 2880, 1280, True, jnp.bfloat16, 16, 1024),
+                                                         (5, 1000, 2900, True, jnp.float32, 32, 512)])
+def test_kernel_matches_numpy_gpu(R, K, N, bias, out_dtype, bn, bk):
+    check(R, K, N, bias, out_dtype, seed=7, block_n=bn, block_k=bk)
