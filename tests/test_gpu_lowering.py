@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax.formats.packed_mask import mask_words
-from eagle3_jax.pallas import accept, attention, kv_rewind, moe, moe_route, norm, tree_mask
+from eagle3_jax.pallas import accept, attention, gemv, kv_rewind, moe, moe_route, norm, tree_mask
 
 TRITON = "__gpu$xla.gpu.triton"
 Hq, Hkv, D, H, I, E = 64, 8, 64, 2880, 2880, 128  # gpt-oss-120b
@@ -103,3 +103,13 @@ def test_moe_grouped_and_route_lower(tm):
     for shape in ((1, H), (tm, H)):
         add = functools.partial(norm.add_rms_norm, eps=1e-5)
         assert _triton_calls(add, _sds(shape, bf16), _sds((H,), f32), _sds(shape, f32)) == 1
+
+
+@pytest.mark.parametrize("M", [4, 8])
+def test_rows_matmul_lowers(M):
+    # a device's o_proj at one row (the model's launch: block_n 32, block_k 512) and q|k|v's shape
+    o = functools.partial(gemv.rows_matmul, out_dtype=f32, block_n=32, block_k=512)
+    assert _triton_calls(o, _sds((1, Hq * D // M), bf16), _sds((Hq * D // M, H), bf16)) == 1
+    qkv = functools.partial(gemv.rows_matmul, out_dtype=bf16, block_n=16, block_k=1024)
+    N = (Hq + 2 * Hkv) * D // M
+    assert _triton_calls(qkv, _sds((1, H), bf16), _sds((H, N), bf16), _sds((N,), bf16)) == 1
