@@ -419,8 +419,7 @@ def _gemv_shape(text):
 
 def _gemv_blocks(text):
     n, _, k = text.partition("/")
-    pow2 = lambda v: v.isdigit() and int(v) > 0 and int(v) & (int(v) - 1) == 0  # noqa: E731
-    if not (pow2(n) and pow2(k) and int(n) >= 16):
+    if not all(v.isdigit() and int(v) > 0 and int(v) & (int(v) - 1) == 0 for v in (n, k)) or int(n) < 16:
         raise ValueError(f"--gemv_blocks: expected block_n/block_k, powers of two with block_n >= 16, got {text!r}")
     return int(n), int(k)
 
@@ -449,7 +448,7 @@ def bench_gemv():
 
     interp = jax.default_backend() != "gpu"
     bw = _copy_bw()
-    res = dict(copy_bandwidth_bytes_per_s=bw, weights=FLAGS.gemv_weights, rows=[], table=[])
+    res = {"copy_bandwidth_bytes_per_s": bw, "weights": FLAGS.gemv_weights, "rows": [], "table": []}
     L = FLAGS.gemv_weights
     for K, N in map(_gemv_shape, FLAGS.gemv_shapes):
         key = jax.random.key(K * 7919 + N)
@@ -467,9 +466,9 @@ def bench_gemv():
                 want = out if want is None else want
                 prof = _safe_profile(fn, sets)
                 t = prof.get("kernel_seconds") or timing.time_calls(fn, sets, repeats=3)
-                row = dict(K=K, N=N, rows=R, impl=name, block_n=blocks and blocks[0], block_k=blocks and blocks[1],
-                           seconds=t, bytes_fraction=K * N * 2 / bw / t, max_diff=float(np.abs(out - want).max()),
-                           kernels=prof.get("kernels"))
+                row = {"K": K, "N": N, "rows": R, "impl": name, "block_n": blocks and blocks[0],
+                       "block_k": blocks and blocks[1], "seconds": t, "bytes_fraction": K * N * 2 / bw / t,
+                       "max_diff": float(np.abs(out - want).max()), "kernels": prof.get("kernels")}
                 res["rows"].append(row)
                 res["table"].append(f"gemv [{R}, {K}] @ [{K}, {N}] {name:11} {'/'.join(map(str, blocks or ())):8} "
                                     f"{t * 1e6:8.2f} us "
