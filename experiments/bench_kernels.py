@@ -459,9 +459,8 @@ def bench_gemv():
             for bn, bk in map(_gemv_blocks, FLAGS.gemv_blocks):
                 impls.append(("rows_matmul", (bn, bk), lambda x, w, bn=bn, bk=bk: gemv.rows_matmul(
                     x, w, out_dtype=jnp.float32, block_n=bn, block_k=bk, interpret=interp)))
-            want = None
+            want, sets = None, list(zip(xs, ws))
             for name, blocks, fn in impls:
-                sets = list(zip(xs, ws))
                 out = np.asarray(jax.jit(fn)(*sets[0]), np.float64)
                 want = out if want is None else want
                 prof = _safe_profile(fn, sets)

@@ -107,8 +107,8 @@ def test_moe_grouped_and_route_lower(tm):
 
 @pytest.mark.parametrize("M", [4, 8])
 def test_rows_matmul_lowers(M):
-    # a device's o_proj at one row (the model's launch: block_n 32, block_k 512) and q|k|v's shape
-    o = functools.partial(gemv.rows_matmul, out_dtype=f32, block_n=32, block_k=512)
+    # a device's o_proj at one row (the model's launch: the defaults) and q|k|v's shape
+    o = functools.partial(gemv.rows_matmul, out_dtype=f32)
     assert _triton_calls(o, _sds((1, Hq * D // M), bf16), _sds((Hq * D // M, H), bf16)) == 1
     qkv = functools.partial(gemv.rows_matmul, out_dtype=bf16, block_n=16, block_k=1024)
     N = (Hq + 2 * Hkv) * D // M

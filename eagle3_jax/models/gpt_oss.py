@@ -178,7 +178,7 @@ class Attention(nnx.Module):
         def body(o, wo, *bo):
             o = o.reshape(-1, wo.shape[0])
             if select.rows_matmul(o, wo) == "kernel":
-                y = gemv.rows_matmul(o, wo, out_dtype=F32, block_n=32, block_k=512)
+                y = gemv.rows_matmul(o, wo, out_dtype=F32)
             else:
                 y = rows_dot(o, wo, preferred_element_type=F32)
             if bo:

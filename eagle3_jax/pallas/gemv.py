@@ -7,7 +7,7 @@ pipeline keeps `num_stages` of them in flight) against x's rows padded to 16 (th
 least M). `rows_matmul_reference` is the jnp function of the same signature.
 
 The model runs a device's o_proj through it at one row under tensor parallelism (`select.rows_matmul`:
-at 4 devices [1024, 2880], block_n 32, block_k 512), where XLA pads the row to two (`layers.rows_dot`)
+at 4 devices [1024, 2880], the default launch), where XLA pads the row to two (`layers.rows_dot`)
 and runs a GEMM and a copy. One H200, JAX 0.11.2, device time a call, 36 distinct weights: 4.8 us
 against XLA's 7.4 (a probe, docs/perf/multi_gpu.md); tp 4 B=1 decode of gpt-oss-120b 1.71 ms a token
 (experiments/results/tp_decode_b1_gemv_tp4_h200x4.json; 1.94 ms without it in an earlier process).
@@ -52,9 +52,10 @@ def _kernel(x_ref, w_ref, b_ref, o_ref, *, R, K, N, BN, BK, has_bias):
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_n", "block_k", "num_warps", "num_stages",
                                              "interpret"))
-def rows_matmul(x, w, bias=None, *, out_dtype, block_n: int = 16, block_k: int = 512, num_warps: int = 4,
+def rows_matmul(x, w, bias=None, *, out_dtype, block_n: int = 32, block_k: int = 512, num_warps: int = 4,
                 num_stages: int = 4, interpret: bool = False):
-    """See the module docstring. block_n, block_k: powers of two (block_n >= 16)."""
+    """See the module docstring. block_n, block_k: powers of two (block_n >= 16); the defaults are the
+    model's o_proj launch, the fastest of the probe's at [1, 1024] @ [1024, 2880]."""
     R, K = x.shape
     if w.ndim != 2 or w.shape[0] != K or not 1 <= R <= MAX_ROWS or (bias is not None and bias.shape != w.shape[1:]):
         raise ValueError(f"rows_matmul: expected x [R <= {MAX_ROWS}, K], w [K, N], bias [N]; got x {x.shape}, "
