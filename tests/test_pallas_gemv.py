@@ -35,20 +35,26 @@ def test_bad_input_and_dispatch():
                        ((x, w, jnp.zeros(31)), "bias \\(31,\\)")):
         with pytest.raises(ValueError, match=what):
             gemv.rows_matmul(*args, out_dtype=jnp.float32, interpret=True)
-    # a device's o_proj at 4 devices ([1024, 2880]) takes the kernel at one bf16 row on GPUs only
-    wo = jax.ShapeDtypeStruct((1024, 2880), jnp.bfloat16)
-    o = jnp.zeros((1, 1024), jnp.bfloat16)
-    assert select.rows_matmul(o, wo, platform="gpu") == "kernel"
-    assert select.rows_matmul(o, wo, platform="cpu") == "xla"
-    assert select.rows_matmul(jnp.zeros((2, 1024), jnp.bfloat16), wo, platform="gpu") == "xla"
-    assert select.rows_matmul(o.astype(jnp.float32), wo, platform="gpu") == "xla"
-    assert select.rows_matmul(jnp.zeros((1, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((2048, 2880), jnp.bfloat16),
-                              platform="gpu") == "xla"
+    # a device's o_proj and q|k|v at 2 and 4 devices take the kernel at one bf16 row on GPUs only;
+    # one device's whole projections keep XLA's GEMV
+    def pick(rows, K, N, dtype=jnp.bfloat16, platform="gpu"):
+        return select.rows_matmul(jnp.zeros((rows, K), dtype), jax.ShapeDtypeStruct((K, N), jnp.bfloat16), platform)
+
+    for K, N in ((1024, 2880), (2880, 1280), (2048, 2880), (2880, 2560)):
+        assert pick(1, K, N) == "kernel"
+    assert pick(1, 1024, 2880, platform="cpu") == "xla"
+    assert pick(2, 1024, 2880) == "xla"
+    assert pick(1, 1024, 2880, jnp.float32) == "xla"
+    assert pick(1, 4096, 2880) == pick(1, 2880, 5120) == "xla"
+    # default launches: 32 columns a program while that leaves 64 programs, a 32 KB strip a step
+    assert gemv.blocks_for(2880) == gemv.blocks_for(2048) == (32, 512)
+    assert gemv.blocks_for(1280) == gemv.blocks_for(2047) == (16, 1024)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("R,K,N,bias,out_dtype,bn,bk", [(1, 1024, 2880, False, jnp.float32, 32, 512),
-                                                         (1, 2880, 1280, True, jnp.bfloat16, 16, 1024),
+@pytest.mark.parametrize("R,K,N,bias,out_dtype,bn,bk", [(1, 1024, 2880, False, jnp.float32, None, None),
+                                                         (1, 2880, 1280, True, jnp.bfloat16, None, None),
+                                                         (1, 2880, 2560, False, jnp.bfloat16, None, None),
                                                          (5, 1000, 2900, True, jnp.float32, 32, 512)])
 def test_kernel_matches_numpy_gpu(R, K, N, bias, out_dtype, bn, bk):
     check(R, K, N, bias, out_dtype, seed=7, block_n=bn, block_k=bk)

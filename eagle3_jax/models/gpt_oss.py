@@ -111,11 +111,21 @@ def qkv_order(num_heads: int, num_kv_heads: int, head_dim: int, blocks: int) -> 
                            ((m * hq * D, hq * D), (nq + m * hkv * D, hkv * D), (nq + nk + m * hkv * D, hkv * D))])
 
 
+def device_proj(x, w, out_dtype=None):
+    """x [R, K] @ w [K, N] -> [R, N] in out_dtype (default: jnp.dot's), products summed in f32: a
+    device's share of a projection inside shard_map. One bf16 row of a small enough share goes
+    through `gemv.rows_matmul` on GPUs (`select.rows_matmul`), the rest through `layers.rows_dot`."""
+    if select.rows_matmul(x, w) == "kernel":
+        return gemv.rows_matmul(x, w, out_dtype=out_dtype or x.dtype)
+    return rows_dot(x, w, preferred_element_type=out_dtype)
+
+
 class Attention(nnx.Module):
     """Weights in [in, out] layout: wqkv [H, (Hq + 2 Hkv) * D] (q, k, v columns side by side),
     wo [Hq*D, H]; biases bqkv, bo; sinks f32 [Hq]. q, k and v share one matrix so that a single token
     is one GEMM (apart, k and v's [2880, 512] became multiply + reduce fusions: docs/perf/glue.md,
-    9.8 against 24.7 us); one row goes through the projections as two (`layers.rows_dot`).
+    9.8 against 24.7 us); one row goes through the projections as two (`layers.rows_dot`), or under a
+    mesh, as a device's share, through `device_proj`.
     qkv_blocks: the columns of wqkv and bqkv in `qkv_order(..., qkv_blocks)`: 1 (q|k|v) on one
     device; a model placed on a mesh (`parallel.shard` and the loaders with mesh=) holds them in
     model-size head-aligned blocks, so that each device's columns are its own heads' q, k and v."""
@@ -148,10 +158,10 @@ class Attention(nnx.Module):
         them; o_proj's bias on the first device's)."""
         B, T, _ = x.shape
         bqkv = None if self.bqkv is None else self.bqkv[...]
-        qkv = rows_dot(x, self.wqkv[...])
         kernel = select.target_attention(x, k_cache) == "rope_kernel"
         attend = functools.partial(self._attend, kernel=kernel, ring=ring)
         if shards.mesh() is None:
+            qkv = rows_dot(x, self.wqkv[...])
             if self.qkv_blocks > 1:  # a model placed on a mesh, run without it: back to q|k|v order
                 qkv, bqkv = self.qkv_columns(qkv), None if bqkv is None else self.qkv_columns(bqkv)
             o, k_cache, v_cache = attend(qkv, bqkv, self.sinks[...], cos, sin, k_cache, v_cache, lengths, positions,
@@ -162,12 +172,17 @@ class Attention(nnx.Module):
                 raise ValueError(f"Attention: wqkv columns in {self.qkv_blocks} head-aligned blocks under a mesh whose "
                                  f'"model" axis has {M} devices; place the model with parallel.shard(model, mesh)')
             attend = functools.partial(attend, num_heads=self.num_heads // M, num_kv_heads=self.num_kv_heads // M)
-            rows, cols = shards.ROWS, Spec(shards.DATA, None, shards.MODEL)
+
+            def project_attend(x, wqkv, *rest):  # a device's heads: its columns of wqkv, then attention
+                qkv = device_proj(x.reshape(-1, x.shape[-1]), wqkv)
+                return attend(qkv.reshape(*x.shape[:-1], -1), *rest)
+
+            rows = shards.ROWS
             o, k_cache, v_cache = shards.local(
-                attend, (cols, Spec(shards.MODEL), Spec(shards.MODEL), rows, rows, shards.HEADS, shards.HEADS, rows,
-                         rows, rows, rows),
-                (cols, shards.HEADS, shards.HEADS),
-            )(qkv, bqkv, self.sinks[...], cos, sin, k_cache, v_cache, lengths, positions, mask, n_write)
+                project_attend, (rows, Spec(None, shards.MODEL), Spec(shards.MODEL), Spec(shards.MODEL), rows, rows,
+                                 shards.HEADS, shards.HEADS, rows, rows, rows, rows),
+                (Spec(shards.DATA, None, shards.MODEL), shards.HEADS, shards.HEADS),
+            )(x, self.wqkv[...], bqkv, self.sinks[...], cos, sin, k_cache, v_cache, lengths, positions, mask, n_write)
             if partial:
                 return self._partial_proj(o), k_cache, v_cache
         return self._proj(o.reshape(B, T, -1), self.wo, self.bo), k_cache, v_cache
@@ -176,11 +191,7 @@ class Attention(nnx.Module):
         """o [B, T, Hq, D] (heads over "model") -> f32 [M, B * T, H]: each device's heads through its
         rows of wo, the bias on device 0's."""
         def body(o, wo, *bo):
-            o = o.reshape(-1, wo.shape[0])
-            if select.rows_matmul(o, wo) == "kernel":
-                y = gemv.rows_matmul(o, wo, out_dtype=F32)
-            else:
-                y = rows_dot(o, wo, preferred_element_type=F32)
+            y = device_proj(o.reshape(-1, wo.shape[0]), wo, F32)
             if bo:
                 y = y + jnp.where(jax.lax.axis_index(shards.MODEL) == 0, bo[0].astype(F32), 0.0)
             return y[None]

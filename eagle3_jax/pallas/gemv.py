@@ -6,11 +6,12 @@
 pipeline keeps `num_stages` of them in flight) against x's rows padded to 16 (the tensor cores'
 least M). `rows_matmul_reference` is the jnp function of the same signature.
 
-The model runs a device's o_proj through it at one row under tensor parallelism (`select.rows_matmul`:
-at 4 devices [1024, 2880], the default launch), where XLA pads the row to two (`layers.rows_dot`)
-and runs a GEMM and a copy. One H200, JAX 0.11.2, device time a call, 36 distinct weights: 4.8 us
-against XLA's 7.4 (a probe, docs/perf/multi_gpu.md); tp 4 B=1 decode of gpt-oss-120b 1.71 ms a token
-(experiments/results/tp_decode_b1_gemv_tp4_h200x4.json; 1.94 ms without it in an earlier process).
+The model runs a device's q|k|v and o_proj through it at one row under tensor parallelism
+(`select.rows_matmul`, `gpt_oss.device_proj`), where XLA pads the row to two (`layers.rows_dot`) and
+runs a GEMM, then a slice or a copy. Default launch `blocks_for(N)`: 32 columns a program where that
+leaves at least 64 programs, else 16, each step a 32 KB strip of w. One H200, JAX 0.11.2, device
+time a call at one row, 36 distinct weights (experiments/results/kernels_gemv_h200.json): [1024, 2880]
+4.8 us against XLA's 7.5, [2048, 2880] 6.4 / 7.8, [2880, 1280] 7.0 / 8.0, [2880, 2560] 9.4 / 9.7.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from eagle3_jax.pallas import util
 
 F32 = jnp.float32
 MAX_ROWS = 16
+STEP_ELEMENTS = 16384  # block_n x block_k of the default launch: a 32 KB bf16 strip of w a step
 
 
 def _kernel(x_ref, w_ref, b_ref, o_ref, *, R, K, N, BN, BK, has_bias):
@@ -50,13 +52,20 @@ def _kernel(x_ref, w_ref, b_ref, o_ref, *, R, K, N, BN, BK, has_bias):
                mask=(rows < R)[:, None] & (cols < N)[None, :])
 
 
+def blocks_for(N: int) -> tuple[int, int]:
+    """The default (block_n, block_k) for N output columns (module docstring)."""
+    block_n = 32 if N >= 64 * 32 else 16
+    return block_n, STEP_ELEMENTS // block_n
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_n", "block_k", "num_warps", "num_stages",
                                              "interpret"))
-def rows_matmul(x, w, bias=None, *, out_dtype, block_n: int = 32, block_k: int = 512, num_warps: int = 4,
-                num_stages: int = 4, interpret: bool = False):
-    """See the module docstring. block_n, block_k: powers of two (block_n >= 16); the defaults are the
-    model's o_proj launch, the fastest of the probe's at [1, 1024] @ [1024, 2880]."""
+def rows_matmul(x, w, bias=None, *, out_dtype, block_n: int | None = None, block_k: int | None = None,
+                num_warps: int = 4, num_stages: int = 4, interpret: bool = False):
+    """See the module docstring. block_n, block_k: powers of two (block_n >= 16); None: `blocks_for`'s."""
     R, K = x.shape
+    block_n = block_n or blocks_for(w.shape[-1])[0]
+    block_k = block_k or STEP_ELEMENTS // block_n
     if w.ndim != 2 or w.shape[0] != K or not 1 <= R <= MAX_ROWS or (bias is not None and bias.shape != w.shape[1:]):
         raise ValueError(f"rows_matmul: expected x [R <= {MAX_ROWS}, K], w [K, N], bias [N]; got x {x.shape}, "
                          f"w {w.shape}, bias {None if bias is None else bias.shape}")

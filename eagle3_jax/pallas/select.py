@@ -45,7 +45,8 @@ MOE_KERNEL_MAX_TOKENS = moe.MAX_TOKENS  # every decode and verify size: 64
 GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which the jnp MoE gathers each pair's weights
 TP_KERNEL_ROW_PEERS = 64  # rows x peers up to which the one-shot sum beat XLA's (reduce_norm_h100x4.json)
 DENSE_MAX_EXPERTS_PER_TOPK = 4  # E <= 4 k: every expert on every token costs at most 4x the selected FLOPs
-ROWS_MATMUL_MAX_ELEMENTS = 4_000_000  # o_proj at 4 devices (2.9M) measured faster; at 2 (5.9M) not timed
+ROWS_MATMUL_MAX_ELEMENTS = 8_000_000  # a device's q|k|v and o at 2 and 4 devices (2.9-7.4M) measured faster
+# at one row (kernels_gemv_h200.json); one device's whole q|k|v and o (11.8M and up) keep XLA's GEMV
 RANK_TOP_K_ROWS = 64  # router rows up to which the jnp top k counts ranks (one fusion) instead of sorting
 MOE_PATHS = ("kernel", "gathered", "grouped", "dense")
 
@@ -98,8 +99,8 @@ def target_attention(x, k_cache, platform: str | None = None) -> str:
 
 
 def rows_matmul(x, w, platform: str | None = None) -> str:
-    """x [R, K] @ w [K, N] (a device's o_proj under tensor parallelism): "kernel" (`gemv.rows_matmul`)
-    or "xla" (`layers.rows_dot`)."""
+    """x [R, K] @ w [K, N] (a device's q|k|v or o_proj under tensor parallelism): "kernel"
+    (`gemv.rows_matmul`) or "xla" (`layers.rows_dot`)."""
     if x.shape[0] == 1 and glue_kernels(x, platform) and w.size <= ROWS_MATMUL_MAX_ELEMENTS:
         return "kernel"
     return "xla"
