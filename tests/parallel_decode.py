@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from eagle3_jax import parallel  # noqa: E402
 from eagle3_jax.models import Eagle3Config, GptOssConfig, eagle3, gpt_oss, shards  # noqa: E402
-from eagle3_jax.pallas import allreduce, norm, select  # noqa: E402
+from eagle3_jax.pallas import allreduce, gemv, norm, select  # noqa: E402
 from eagle3_jax.spec import decode, generate, loop, step  # noqa: E402
 from eagle3_jax.spec.decode import pad_prompts  # noqa: E402
 from eagle3_jax.spec.state import Plan  # noqa: E402
@@ -147,22 +147,29 @@ def glue_kernels_interpreted():
 @contextlib.contextmanager
 def attention_kernels_interpreted():
     """The GPU's path through a bf16 target layer (the fused rope_attention kernel on its heads' q|k|v
-    columns, the add + norm kernel), in the Pallas interpreter."""
-    saved = select.norm, norm.add_rms_norm, select.target_attention, gpt_oss.rope_attention
+    columns, the add + norm kernel, a device's q|k|v and o_proj through rows_matmul at every row count
+    it takes, o's bias by its flag), in the Pallas interpreter."""
+    saved = (select.norm, norm.add_rms_norm, select.target_attention, gpt_oss.rope_attention, select.rows_matmul,
+             gemv.rows_matmul)
     select.norm = lambda x, platform=None: "kernel"
     norm.add_rms_norm = functools.partial(saved[1], interpret=True)
     select.target_attention = lambda x, k_cache, platform=None: "rope_kernel" if k_cache.shape[2] else "plain"
     gpt_oss.rope_attention = functools.partial(saved[3], interpret=True)
+    select.rows_matmul = lambda x, w, platform=None: "kernel" if x.shape[0] <= gemv.MAX_ROWS else "xla"
+    used = []  # one entry a traced rows_matmul call
+    gemv.rows_matmul = lambda *a, **kw: used.append(1) or saved[5](*a, interpret=True, **kw)
     try:
-        yield
+        yield used
     finally:
-        select.norm, norm.add_rms_norm, select.target_attention, gpt_oss.rope_attention = saved
+        (select.norm, norm.add_rms_norm, select.target_attention, gpt_oss.rope_attention, select.rows_matmul,
+         gemv.rows_matmul) = saved
 
 
 def check_kernel_step():
     """A bf16 verify step (4 tokens over noisy caches, ragged lengths) through the GPU's kernels: on a
     (2, 2) mesh (rows over "data", heads over "model"), each device's heads from its head-aligned
-    q|k|v block, the logits equal one device's to bf16 rounding (here 0.04 of logits up to 4.3)."""
+    q|k|v block and its shares of q|k|v and o through rows_matmul, the logits equal one device's to
+    bf16 rounding (here 0.04 of logits up to 4.3)."""
     cfg = CONFIG.replace(experts_format="dense")
     B, S, T = 2, 64, 4
     rng = np.random.default_rng(2)
@@ -175,13 +182,15 @@ def check_kernel_step():
         noise = np.random.default_rng(3)
         cache = cache.replace(k=tuple(jnp.asarray(noise.normal(size=k.shape), k.dtype) for k in cache.k),
                               v=tuple(jnp.asarray(noise.normal(size=v.shape), v.dtype) for v in cache.v))
-        with attention_kernels_interpreted(), loop.on_mesh(mesh):
+        with attention_kernels_interpreted() as used, loop.on_mesh(mesh):
             out = jax.jit(lambda m, c: gpt_oss.step(m, c, tokens, positions, lengths)[0])(model, cache)
-        return np.asarray(out, np.float32)
+        return np.asarray(out, np.float32), len(used)
 
-    want = logits(gpt_oss.GptOss(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), None)
+    want, used = logits(gpt_oss.GptOss(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), None)
+    assert used == 0  # one device: the projections stay whole
     mesh = parallel.make_mesh(model=2, data=2)
-    got = logits(parallel.shard(gpt_oss.GptOss(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), mesh), mesh)
+    got, used = logits(parallel.shard(gpt_oss.GptOss(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), mesh), mesh)
+    assert used == 2 * cfg.num_hidden_layers  # each layer's q|k|v and o shares
     np.testing.assert_allclose(got, want, atol=0.15)
 
 

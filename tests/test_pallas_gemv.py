@@ -29,10 +29,27 @@ def test_interpret_matches_numpy(R, K, N, bias, out_dtype):
     check(R, K, N, bias, out_dtype, seed=R * K + N, block_n=16, block_k=64, interpret=True)
 
 
+@pytest.mark.parametrize("on", [True, False])
+def test_bias_flag(on):
+    # bias_on as a traced flag (as a row-parallel projection passes it): the bias only where it is set
+    rng = np.random.default_rng(int(on))
+    x = jnp.asarray(rng.standard_normal((2, 96)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((96, 40)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(40) + 3.0, jnp.bfloat16)
+    run = jax.jit(lambda flag: gemv.rows_matmul(x, w, b, flag, out_dtype=jnp.float32, block_n=16, block_k=32,
+                                                interpret=True))
+    got = np.asarray(run(jnp.asarray(on)), np.float64)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + on * np.asarray(b, np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    ref = gemv.rows_matmul_reference(x, w, b, jnp.asarray(on), out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(ref, np.float64), want, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_input_and_dispatch():
     x, w = jnp.zeros((1, 64), jnp.bfloat16), jnp.zeros((64, 32), jnp.bfloat16)
     for args, what in (((jnp.zeros((17, 64), jnp.bfloat16), w), "x \\(17, 64\\)"), ((x, w.T), "w \\(32, 64\\)"),
-                       ((x, w, jnp.zeros(31)), "bias \\(31,\\)")):
+                       ((x, w, jnp.zeros(31)), "bias \\(31,\\)"), ((x, w, None, True), "bias_on"),
+                       ((x, w, jnp.zeros(32), jnp.ones(2, bool)), "bias_on")):
         with pytest.raises(ValueError, match=what):
             gemv.rows_matmul(*args, out_dtype=jnp.float32, interpret=True)
     # a device's o_proj and q|k|v at 2 and 4 devices take the kernel at one bf16 row on GPUs only;

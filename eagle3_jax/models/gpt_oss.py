@@ -111,13 +111,18 @@ def qkv_order(num_heads: int, num_kv_heads: int, head_dim: int, blocks: int) -> 
                            ((m * hq * D, hq * D), (nq + m * hkv * D, hkv * D), (nq + nk + m * hkv * D, hkv * D))])
 
 
-def device_proj(x, w, out_dtype=None):
-    """x [R, K] @ w [K, N] -> [R, N] in out_dtype (default: jnp.dot's), products summed in f32: a
-    device's share of a projection inside shard_map. One bf16 row of a small enough share goes
-    through `gemv.rows_matmul` on GPUs (`select.rows_matmul`), the rest through `layers.rows_dot`."""
+def device_proj(x, w, out_dtype=None, bias=None, bias_on=None):
+    """x [R, K] @ w [K, N] (+ bias [N] where bias_on, a bool scalar; None: always) -> [R, N] in
+    out_dtype (default: jnp.dot's), products and the bias summed in f32: a device's share of a
+    projection inside shard_map. One bf16 row of a small enough share goes through
+    `gemv.rows_matmul` on GPUs (`select.rows_matmul`), the rest through `layers.rows_dot`."""
     if select.rows_matmul(x, w) == "kernel":
-        return gemv.rows_matmul(x, w, out_dtype=out_dtype or x.dtype)
-    return rows_dot(x, w, preferred_element_type=out_dtype)
+        return gemv.rows_matmul(x, w, bias, bias_on, out_dtype=out_dtype or x.dtype)
+    y = rows_dot(x, w, preferred_element_type=out_dtype)
+    if bias is None:
+        return y
+    on = True if bias_on is None else bias_on
+    return (y.astype(F32) + jnp.where(on, bias.astype(F32), 0.0)).astype(y.dtype)
 
 
 class Attention(nnx.Module):
@@ -191,10 +196,8 @@ class Attention(nnx.Module):
         """o [B, T, Hq, D] (heads over "model") -> f32 [M, B * T, H]: each device's heads through its
         rows of wo, the bias on device 0's."""
         def body(o, wo, *bo):
-            y = device_proj(o.reshape(-1, wo.shape[0]), wo, F32)
-            if bo:
-                y = y + jnp.where(jax.lax.axis_index(shards.MODEL) == 0, bo[0].astype(F32), 0.0)
-            return y[None]
+            first = jax.lax.axis_index(shards.MODEL) == 0
+            return device_proj(o.reshape(-1, wo.shape[0]), wo, F32, *bo, bias_on=first)[None]
 
         bo = () if self.bo is None else (self.bo[...],)
         specs = (Spec(shards.DATA, None, shards.MODEL), Spec(shards.MODEL)) + (Spec(),) * len(bo)

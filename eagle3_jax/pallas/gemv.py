@@ -1,7 +1,9 @@
 """Few-row matmul streamed from HBM, for decode's projections at a device's share of the weights.
 
-`rows_matmul(x, w, bias=None, *, out_dtype)`: x [R, K] (R <= MAX_ROWS), w [K, N], bias [N] or None
--> x @ w (+ bias) [R, N] in out_dtype, products and sums in f32. One Pallas (Triton) program per
+`rows_matmul(x, w, bias=None, bias_on=None, *, out_dtype)`: x [R, K] (R <= MAX_ROWS), w [K, N], bias
+[N] or None -> x @ w (+ bias) [R, N] in out_dtype, products and sums in f32; bias_on, a bool scalar
+(traced or not; None: True), where False leaves the bias out (a row-parallel projection adds it on
+one device: a flag the kernel reads, not a select of its own before the call). One Pallas (Triton) program per
 `block_n` output columns streams its [K, block_n] strip of w in `block_k` steps (Triton's software
 pipeline keeps `num_stages` of them in flight) against x's rows padded to 16 (the tensor cores'
 least M). `rows_matmul_reference` is the jnp function of the same signature.
@@ -31,7 +33,7 @@ MAX_ROWS = 16
 STEP_ELEMENTS = 16384  # block_n x block_k of the default launch: a 32 KB bf16 strip of w a step
 
 
-def _kernel(x_ref, w_ref, b_ref, o_ref, *, R, K, N, BN, BK, has_bias):
+def _kernel(x_ref, w_ref, b_ref, on_ref, o_ref, *, R, K, N, BN, BK, has_bias):
     j = pl.program_id(0)
     rows = lax.broadcasted_iota(jnp.int32, (MAX_ROWS,), 0)
     cols = j * BN + lax.broadcasted_iota(jnp.int32, (BN,), 0)
@@ -45,9 +47,11 @@ def _kernel(x_ref, w_ref, b_ref, o_ref, *, R, K, N, BN, BK, has_bias):
                        other=0)
         return acc + jnp.dot(xk, wk, preferred_element_type=F32)
 
+    if has_bias:  # loaded before the loop, so that its round trip overlaps w's stream
+        b = util.load(b_ref, (pl.ds(j * BN, BN),), mask=(cols < N) & (on_ref[0] != 0), other=0).astype(F32)
     acc = lax.fori_loop(0, pl.cdiv(K, BK), step, jnp.zeros((MAX_ROWS, BN), F32))
     if has_bias:
-        acc = acc + util.load(b_ref, (pl.ds(j * BN, BN),), mask=cols < N, other=0).astype(F32)[None, :]
+        acc = acc + b[None, :]
     util.store(o_ref, (pl.ds(0, MAX_ROWS), pl.ds(j * BN, BN)), acc.astype(o_ref.dtype),
                mask=(rows < R)[:, None] & (cols < N)[None, :])
 
@@ -60,7 +64,7 @@ def blocks_for(N: int) -> tuple[int, int]:
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_n", "block_k", "num_warps", "num_stages",
                                              "interpret"))
-def rows_matmul(x, w, bias=None, *, out_dtype, block_n: int | None = None, block_k: int | None = None,
+def rows_matmul(x, w, bias=None, bias_on=None, *, out_dtype, block_n: int | None = None, block_k: int | None = None,
                 num_warps: int = 4, num_stages: int = 4, interpret: bool = False):
     """See the module docstring. block_n, block_k: powers of two (block_n >= 16); None: `blocks_for`'s."""
     R, K = x.shape
@@ -69,8 +73,12 @@ def rows_matmul(x, w, bias=None, *, out_dtype, block_n: int | None = None, block
     if w.ndim != 2 or w.shape[0] != K or not 1 <= R <= MAX_ROWS or (bias is not None and bias.shape != w.shape[1:]):
         raise ValueError(f"rows_matmul: expected x [R <= {MAX_ROWS}, K], w [K, N], bias [N]; got x {x.shape}, "
                          f"w {w.shape}, bias {None if bias is None else bias.shape}")
+    if bias_on is not None and (bias is None or jnp.size(bias_on) != 1):
+        raise ValueError(f"rows_matmul: bias_on must be one flag beside a bias; got bias_on of shape "
+                         f"{jnp.shape(bias_on)} and bias {None if bias is None else bias.shape}")
     N = w.shape[1]
     b = jnp.zeros((1,), F32) if bias is None else bias
+    on = jnp.ones((1,), jnp.int32) if bias_on is None else jnp.asarray(bias_on, jnp.int32).reshape(1)
     if interpret:  # the interpreter cannot read past an array's end (the Triton kernel masks such reads)
         Kp, Np = pl.cdiv(K, block_k) * block_k, pl.cdiv(N, block_n) * block_n
         x, w = util.pad(x, (MAX_ROWS, Kp)), util.pad(w, (Kp, Np))
@@ -82,11 +90,13 @@ def rows_matmul(x, w, bias=None, *, out_dtype, block_n: int | None = None, block
         out_shape=jax.ShapeDtypeStruct((out_rows, pl.cdiv(N, block_n) * block_n if interpret else N), out_dtype),
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="rows_matmul",
-    )(x, w, b)
+    )(x, w, b, on)
     return out[:R, :N]
 
 
-def rows_matmul_reference(x, w, bias=None, *, out_dtype, **_):
+def rows_matmul_reference(x, w, bias=None, bias_on=None, *, out_dtype, **_):
     """Plain-jnp `rows_matmul`."""
     y = jnp.dot(x.astype(F32), w.astype(F32), precision=lax.Precision.HIGHEST)
-    return (y if bias is None else y + bias.astype(F32)).astype(out_dtype)
+    if bias is not None:
+        y = y + jnp.where(True if bias_on is None else bias_on, bias.astype(F32), 0.0)
+    return y.astype(out_dtype)
