@@ -11,7 +11,7 @@ the mesh from the parameters (`mesh_of`) and lay the KV caches and the loop stat
 Parameters are placed by one table, `GPT_OSS_SHARDING` (path -> PartitionSpec; its comments say
 why), read through `param_spec` / `param_sharding`; what it does not name is replicated. The
 loaders (convert: `load_gpt_oss(..., mesh=)` and the others) place each parameter by the same table
-as they read it, shard by shard; `shard` and they end with `align_heads` (wqkv's columns in
+as they read it, shard by shard; `shard` and they end with `align_heads` (wqkv's rows in
 head-aligned blocks, so each device projects its own heads' q, k, v). The draft (`Eagle3`) is
 replicated, except the target's embedding or head where it borrows them (they keep the target's
 placement, one copy).
@@ -51,14 +51,14 @@ from eagle3_jax.pallas import allreduce, select
 GPT_OSS_SHARDING = (
     # embed, lm_head [V, H]: vocabulary rows (the embedding gather and the logits are split by id)
     (r"embed|lm_head", P("model", None)),
-    # wqkv [H, (Hq + 2 Hkv) * D], bqkv: columns in `model` contiguous blocks, each one device's heads'
+    # wqkv [(Hq + 2 Hkv) * D, H], bqkv: outputs in `model` contiguous blocks, each one device's heads'
     # q | k | v once `align_heads` has reordered them (in q|k|v order a block would not fall on head
     # boundaries: model = 2, gpt-oss-120b: q heads 0-39 | q 40-63, k, v, and the projection's output
     # would have to be gathered every layer). Each device's projection is then its own heads' q, k, v.
-    (r"layers/\d+/self_attn/wqkv", P(None, "model")),
+    (r"layers/\d+/self_attn/wqkv", P("model", None)),
     (r"layers/\d+/self_attn/bqkv", P("model")),
     (r"layers/\d+/self_attn/sinks", P("model")),  # [Hq]: one per query head, with its head
-    (r"layers/\d+/self_attn/wo", P("model", None)),  # [Hq * D, H]: row parallel, rows = heads
+    (r"layers/\d+/self_attn/wo", P(None, "model")),  # [H, Hq * D]: row parallel, its inputs = heads
     # experts (packed blocks, scales and biases, or dense): the leading E axis, expert parallel; a layer
     # whose MoE.expert_split is "tensor" (EXPERTS, the default) splits every expert's units instead
     # (`param_spec` -> `gpt_oss.expert_spec`; set by `split_experts` and `placement_split`)
@@ -175,7 +175,7 @@ def shard(module, mesh: Mesh, experts: str | None = None):
 
 
 def align_heads(model: gpt_oss.GptOss, mesh: Mesh) -> gpt_oss.GptOss:
-    """Reorders each layer's wqkv / bqkv columns (placed by the table) into model-size head-aligned
+    """Reorders each layer's wqkv rows / bqkv (placed by the table) into model-size head-aligned
     blocks (`gpt_oss.qkv_order`: each device's contiguous block is its heads' q | k | v) and records
     it (`Attention.qkv_blocks`), in place; a layer already in that order is left as it is. The
     reorder runs on the devices (jit, the table's sharding out): no host or device holds a whole
@@ -194,7 +194,7 @@ def align_heads(model: gpt_oss.GptOss, mesh: Mesh) -> gpt_oss.GptOss:
             key = (name, att.qkv_blocks)
             if key not in moves:  # one program per array and order (every layer has the same shapes)
                 idx = att.qkv_reorder(M)
-                moves[key] = jax.jit(lambda a, idx=idx: jnp.take(a, idx, axis=-1), out_shardings=sharding)
+                moves[key] = jax.jit(lambda a, idx=idx: jnp.take(a, idx, axis=0), out_shardings=sharding)
             var.set_value(moves[key](var.get_value()))
         att.qkv_blocks = M
     return model

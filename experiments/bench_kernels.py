@@ -401,11 +401,11 @@ def bench_moe_grouped():
 
 # -- gemv: few-row matmul of a device's projection share (eagle3_jax/pallas/gemv.py) ---------------
 
-flags.DEFINE_list("gemv_shapes", ["1024x2880", "2880x1280", "2048x2880", "2880x2560"], "gemv: w shapes KxN "
-                  "(gpt-oss-120b's o and q|k|v shares at 4 and at 2 devices)")
+flags.DEFINE_list("gemv_shapes", ["1024x2880", "2880x1280", "2048x2880", "2880x2560"], "gemv: products KxN, "
+                  "x [R, K] @ w.T with w [N, K] (gpt-oss-120b's o and q|k|v shares at 4 and at 2 devices)")
 flags.DEFINE_list("gemv_rows", ["1", "4"], "gemv: rows of x")
-flags.DEFINE_list("gemv_blocks", ["16/512", "32/512", "16/1024"], "gemv: rows_matmul launches, each block_n/block_k "
-                  "(powers of two, block_n >= 16)")
+flags.DEFINE_list("gemv_blocks", ["4/1024", "8/512", "4/2048"], "gemv: rows_matmul launches, each "
+                  "block_n/block_k (powers of two)")
 flags.DEFINE_integer("gemv_weights", 36, "gemv: distinct (x, w) a timed call multiplies (past L2)", lower_bound=1)
 cli.positive_ints("gemv_rows")
 
@@ -419,8 +419,8 @@ def _gemv_shape(text):
 
 def _gemv_blocks(text):
     n, _, k = text.partition("/")
-    if not all(v.isdigit() and int(v) > 0 and int(v) & (int(v) - 1) == 0 for v in (n, k)) or int(n) < 16:
-        raise ValueError(f"--gemv_blocks: expected block_n/block_k, powers of two with block_n >= 16, got {text!r}")
+    if not all(v.isdigit() and int(v) > 0 and int(v) & (int(v) - 1) == 0 for v in (n, k)):
+        raise ValueError(f"--gemv_blocks: expected block_n/block_k, powers of two, got {text!r}")
     return int(n), int(k)
 
 
@@ -433,11 +433,11 @@ def _parses(parse, values):
 
 flags.register_validator("gemv_shapes", lambda v: _parses(_gemv_shape, v), "--gemv_shapes: KxN, e.g. 1024x2880")
 flags.register_validator("gemv_blocks", lambda v: _parses(_gemv_blocks, v),
-                         "--gemv_blocks: block_n/block_k, powers of two, block_n >= 16")
+                         "--gemv_blocks: block_n/block_k, powers of two")
 
 
 def bench_gemv():
-    """x [R, K] @ w [K, N] (bf16, f32 out) for each of --gemv_shapes and --gemv_rows: the model's XLA
+    """x [R, K] @ w.T, w [N, K] (bf16, f32 out) for each of --gemv_shapes and --gemv_rows: the model's XLA
     path (`layers.rows_dot`: one row padded to two where the model pads it) against `gemv.rows_matmul`
     for each of --gemv_blocks, a call multiplying --gemv_weights distinct (x, w). Seconds a matmul:
     device kernel time from the profiler on GPUs (the program's copies and pads included), wall time
@@ -452,10 +452,11 @@ def bench_gemv():
     L = FLAGS.gemv_weights
     for K, N in map(_gemv_shape, FLAGS.gemv_shapes):
         key = jax.random.key(K * 7919 + N)
-        ws = [jax.random.normal(jax.random.fold_in(key, i), (K, N), jnp.bfloat16) * K ** -0.5 for i in range(L)]
+        ws = [jax.random.normal(jax.random.fold_in(key, i), (N, K), jnp.bfloat16) * K ** -0.5 for i in range(L)]
         for R in map(int, FLAGS.gemv_rows):
             xs = [jax.random.normal(jax.random.fold_in(key, L + i), (R, K), jnp.bfloat16) for i in range(L)]
-            impls = [("xla", None, lambda x, w: layers.rows_dot(x, w, preferred_element_type=jnp.float32))]
+            impls = [("xla", None, lambda x, w: layers.rows_dot(x, w, out_first=True,
+                                                                preferred_element_type=jnp.float32))]
             for bn, bk in map(_gemv_blocks, FLAGS.gemv_blocks):
                 impls.append(("rows_matmul", (bn, bk), lambda x, w, bn=bn, bk=bk: gemv.rows_matmul(
                     x, w, out_dtype=jnp.float32, block_n=bn, block_k=bk, interpret=interp)))
@@ -469,7 +470,7 @@ def bench_gemv():
                        "block_k": blocks and blocks[1], "seconds": t, "bytes_fraction": K * N * 2 / bw / t,
                        "max_diff": float(np.abs(out - want).max()), "kernels": prof.get("kernels")}
                 res["rows"].append(row)
-                res["table"].append(f"gemv [{R}, {K}] @ [{K}, {N}] {name:11} {'/'.join(map(str, blocks or ())):8} "
+                res["table"].append(f"gemv [{R}, {K}] @ [{N}, {K}].T {name:11} {'/'.join(map(str, blocks or ())):8} "
                                     f"{t * 1e6:8.2f} us "
                                     f"({row['bytes_fraction']:.0%} of w's bytes)  max diff {row['max_diff']:.2g}")
     return res

@@ -73,7 +73,7 @@ def shard_shape(x):
 def check_params(t, d, data, model):
     """The large parameters are split over "model" (each device holds 1/model of them), the rest whole;
     the experts as the default split places them (every expert's units; down's bias whole)."""
-    split = {r"embed|lm_head": 0, r".*/self_attn/wqkv": 1, r".*/self_attn/(bqkv|sinks|wo)": 0,
+    split = {r"embed|lm_head": 0, r".*/self_attn/(wqkv|bqkv|sinks)": 0, r".*/self_attn/wo": 1,
              r".*/mlp/experts/gate_up\w*": 1, r".*/mlp/experts/(down|down_blocks|down_scales)": 2}
     seen = set()
     assert {layer.mlp.expert_split for layer in t.layers} == {"tensor"}
@@ -87,7 +87,7 @@ def check_params(t, d, data, model):
         assert shard_shape(x) == tuple(want), (path, x.shape, shard_shape(x), x.sharding)
         assert len(x.sharding.device_set) == data * model, (path, x.sharding)
     assert seen == set(split), seen
-    assert all(layer.self_attn.qkv_blocks == model for layer in t.layers)  # each device's columns: its heads
+    assert all(layer.self_attn.qkv_blocks == model for layer in t.layers)  # each device's rows: its heads
     assert d.embed is t.embed and shard_shape(d.embed.get_value())[0] == CONFIG.vocab_size // model
     assert shard_shape(d.wqkv.get_value()) == d.wqkv.get_value().shape  # the draft's own weights: whole
     assert parallel.mesh_of((t, d)).shape == {"data": data, "model": model}
@@ -382,9 +382,9 @@ def check_errors(prompts):
     t = parallel.shard(gpt_oss.GptOss(CONFIG, dtype=jnp.float32, rngs=nnx.Rngs(0)), parallel.make_mesh(model=4))
     d = eagle3.Eagle3(DRAFT.replace(own_embed=True), dtype=jnp.float32, rngs=nnx.Rngs(1))
     raises(lambda: decode(t, d, prompts, NEW, **KW), r"not on the mesh .* parallel.shard")
-    # q|k|v columns in blocks for another model size than the mesh's (placed by hand, not by shard)
+    # q|k|v rows in blocks for another model size than the mesh's (placed by hand, not by shard)
     t.layers[1].self_attn.qkv_blocks = 2
-    raises(lambda: generate(t, prompts, NEW, **KW), r'wqkv columns in 2 head-aligned blocks under a mesh whose "model" '
+    raises(lambda: generate(t, prompts, NEW, **KW), r'wqkv rows in 2 head-aligned blocks under a mesh whose "model" '
                                                     r"axis has 4 devices; place the model with parallel.shard")
 
 

@@ -87,13 +87,13 @@ def check_table(model, mesh, what):
         assert x.sharding == parallel.param_sharding(model, mesh, path), (what, path, x.sharding)
     wqkv = model.layers[0].self_attn.wqkv.get_value()
     m = parallel.model_size(mesh)
-    assert wqkv.addressable_shards[0].data.shape[1] == wqkv.shape[1] // m, (what, wqkv.sharding)
+    assert wqkv.addressable_shards[0].data.shape[0] == wqkv.shape[0] // m, (what, wqkv.sharding)
 
 
 def check_reads(log, tensors, model, what, units=False):
     """Every tensor is read exactly once in all (a block that local devices share: once), and no
     read of a tensor split over "model" is more than its device's share: 1/model of the parameter
-    it fills (for q/k/v: of the fused wqkv / bqkv, whose column blocks a whole q, k or v may fit).
+    it fills (for q/k/v: of the fused wqkv / bqkv, whose row blocks a whole q, k or v may fit).
     units: the experts were placed split by their units as read (down's bias whole on every device)."""
     total = {}
     for key, nbytes, whole, full in log:

@@ -40,13 +40,16 @@ def test_packed_experts_stay_packed(hf):
 
 
 def test_qkv_fill_the_fused_projection_in_order(hf):
-    """q, k, v (weights and biases) land side by side in wqkv / bqkv, each in its own columns."""
+    """q, k, v (weights and biases) land one after the other in wqkv / bqkv ([out, in], as HF stores
+    them), each in its own rows."""
     cfg, w, path = hf
     write_hf_checkpoint(path, cfg, w)
     att = load_gpt_oss(path, dtype=jnp.float32).layers[1].self_attn
     p = "model.layers.1.self_attn."
     np.testing.assert_array_equal(np.asarray(att.wqkv[...]), np.concatenate(
-        [w[p + f"{n}_proj.weight"].astype(np.float32).T for n in "qkv"], axis=1))
+        [w[p + f"{n}_proj.weight"].astype(np.float32) for n in "qkv"], axis=0))
+    np.testing.assert_array_equal(np.asarray(load_gpt_oss(path, dtype=jnp.float32).layers[1].self_attn.wo[...]),
+                                  w[p + "o_proj.weight"].astype(np.float32))
     np.testing.assert_array_equal(np.asarray(att.bqkv[...]), np.concatenate(
         [w[p + f"{n}_proj.bias"].astype(np.float32) for n in "qkv"]))
 
@@ -61,6 +64,13 @@ def test_filler_rejects_a_partly_filled_param():
     fill.put(var, np.full((3, 2), 3.0), (2, 4))
     fill.finish()
     np.testing.assert_array_equal(np.asarray(var[...]), np.repeat([[1.0, 1, 3, 3, 2, 2]], 3, axis=0))
+    # along the first axis (the target's wqkv rows): set once every row is in
+    var = nnx.Param(jnp.zeros((5, 2)))
+    fill = params.Filler()
+    fill.put(var, np.ones((2, 2)), (0, 2), axis=0)
+    fill.put(var, np.full((3, 2), 2.0), (2, 5), axis=0)
+    fill.finish()
+    np.testing.assert_array_equal(np.asarray(var.get_value()), [[1, 1]] * 2 + [[2, 2]] * 3)
 
 
 @pytest.mark.parametrize("experts", ["mxfp4", "dense"])
@@ -89,7 +99,10 @@ def test_orbax_round_trip(hf, tmp_path):
     meta = json.loads(meta_file.read_text())
     del meta["layout"]  # written before the layout field (separate wq / wk / wv)
     meta_file.write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="parameter layout 1, this version reads layout 2"):
+    with pytest.raises(ValueError, match="parameter layout 1, this version reads layout 3"):
+        restore_checkpoint(tmp_path / "orbax")
+    meta_file.write_text(json.dumps(dict(meta, layout=2)))  # wqkv and wo [in, out]
+    with pytest.raises(ValueError, match=r"parameter layout 2, .* layout 3 \(wqkv and wo \[out, in\]\)"):
         restore_checkpoint(tmp_path / "orbax")
 
 

@@ -109,8 +109,8 @@ def test_moe_grouped_and_route_lower(tm):
 def test_rows_matmul_lowers(M):
     # a device's o_proj and q|k|v at one row, the model's launches (the defaults)
     o = functools.partial(gemv.rows_matmul, out_dtype=f32)  # o_proj's bias on one device: a flag
-    assert _triton_calls(o, _sds((1, Hq * D // M), bf16), _sds((Hq * D // M, H), bf16), _sds((H,), bf16),
+    assert _triton_calls(o, _sds((1, Hq * D // M), bf16), _sds((H, Hq * D // M), bf16), _sds((H,), bf16),
                          _sds((), jnp.bool_)) == 1
     qkv = functools.partial(gemv.rows_matmul, out_dtype=bf16)
     N = (Hq + 2 * Hkv) * D // M
-    assert _triton_calls(qkv, _sds((1, H), bf16), _sds((H, N), bf16), _sds((N,), bf16)) == 1
+    assert _triton_calls(qkv, _sds((1, H), bf16), _sds((N, H), bf16), _sds((N,), bf16)) == 1

@@ -53,9 +53,9 @@ def test_sharding_table(experts):
     assert len(experts_params) == cfg.num_hidden_layers * (6 if experts == "mxfp4" else 4)
     for path, spec in specs.items():
         name = path.split("/")[-1]
-        if path in ("embed", "lm_head") or name in ("wo", "sinks", "bqkv") or path in experts_params:
+        if path in ("embed", "lm_head") or name in ("wqkv", "sinks", "bqkv") or path in experts_params:
             assert spec == P("model", None) or spec == P("model"), (path, spec)
-        elif name == "wqkv":
+        elif name == "wo":
             assert spec == P(None, "model"), (path, spec)
         else:  # norms, the o_proj bias, the router
             assert spec == P(), (path, spec)

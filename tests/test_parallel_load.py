@@ -63,8 +63,9 @@ def test_read_blocks(tensors, monkeypatch):
 
 
 def test_blocks_of_fused_and_transposed_parameters(tensors):
-    """wqkv-like: [in, q | k | v] filled by three [out, in] tensors transposed; every block equals
-    the same slice of the parameter assembled whole."""
+    """The draft's wqkv: [in, q | k | v] filled by three [out, in] tensors transposed, and the
+    target's: [q | k | v, in] filled by them as stored; every block equals the same slice of the
+    parameter assembled whole."""
     rng = np.random.default_rng(1)
     parts = [rng.standard_normal((n, 6)).astype(np.float32) for n in (8, 4, 4)]
     whole = np.concatenate([p.T for p in parts], axis=1).astype(ml_dtypes.bfloat16)
@@ -72,6 +73,12 @@ def test_blocks_of_fused_and_transposed_parameters(tensors):
     read = lambda a: lambda index: a[index].copy()  # noqa: E731
     sources = [params.Source(read(p), True, c) for p, c in zip(parts, cols)]
     for r0, r1, c0, c1 in [(0, 6, 0, 8), (0, 6, 8, 16), (2, 5, 6, 14), (0, 6, 0, 16), (1, 2, 12, 13)]:
+        got = params.block(whole.shape, whole.dtype, sources, [(r0, r1), (c0, c1)])
+        assert got.dtype == whole.dtype and np.array_equal(got, whole[r0:r1, c0:c1]), (r0, r1, c0, c1)
+    # the target's wqkv: [q | k | v, in] filled along the first axis by the tensors as stored
+    whole = np.concatenate(parts, axis=0).astype(ml_dtypes.bfloat16)
+    sources = [params.Source(read(p), False, c, axis=0) for p, c in zip(parts, cols)]
+    for r0, r1, c0, c1 in [(0, 8, 0, 6), (8, 16, 0, 6), (6, 14, 2, 5), (0, 16, 0, 6), (12, 13, 1, 2)]:
         got = params.block(whole.shape, whole.dtype, sources, [(r0, r1), (c0, c1)])
         assert got.dtype == whole.dtype and np.array_equal(got, whole[r0:r1, c0:c1]), (r0, r1, c0, c1)
     arrays, infos = tensors  # a plain tensor read from the file, cast

@@ -42,7 +42,7 @@ class Entry(NamedTuple):
     to_param: Callable            # HF array -> our layout
     to_hf: Callable               # our layout -> HF array
     kinds: str = "f"              # allowed dtype kinds
-    cols: tuple | None = None     # (start, stop) of the param's last axis it fills (fused qkv), None: all
+    cols: tuple | None = None     # (start, stop) of the param's first axis it fills (fused qkv), None: all
 
 
 def _same(a):
@@ -81,9 +81,9 @@ def entries(cfg: GptOssConfig) -> list[Entry]:
                 Entry(p + "mlp.router.bias", L + ("mlp", "router_b"), (E,), _same, _same)]
         qkv = params.qkv_columns(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         for name, w, cols, n_in in (*((n, "qkv", c, H) for n, c in qkv.items()), ("o", "o", None, q)):
-            n_out = H if cols is None else cols[1] - cols[0]
-            out.append(Entry(p + f"self_attn.{name}_proj.weight", L + ("self_attn", "w" + w), (n_out, n_in), _t, _t,
-                             cols=cols))
+            n_out = H if cols is None else cols[1] - cols[0]  # [out, in] as HF stores them
+            out.append(Entry(p + f"self_attn.{name}_proj.weight", L + ("self_attn", "w" + w), (n_out, n_in), _same,
+                             _same, cols=cols))
             if cfg.attention_bias:
                 out.append(Entry(p + f"self_attn.{name}_proj.bias", L + ("self_attn", "b" + w), (n_out,),
                                  _same, _same, cols=cols))
@@ -144,14 +144,15 @@ def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConf
         fill = params.Filler()
         with stio.load_progress(tensors, progress, f"loading {name}") as bar:
             for e in table:
-                fill.put(_param(state, e.path), e.to_param(stio.get(tensors, e.key, e.shape, path, e.kinds)), e.cols)
+                fill.put(_param(state, e.path), e.to_param(stio.get(tensors, e.key, e.shape, path, e.kinds)), e.cols,
+                         axis=0)
                 bar.update(tensors[e.key].nbytes)
         fill.finish()
         return nnx.merge(graphdef, state)
     groups: dict[tuple, list] = {}
     for e in table:  # every tensor checked before any is read
         info = stio.check(tensors, e.key, e.shape, path, e.kinds)
-        groups.setdefault(e.path, []).append((info, params.Source(info.read, e.to_param is _t, e.cols)))
+        groups.setdefault(e.path, []).append((info, params.Source(info.read, e.to_param is _t, e.cols, axis=0)))
     with stio.load_progress(tensors, progress, f"loading {name}") as bar:
         params.place_all(groups, lambda p: _param(state, p),
                          lambda p: parallel.param_sharding(abstract, mesh, "/".join(map(str, p))), bar)
@@ -187,7 +188,7 @@ def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16, mesh
 
 
 def _stored_state(model: GptOss):
-    """The model's nnx state as the writers store it: each layer's wqkv / bqkv columns in q|k|v order
+    """The model's nnx state as the writers store it: each layer's wqkv rows / bqkv in q|k|v order
     (a model placed on a mesh holds them in head-aligned blocks: `parallel.align_heads`), experts
     without the units a "tensor" split pads (`parallel.split_experts`)."""
     state = nnx.clone(nnx.state(model))
@@ -197,7 +198,7 @@ def _stored_state(model: GptOss):
         for name in ("wqkv", "bqkv"):
             if getattr(att, name) is not None and att.qkv_blocks != 1:
                 var = state["layers"][i]["self_attn"][name]
-                var.set_value(att.qkv_columns(var.get_value()))
+                var.set_value(att.qkv_columns(var.get_value(), axis=0))
         for name, var in state["layers"][i]["mlp"]["experts"].items():
             var.set_value(gpt_oss.resize_units(name, var.get_value(), units))
     return state
@@ -212,7 +213,7 @@ def save_gpt_oss(model: GptOss, path: str | os.PathLike, max_shard_bytes: int = 
     state = _stored_state(model)
     shards, cur, size = [], {}, 0
     for e in entries(cfg):
-        a = params.columns(_param(state, e.path).get_value(), e.cols)
+        a = params.columns(_param(state, e.path).get_value(), e.cols, axis=0)
         if a.dtype.kind == "f" and "layernorm" not in e.key and e.key != "model.norm.weight" and \
                 not e.key.endswith(".sinks"):
             a = a.astype(ml_dtypes.bfloat16)
@@ -238,8 +239,9 @@ def save_gpt_oss(model: GptOss, path: str | os.PathLike, max_shard_bytes: int = 
 
 # -- orbax ---------------------------------------------------------------------------------------
 
-# Version of the parameter tree orbax checkpoints store; bumped when it changes (2: q/k/v fused into wqkv).
-CHECKPOINT_LAYOUT = 2
+# Version of the parameter tree orbax checkpoints store; bumped when it changes (2: q/k/v fused into wqkv;
+# 3: wqkv and wo [out, in], as HF stores the projections).
+CHECKPOINT_LAYOUT = 3
 
 
 def save_checkpoint(model: GptOss, directory: str | os.PathLike) -> None:
@@ -272,7 +274,7 @@ def restore_checkpoint(directory: str | os.PathLike, mesh=None, experts: str | N
         meta = json.load(f)
     if meta.get("layout", 1) != CHECKPOINT_LAYOUT:
         raise ValueError(f"{meta_file}: parameter layout {meta.get('layout', 1)}, this version reads layout "
-                         f"{CHECKPOINT_LAYOUT} (q/k/v fused into wqkv); convert the HF checkpoint again")
+                         f"{CHECKPOINT_LAYOUT} (wqkv and wo [out, in]); convert the HF checkpoint again")
     c = dict(meta["config"])
     c["rope"] = RopeConfig(**c["rope"])
     config = GptOssConfig(**c)

@@ -1,6 +1,7 @@
 """Host arrays -> a module's parameters, including fused ones that several checkpoint tensors fill
-side by side (the q, k, v projections share one [in, (Hq + 2 Hkv) * D] matrix): whole (`Filler`),
-or placed shard by shard on a mesh from blocks read out of the checkpoint (`place`, `Source`)."""
+side by side along one axis (the target's q, k, v projections share one [(Hq + 2 Hkv) * D, in]
+matrix, the draft's one [in, (Hq + 2 Hkv) * D]): whole (`Filler`), or placed shard by shard on a
+mesh from blocks read out of the checkpoint (`place`, `Source`)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,20 @@ from eagle3_jax.convert import safetensors_io as stio
 
 
 def qkv_columns(num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, tuple[int, int]]:
-    """{"q" | "k" | "v": (start, stop)}: each projection's columns of the fused qkv matrix."""
+    """{"q" | "k" | "v": (start, stop)}: each projection's outputs along the fused qkv axis."""
     q, kv = num_heads * head_dim, num_kv_heads * head_dim
     return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
 
 
 class Filler:
-    """Sets nnx variables from host arrays: whole, or column by column (`cols` = (start, stop) of the
-    last axis). A variable set by columns is assembled on the host and goes to the device once all
-    its columns are in; `finish()` raises if one was left incomplete."""
+    """Sets nnx variables from host arrays: whole, or part by part (`cols` = (start, stop) along
+    `axis`, by default the last). A variable set by parts is assembled on the host and goes to the
+    device once all of them are in; `finish()` raises if one was left incomplete."""
 
     def __init__(self):
         self._open = {}  # id(var) -> (var, host buffer, columns filled)
 
-    def put(self, var, arr: np.ndarray, cols: tuple[int, int] | None = None) -> None:
+    def put(self, var, arr: np.ndarray, cols: tuple[int, int] | None = None, axis: int = -1) -> None:
         want = var.get_value()
         if cols is None:
             var.set_value(jax.device_put(np.ascontiguousarray(arr).astype(want.dtype, copy=False)))
@@ -34,9 +35,9 @@ class Filler:
         _, buf, filled = self._open.get(id(var), (var, None, 0))
         if buf is None:
             buf = np.empty(want.shape, want.dtype)
-        buf[..., cols[0]:cols[1]] = arr
+        np.moveaxis(buf, axis, -1)[..., cols[0]:cols[1]] = np.moveaxis(arr, axis, -1)
         filled += cols[1] - cols[0]
-        if filled == buf.shape[-1]:
+        if filled == buf.shape[axis]:
             self._open.pop(id(var), None)
             var.set_value(jax.device_put(buf))
         else:
@@ -47,36 +48,41 @@ class Filler:
             raise RuntimeError(f"{len(self._open)} fused parameter(s) left with columns unset")
 
 
-def columns(value, cols: tuple[int, int] | None):
-    """A parameter's value, or the columns [start, stop) of its last axis, as a host numpy array."""
-    return np.asarray(jax.device_get(value if cols is None else value[..., cols[0]:cols[1]]))
+def columns(value, cols: tuple[int, int] | None, axis: int = -1):
+    """A parameter's value, or [start, stop) of it along `axis` (by default the last), as a host
+    numpy array."""
+    if cols is not None:
+        value = jax.lax.slice_in_dim(value, cols[0], cols[1], axis=axis)
+    return np.asarray(jax.device_get(value))
 
 
 class Source(NamedTuple):
     """One checkpoint tensor that fills (part of) a parameter. read(index) -> the checkpoint
     tensor's block `index` (a tuple of (start, stop) slices, one per axis; safetensors_io's
     TensorInfo.read); transpose: the parameter holds it with its last two axes swapped; cols:
-    (start, stop) of the parameter's last axis it fills (fused qkv), None: all of it."""
+    (start, stop) along the parameter's `axis` it fills (fused qkv), None: all of it."""
     read: Callable
     transpose: bool = False
     cols: tuple[int, int] | None = None
+    axis: int = -1
 
 
 def block(shape: tuple, dtype, sources, bounds: list[tuple[int, int]]) -> np.ndarray:
     """The block `bounds` ([(start, stop)] per axis) of a parameter of `shape` / `dtype` assembled
-    from `sources` (Source): each reads only its tensor's part of the block (the columns of the
-    block inside its `cols`; axes swapped back through `transpose`), cast to `dtype` as `Filler`
-    casts, so every block equals the same slice of the whole parameter exactly."""
+    from `sources` (Source): each reads only its tensor's part of the block (the part of the
+    block inside its `cols` along its `axis`; axes swapped back through `transpose`), cast to
+    `dtype` as `Filler` casts, so every block equals the same slice of the whole parameter exactly."""
     out = None
     for src in sources:
         b = list(bounds)
-        lo, hi, at = b[-1][0], b[-1][1], 0
+        ax = src.axis % len(bounds)
+        lo, hi, at = b[ax][0], b[ax][1], 0
         if src.cols is not None:
             lo, hi = max(lo, src.cols[0]), min(hi, src.cols[1])
             if lo >= hi:
                 continue
-            at = lo - bounds[-1][0]
-            b[-1] = (lo - src.cols[0], hi - src.cols[0])
+            at = lo - bounds[ax][0]
+            b[ax] = (lo - src.cols[0], hi - src.cols[0])
         if src.transpose:
             b[-2], b[-1] = b[-1], b[-2]
         a = src.read(tuple(slice(x, y) for x, y in b))
@@ -85,7 +91,7 @@ def block(shape: tuple, dtype, sources, bounds: list[tuple[int, int]]) -> np.nda
             return np.ascontiguousarray(a).astype(dtype, copy=False)
         if out is None:
             out = np.empty([y - x for x, y in bounds], dtype)
-        out[..., at:at + hi - lo] = a
+        np.moveaxis(out, ax, -1)[..., at:at + hi - lo] = np.moveaxis(a, ax, -1)
     if out is None:
         raise RuntimeError(f"no source fills the block {bounds} of a parameter of shape {list(shape)}")
     return out

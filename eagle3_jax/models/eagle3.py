@@ -40,7 +40,8 @@ class Buffer(nnx.Variable):
 
 
 class Eagle3(nnx.Module):
-    """Weights in [in, out] layout, q, k and v fused as in gpt_oss.Attention (wqkv [2H, (Hq + 2 Hkv) * D]);
+    """Weights in [in, out] layout (the target's projections are [out, in]: a one-row share streams
+    faster so, and the draft is never split), q, k and v fused (wqkv [2H, (Hq + 2 Hkv) * D]);
     lm_head [Vd, H] and embed [V, H] as rows. `embed` / `lm_head` may be the target's own Params
     (shared, not copied) when the draft has none of its own."""
 

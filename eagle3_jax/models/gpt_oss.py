@@ -112,13 +112,13 @@ def qkv_order(num_heads: int, num_kv_heads: int, head_dim: int, blocks: int) -> 
 
 
 def device_proj(x, w, out_dtype=None, bias=None, bias_on=None):
-    """x [R, K] @ w [K, N] (+ bias [N] where bias_on, a bool scalar; None: always) -> [R, N] in
+    """x [R, K] @ w.T, w [N, K] (+ bias [N] where bias_on, a bool scalar; None: always) -> [R, N] in
     out_dtype (default: jnp.dot's), products and the bias summed in f32: a device's share of a
     projection inside shard_map. One bf16 row of a small enough share goes through
     `gemv.rows_matmul` on GPUs (`select.rows_matmul`), the rest through `layers.rows_dot`."""
     if select.rows_matmul(x, w) == "kernel":
         return gemv.rows_matmul(x, w, bias, bias_on, out_dtype=out_dtype or x.dtype)
-    y = rows_dot(x, w, preferred_element_type=out_dtype)
+    y = rows_dot(x, w, out_first=True, preferred_element_type=out_dtype)
     if bias is None:
         return y
     on = True if bias_on is None else bias_on
@@ -126,14 +126,16 @@ def device_proj(x, w, out_dtype=None, bias=None, bias_on=None):
 
 
 class Attention(nnx.Module):
-    """Weights in [in, out] layout: wqkv [H, (Hq + 2 Hkv) * D] (q, k, v columns side by side),
-    wo [Hq*D, H]; biases bqkv, bo; sinks f32 [Hq]. q, k and v share one matrix so that a single token
-    is one GEMM (apart, k and v's [2880, 512] became multiply + reduce fusions: docs/perf/glue.md,
-    9.8 against 24.7 us); one row goes through the projections as two (`layers.rows_dot`), or under a
-    mesh, as a device's share, through `device_proj`.
-    qkv_blocks: the columns of wqkv and bqkv in `qkv_order(..., qkv_blocks)`: 1 (q|k|v) on one
+    """Weights in [out, in] layout, as HF stores them: wqkv [(Hq + 2 Hkv) * D, H] (q, k, v rows one
+    after the other), wo [H, Hq*D]; biases bqkv, bo; sinks f32 [Hq]. Each output's weights are
+    contiguous, which a one-row product of a device's share streams fastest (`pallas/gemv.py`:
+    1.2-2.9 us a share faster than the [in, out] layout, gemv_t_probe_h200.json). q, k and v share
+    one matrix so that a single token is one GEMM (apart, k and v's [2880, 512] became multiply +
+    reduce fusions: docs/perf/glue.md, 9.8 against 24.7 us); one row goes through the projections as
+    two (`layers.rows_dot`), or under a mesh, as a device's share, through `device_proj`.
+    qkv_blocks: the rows of wqkv and bqkv in `qkv_order(..., qkv_blocks)`: 1 (q|k|v) on one
     device; a model placed on a mesh (`parallel.shard` and the loaders with mesh=) holds them in
-    model-size head-aligned blocks, so that each device's columns are its own heads' q, k and v."""
+    model-size head-aligned blocks, so that each device's rows are its own heads' q, k and v."""
 
     def __init__(self, cfg: GptOssConfig, layer: int, dtype, rngs: nnx.Rngs):
         H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -141,13 +143,13 @@ class Attention(nnx.Module):
         self.qkv_blocks = 1
         self.num_heads, self.num_kv_heads, self.head_dim = Hq, Hkv, D
         bias = (lambda n: nnx.Param(normal(rngs, (n,), 0.02, dtype))) if cfg.attention_bias else (lambda n: None)
-        self.wqkv = nnx.Param(normal(rngs, (H, (Hq + 2 * Hkv) * D), H ** -0.5, dtype))
-        self.wo = nnx.Param(normal(rngs, (Hq * D, H), (Hq * D) ** -0.5, dtype))
+        self.wqkv = nnx.Param(normal(rngs, ((Hq + 2 * Hkv) * D, H), H ** -0.5, dtype))
+        self.wo = nnx.Param(normal(rngs, (H, Hq * D), (Hq * D) ** -0.5, dtype))
         self.bqkv, self.bo = bias((Hq + 2 * Hkv) * D), bias(H)
         self.sinks = nnx.Param(normal(rngs, (Hq,), 1.0, F32))
 
     def _proj(self, x, w, b):
-        y = rows_dot(x, w[...])
+        y = rows_dot(x, w[...], out_first=True)
         return y if b is None else y + b[...]
 
     def __call__(self, x, cos, sin, k_cache, v_cache, lengths, positions, mask, *, ring=False, n_write=None,
@@ -166,7 +168,7 @@ class Attention(nnx.Module):
         kernel = select.target_attention(x, k_cache) == "rope_kernel"
         attend = functools.partial(self._attend, kernel=kernel, ring=ring)
         if shards.mesh() is None:
-            qkv = rows_dot(x, self.wqkv[...])
+            qkv = rows_dot(x, self.wqkv[...], out_first=True)
             if self.qkv_blocks > 1:  # a model placed on a mesh, run without it: back to q|k|v order
                 qkv, bqkv = self.qkv_columns(qkv), None if bqkv is None else self.qkv_columns(bqkv)
             o, k_cache, v_cache = attend(qkv, bqkv, self.sinks[...], cos, sin, k_cache, v_cache, lengths, positions,
@@ -174,17 +176,17 @@ class Attention(nnx.Module):
         else:
             M = shards.model_size()
             if self.qkv_blocks != M:
-                raise ValueError(f"Attention: wqkv columns in {self.qkv_blocks} head-aligned blocks under a mesh whose "
+                raise ValueError(f"Attention: wqkv rows in {self.qkv_blocks} head-aligned blocks under a mesh whose "
                                  f'"model" axis has {M} devices; place the model with parallel.shard(model, mesh)')
             attend = functools.partial(attend, num_heads=self.num_heads // M, num_kv_heads=self.num_kv_heads // M)
 
-            def project_attend(x, wqkv, *rest):  # a device's heads: its columns of wqkv, then attention
+            def project_attend(x, wqkv, *rest):  # a device's heads: its rows of wqkv, then attention
                 qkv = device_proj(x.reshape(-1, x.shape[-1]), wqkv)
                 return attend(qkv.reshape(*x.shape[:-1], -1), *rest)
 
             rows = shards.ROWS
             o, k_cache, v_cache = shards.local(
-                project_attend, (rows, Spec(None, shards.MODEL), Spec(shards.MODEL), Spec(shards.MODEL), rows, rows,
+                project_attend, (rows, Spec(shards.MODEL, None), Spec(shards.MODEL), Spec(shards.MODEL), rows, rows,
                                  shards.HEADS, shards.HEADS, rows, rows, rows, rows),
                 (Spec(shards.DATA, None, shards.MODEL), shards.HEADS, shards.HEADS),
             )(x, self.wqkv[...], bqkv, self.sinks[...], cos, sin, k_cache, v_cache, lengths, positions, mask, n_write)
@@ -194,21 +196,21 @@ class Attention(nnx.Module):
 
     def _partial_proj(self, o):
         """o [B, T, Hq, D] (heads over "model") -> f32 [M, B * T, H]: each device's heads through its
-        rows of wo, the bias on device 0's."""
+        columns of wo, the bias on device 0's."""
         def body(o, wo, *bo):
             first = jax.lax.axis_index(shards.MODEL) == 0
-            return device_proj(o.reshape(-1, wo.shape[0]), wo, F32, *bo, bias_on=first)[None]
+            return device_proj(o.reshape(-1, wo.shape[1]), wo, F32, *bo, bias_on=first)[None]
 
         bo = () if self.bo is None else (self.bo[...],)
-        specs = (Spec(shards.DATA, None, shards.MODEL), Spec(shards.MODEL)) + (Spec(),) * len(bo)
+        specs = (Spec(shards.DATA, None, shards.MODEL), Spec(None, shards.MODEL)) + (Spec(),) * len(bo)
         return shards.local(body, specs, Spec(shards.MODEL, shards.DATA))(o, self.wo[...], *bo)
 
-    def qkv_columns(self, a, blocks: int = 1):
-        """a [..., (Hq + 2 Hkv) * D] in this module's column order -> the same in `qkv_order(..., blocks)`
-        (default: q|k|v)."""
+    def qkv_columns(self, a, blocks: int = 1, axis: int = -1):
+        """a with (Hq + 2 Hkv) * D entries along `axis` (q|k|v activations and bqkv: the last; wqkv:
+        0) in this module's order -> the same in `qkv_order(..., blocks)` (default: q|k|v)."""
         if blocks == self.qkv_blocks:
             return a
-        return jnp.take(a, self.qkv_reorder(blocks), axis=-1)
+        return jnp.take(a, self.qkv_reorder(blocks), axis=axis)
 
     def qkv_reorder(self, blocks: int) -> np.ndarray:
         """Indices taking columns in this module's order to `qkv_order(..., blocks)`: new = a[..., idx]."""

@@ -24,8 +24,9 @@ def shape_of(x) -> list:
 GEMV_ELEMENTS = 10_000_000  # XLA GPU: a one-row dot with a smaller matrix becomes multiply + reduce
 
 
-def rows_dot(x, w, **kw):
-    """x [..., K] @ w [K, N] (kw: jnp.dot's, e.g. preferred_element_type) -> [..., N]; one row (x of
+def rows_dot(x, w, *, out_first: bool = False, **kw):
+    """x [..., K] @ w [K, N], or w [N, K] where out_first (x @ w.T: the target's q|k|v and o, stored
+    as HF stores them) (kw: jnp.dot's, e.g. preferred_element_type) -> [..., N]; one row (x of
     size K) computed as two, the second zero, where a device may hold fewer than GEMV_ELEMENTS of w
     (w.size < GEMV_ELEMENTS x the "model" devices in context: w whole, or split over them). XLA on
     GPUs rewrites a dot with a vector operand and a matrix under 10M elements into a multiply writing
@@ -41,7 +42,7 @@ def rows_dot(x, w, **kw):
     n = x2.shape[0]
     if n == 1 and w.size < GEMV_ELEMENTS * shards.model_size():
         x2 = jnp.pad(x2, ((0, 1), (0, 0)))
-    return jnp.dot(x2, w, **kw)[:n].reshape(*lead, w.shape[-1])
+    return jnp.dot(x2, w.T if out_first else w, **kw)[:n].reshape(*lead, w.shape[0 if out_first else -1])
 
 
 def over_chunks(fn, lengths, chunk: int, carry):
