@@ -12,11 +12,13 @@ x's rows in turn. `rows_matmul_reference` is the jnp function of the same signat
 The model runs a device's q|k|v and o_proj through it at one row under tensor parallelism
 (`select.rows_matmul`, `gpt_oss.device_proj`), where XLA pads the row to two (`layers.rows_dot`) and
 runs a GEMM, then a slice or a copy. The default launch (4 outputs a program, 1024-element steps)
-was the fastest of a sweep (4 / 8 / 16 outputs, 256 / 512 / 1024 steps) at every share. One H200,
-JAX 0.11.2, device time a call at one row, 36 distinct weights (experiments/results/
-gemv_t_probe_h200.json), this layout against the [K, N] one 32 or 16 columns a program:
-[2880, 1024] 3.31 us against 4.80, [1280, 2880] 5.54 / 7.02, [2880, 2048] 5.32 / 6.46,
-[2560, 2880] 6.62 / 9.52 (w [N, K]: o and q|k|v at 4 devices, then at 2).
+was the fastest of a sweep (4 / 8 / 16 outputs, 256-2048 steps; gemv_t_probe_h200.json) at every
+share. One H200, JAX 0.11.2, device time a call at one row, 36 distinct weights, against XLA's path
+on the same arrays (experiments/results/kernels_gemv_nk_h200.json), w [N, K] of o and q|k|v at 4
+devices, then at 2: [2880, 1024] 3.32 us against 7.32, [1280, 2880] 5.51 / 8.94, [2880, 2048]
+5.29 / 9.62, [2560, 2880] 6.61 / 11.16; at 4 rows XLA is faster (5.13 against 5.72 us at o's).
+In the model: gpt-oss-120b B=1 on 4 H200s, tp 2 1.80 and tp 4 1.66 ms a token against tp 1's 2.33
+in the same process (experiments/results/tp_decode_b1_nk_tp124_h200x4.json).
 """
 
 from __future__ import annotations

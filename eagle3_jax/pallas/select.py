@@ -46,7 +46,7 @@ GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which the jnp MoE gathers e
 TP_KERNEL_ROW_PEERS = 64  # rows x peers up to which the one-shot sum beat XLA's (reduce_norm_h100x4.json)
 DENSE_MAX_EXPERTS_PER_TOPK = 4  # E <= 4 k: every expert on every token costs at most 4x the selected FLOPs
 ROWS_MATMUL_MAX_ELEMENTS = 8_000_000  # a device's q|k|v and o at 2 and 4 devices (2.9-7.4M) measured faster
-# at one row (kernels_gemv_h200.json); one device's whole q|k|v and o (11.8M and up) keep XLA's GEMV
+# at one row (kernels_gemv_nk_h200.json); one device's whole q|k|v and o (11.8M and up) keep XLA's GEMV
 RANK_TOP_K_ROWS = 64  # router rows up to which the jnp top k counts ranks (one fusion) instead of sorting
 MOE_PATHS = ("kernel", "gathered", "grouped", "dense")
 
