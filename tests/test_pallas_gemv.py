@@ -49,8 +49,9 @@ def test_bad_input_and_dispatch():
     x, w = jnp.zeros((1, 64), jnp.bfloat16), jnp.zeros((32, 64), jnp.bfloat16)
     for args, kw, what in (((jnp.zeros((9, 64), jnp.bfloat16), w), {}, "x \\(9, 64\\)"),
                            ((x, w.T), {}, "w \\(64, 32\\)"), ((x, w, jnp.zeros(31)), {}, "bias \\(31,\\)"),
-                           ((x, w, None, True), {}, "bias_on"), ((x, w, jnp.zeros(32), jnp.ones(2, bool)), {}, "bias_on"),
-                           ((x, w), dict(block_n=3), "powers of two")):
+                           ((x, w, None, True), {}, "bias_on"),
+                           ((x, w, jnp.zeros(32), jnp.ones(2, bool)), {}, "bias_on"),
+                           ((x, w), {"block_n": 3}, "powers of two")):
         with pytest.raises(ValueError, match=what):
             gemv.rows_matmul(*args, out_dtype=jnp.float32, interpret=True, **kw)
 
