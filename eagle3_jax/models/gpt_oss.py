@@ -129,10 +129,11 @@ class Attention(nnx.Module):
     """Weights in [out, in] layout, as HF stores them: wqkv [(Hq + 2 Hkv) * D, H] (q, k, v rows one
     after the other), wo [H, Hq*D]; biases bqkv, bo; sinks f32 [Hq]. Each output's weights are
     contiguous, which a one-row product of a device's share streams fastest (`pallas/gemv.py`:
-    1.2-2.9 us a share faster than the [in, out] layout, gemv_t_probe_h200.json). q, k and v share
-    one matrix so that a single token is one GEMM (apart, k and v's [2880, 512] became multiply +
-    reduce fusions: docs/perf/glue.md, 9.8 against 24.7 us); one row goes through the projections as
-    two (`layers.rows_dot`), or under a mesh, as a device's share, through `device_proj`.
+    1.1-2.8 us a share faster than in [in, out], kernels_gemv_nk_h200.json against
+    kernels_gemv_h200.json). q, k and v share one matrix so that a single token is one GEMM (apart,
+    k and v's [2880, 512] became multiply + reduce fusions: docs/perf/glue.md, 9.8 against 24.7 us);
+    one row goes through the projections as two (`layers.rows_dot`), or under a mesh, as a device's
+    share, through `device_proj`.
     qkv_blocks: the rows of wqkv and bqkv in `qkv_order(..., qkv_blocks)`: 1 (q|k|v) on one
     device; a model placed on a mesh (`parallel.shard` and the loaders with mesh=) holds them in
     model-size head-aligned blocks, so that each device's rows are its own heads' q, k and v."""
@@ -159,7 +160,7 @@ class Attention(nnx.Module):
         ring: the caches are this sliding layer's ring (models/kv_cache.py). n_write int32 [B] (prefill
         chunks): on a ring, only the first n_write[b] tokens are written, after attention has read it.
         Under a mesh (models/shards.py) each device attends with its rows and heads: its block of
-        the projection's columns is its heads' q, k and v (qkv_blocks = the "model" size), and
+        the projection's outputs is its heads' q, k and v (qkv_blocks = the "model" size), and
         o_proj's row-parallel GEMM sums the heads (XLA's all-reduce); with partial=True (under a mesh)
         out is each device's o_proj of its heads instead, f32 [M, B * T, H] (`shards.reduce_add_norm` sums
         them; o_proj's bias on the first device's)."""
