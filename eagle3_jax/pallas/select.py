@@ -99,7 +99,7 @@ def target_attention(x, k_cache, platform: str | None = None) -> str:
 
 
 def rows_matmul(x, w, platform: str | None = None) -> str:
-    """x [R, K] @ w [K, N] (a device's q|k|v or o_proj under tensor parallelism): "kernel"
+    """x [R, K] @ w.T, w [N, K] (a device's q|k|v or o_proj under tensor parallelism): "kernel"
     (`gemv.rows_matmul`) or "xla" (`layers.rows_dot`)."""
     if x.shape[0] == 1 and glue_kernels(x, platform) and w.size <= ROWS_MATMUL_MAX_ELEMENTS:
         return "kernel"
