@@ -420,20 +420,12 @@ def _gemv_shape(text):
 def _gemv_blocks(text):
     n, _, k = text.partition("/")
     if not all(v.isdigit() and int(v) > 0 and int(v) & (int(v) - 1) == 0 for v in (n, k)):
-        raise ValueError(f"--gemv_blocks: expected block_n/block_k, powers of two, got {text!r}")
+        raise ValueError(f"--gemv_blocks: block_n/block_k, powers of two, expected; got {text!r}")
     return int(n), int(k)
 
 
-def _parses(parse, values):
-    try:
-        return all(parse(t) for t in values)
-    except ValueError:
-        return False
-
-
-flags.register_validator("gemv_shapes", lambda v: _parses(_gemv_shape, v), "--gemv_shapes: KxN, e.g. 1024x2880")
-flags.register_validator("gemv_blocks", lambda v: _parses(_gemv_blocks, v),
-                         "--gemv_blocks: block_n/block_k, powers of two")
+cli.check_with("gemv_shapes", lambda v: [_gemv_shape(t) for t in v])
+cli.check_with("gemv_blocks", lambda v: [_gemv_blocks(t) for t in v])
 
 
 def bench_gemv():
