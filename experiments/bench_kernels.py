@@ -46,7 +46,7 @@ flags.DEFINE_integer("moe_units", None, "moe, moe_grouped: intermediate units of
 cli.check_with(["moe_preset", "moe_units"], lambda v: _moe_layer_config(v["moe_preset"], v["moe_units"]))
 flags.DEFINE_integer("moe_copy_bytes", 4 << 30, "bytes of the copy-bandwidth measurement", lower_bound=1 << 10)
 flags.DEFINE_string("moe_config", "", "MoeConfig the model and the main table use ('key=value/...'; default: "
-                    "moe.DEFAULT_CONFIG), e.g. fma_warps=1")
+                    "moe.config_for(units)), e.g. fma_warps=1")
 
 
 def _parse_moe_config(text):
@@ -86,7 +86,7 @@ def bench_moe():
 
     res = dict(timing.device_info())
     if FLAGS.moe_config:  # the model's MoE layers call mxfp4_moe with the module's default
-        mk.DEFAULT_CONFIG = _parse_moe_config(FLAGS.moe_config)
+        mk.DEFAULT_CONFIG, mk.SHARE_CONFIGS = _parse_moe_config(FLAGS.moe_config), ()
     bw = timing.copy_bandwidth(FLAGS.moe_copy_bytes, "--moe_copy_bytes")
     res["copy_bandwidth_bytes_per_s"] = bw
     interp = jax.default_backend() != "gpu"  # CPU smoke run: the kernels interpreted
@@ -137,7 +137,7 @@ def bench_moe():
         return float(np.linalg.norm(out - ref) / np.linalg.norm(ref)) if np.isfinite(out).all() else float("nan")
 
     # -- variant sweep -----------------------------------------------------------------------------
-    best = mk.DEFAULT_CONFIG
+    best = mk.config_for(cfg.intermediate_size)
     if FLAGS.moe_sweep:
         sweep = []
         for text in FLAGS.moe_sweep:

@@ -279,6 +279,21 @@ def test_interpret_fma_tiles(tiles):
     _check(_case(17, 9, E=10, H=96, I=64), moe.MoeConfig(**tiles))
 
 
+@pytest.mark.parametrize("gate_up,down", [(4, 1), (1, 4)])
+def test_interpret_fma_down_groups(gate_up, down):
+    # down's K step apart from gate_up's: I = 96 (3 groups) in 3 steps of 1 or one masked step of 4,
+    # H = 160 (5 groups) in 2 steps of 4 (the last partial) or 5 of 1
+    _check(_case(29, 6, E=10, H=160, I=96), moe.MoeConfig(fma_groups=gate_up, fma_down_groups=down))
+
+
+def test_config_for_shares():
+    # a device's share of gpt-oss's 2880 units takes its measured config; whole experts the default
+    assert moe.config_for(2880) is moe.DEFAULT_CONFIG
+    assert moe.config_for(736) == moe.SHARE_CONFIGS[0][1] and moe.config_for(1472) == moe.SHARE_CONFIGS[1][1]
+    assert [most for most, _ in moe.SHARE_CONFIGS] == sorted(most for most, _ in moe.SHARE_CONFIGS)
+    assert all(most < 2880 for most, _ in moe.SHARE_CONFIGS)
+
+
 def test_interpret_tiny_and_unclamped_act():
     # act's factors follow its 8-column blocks: gate_up weights near 2^-90 (act near 2^-85) and an
     # infinite limit (act unbounded) both come through the FMA path
@@ -371,6 +386,8 @@ def test_rejects_bad_input():
         moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(decode="nope"), interpret=True)
     with pytest.raises(ValueError, match="fma_prefetch >= 0"):
         moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(fma_prefetch=-1), interpret=True)
+    with pytest.raises(ValueError, match="powers of two"):
+        moe.mxfp4_moe(*args, limit=LIMIT, alpha=ALPHA, config=moe.MoeConfig(fma_down_groups=3), interpret=True)
     g = _grouped_case(0, 16, [0, 1], 2, E=4, H=64, I=64)
     with pytest.raises(ValueError, match="do not fit"):
         moe.mxfp4_moe_grouped(g[0][:, :, :32], *g[1:], limit=LIMIT, alpha=ALPHA, interpret=True)

@@ -23,8 +23,9 @@ plain-jnp function of `mxfp4_moe`'s signature; CPU tests run the kernels with in
 
 H200, one gpt-oss-120b layer, device time: `mxfp4_moe` 26.9 / 80.0 / 141 / 256 / 901 us at T = 1 / 4
 / 8 / 16 / 64 = 50 / 65 / 69 / 67 / 40% of the HBM roofline (experiments/results/moe_h200.json);
-`mxfp4_moe_grouped` 3.5-3.6 ms at 2048 tokens (moe_grouped_h200.json). What was tried, and the
-variants removed: docs/perf/moe.md.
+`mxfp4_moe_grouped` 3.5-3.6 ms at 2048 tokens (moe_grouped_h200.json). A device's share of every
+expert (tensor parallel) launches with `config_for(units)`: at 736 units, T=1, 11.9 us (both
+kernels). What was tried, and the variants removed: docs/perf/moe.md.
 """
 
 from __future__ import annotations
@@ -56,13 +57,14 @@ _MASK16 = np.int32(np.uint32(0x8E000000).view(np.int32))  # the same fields of a
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
     """Launch parameters of both paths (see the module docstring; the defaults are the fastest of the
-    launches measured, docs/perf/moe.md).
+    launches measured on whole experts, docs/perf/moe.md; `config_for` picks a device's share's).
 
     FMA path: fma_tokens: an expert chosen by at most this many tokens takes it (0 turns it off);
     fma_block_i: act columns per gate_up program (8, 16 or 32: 8-column blocks of the pair layout),
     fma_block_h: down outputs per program, fma_warps: warps per program, fma_groups: 32-input scale
-    groups per K step (power of 2), fma_prefetch: K steps whose loads are issued ahead of the math (0:
-    each step's loads at its start, so no loaded tile is held across steps).
+    groups per K step of gate_up (power of 2), fma_down_groups: down's (None: fma_groups),
+    fma_prefetch: K steps whose loads are issued ahead of the math (0: each step's loads at its
+    start, so no loaded tile is held across steps).
 
     MMA path: block_i: SwiGLU outputs per gate_up program (it reads 2*block_i rows); block_h: outputs
     per down program; groups: scale groups per K step (power of 2); num_warps, num_stages: Triton's;
@@ -80,6 +82,7 @@ class MoeConfig:
     prefetch: int = 2
     fma_tokens: int = MAX_TOKENS
     fma_groups: int = 32
+    fma_down_groups: int | None = None
     fma_prefetch: int = 0
     fma_block_i: int = 8
     fma_block_h: int = 16
@@ -87,6 +90,19 @@ class MoeConfig:
 
 
 DEFAULT_CONFIG = MoeConfig()
+# Experts split over devices (`parallel.split_experts`): (most units, config), the first that holds a
+# device's share. Both kernels' device time a layer at T = 1 / 4 against DEFAULT_CONFIG, one H200
+# (moe_units{736,1472}_t14_sweep_h200.json):
+SHARE_CONFIGS = (
+    (1024, MoeConfig(fma_warps=4)),  # 736 units (4 devices): 11.9 / 29.5 us against 13.8 / 29.7
+    (2048, MoeConfig(fma_warps=4, fma_down_groups=16)),  # 1472 units (2 devices): 17.5 / 47.7 against 18.8 / 50.6
+)
+
+
+def config_for(units: int) -> MoeConfig:
+    """The launch config `mxfp4_moe` takes by default for experts of `units` intermediate units: the
+    first of SHARE_CONFIGS that holds them, else DEFAULT_CONFIG (whole gpt-oss experts: 2880)."""
+    return next((c for most, c in SHARE_CONFIGS if units <= most), DEFAULT_CONFIG)
 
 
 # -- dequantization in registers ----------------------------------------------------------------
@@ -550,7 +566,7 @@ def _fma_down_kernel(ids_ref, w_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref
 
     @pl.when((e >= 0) & (jnp.sum(is_e.astype(jnp.int32)) <= fma.tokens))
     def _fma():
-        [[y]] = _fma_rows(actq_ref, (), [s], wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, K=I, BG=fma.groups,
+        [[y]] = _fma_rows(actq_ref, (), [s], wq_ref, sc_ref, e, [(pl.ds(j * BN, BN),)], n_ok, K=I, BG=fma.down_groups,
                           decoder=fma.decoder, depth=fma.prefetch, per_word=True)
         b = util.load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok & (on_ref[0] != 0), other=0).astype(F32)
         _combine(out_ref, jnp.broadcast_to(s // k, (BN,)), cols, (y + b) * w_ref[s], n_ok, interpret)
@@ -567,7 +583,8 @@ def _combine(out_ref, rows, cols, val, mask, interpret):
 @dataclasses.dataclass(frozen=True)
 class _Fma:
     tokens: int  # experts chosen by at most this many tokens take the FMA path
-    groups: int
+    groups: int  # scale groups a K step: gate_up's
+    down_groups: int  # down's
     prefetch: int
     decoder: str
 
@@ -609,7 +626,7 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     act is rounded to x.dtype before the down projection (as the jnp model does). Each token's k
     expert ids must be distinct (top-k routing); a negative id skips its pair (expert parallel: an
     expert held by another device), which then reads no weights."""
-    cfg = config or DEFAULT_CONFIG
+    cfg = config or config_for(gate_up_blocks.shape[1] // 2)
     T, H = x.shape
     k = ids.shape[1]
     E, R1, G1, _ = gate_up_blocks.shape
@@ -621,7 +638,8 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
             or tuple(down_blocks.shape) != (E, H, G2, 16) or tuple(ids.shape) != tuple(weights.shape)):
         raise ValueError(f"mxfp4_moe: shapes x {x.shape}, ids {ids.shape}, weights {weights.shape}, gate_up "
                          f"{gate_up_blocks.shape}, down {down_blocks.shape} do not fit together")
-    for bsz in (cfg.block_i, cfg.block_h, cfg.groups, cfg.fma_groups, cfg.fma_block_h):
+    down_groups = cfg.fma_groups if cfg.fma_down_groups is None else cfg.fma_down_groups
+    for bsz in (cfg.block_i, cfg.block_h, cfg.groups, cfg.fma_groups, down_groups, cfg.fma_block_h):
         if bsz != util.pow2(bsz):
             raise ValueError(f"mxfp4_moe: tile sizes must be powers of two, got {cfg}")
     if cfg.prefetch < 1 or cfg.fma_prefetch < 0 or cfg.fma_tokens < 0 or cfg.fma_block_i not in (8, 16, 32):
@@ -630,7 +648,7 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     if cfg.decode not in _DECODERS:
         raise ValueError(f"mxfp4_moe: decode {cfg.decode!r}, expected one of {sorted(_DECODERS)}")
     decode = _decode_f16 if interpret else _DECODERS[cfg.decode]
-    fma = _Fma(tokens=min(cfg.fma_tokens, T), groups=cfg.fma_groups,
+    fma = _Fma(tokens=min(cfg.fma_tokens, T), groups=cfg.fma_groups, down_groups=down_groups,
                prefetch=cfg.fma_prefetch, decoder="ptx" if cfg.decode == "ptx" and not interpret else "f16")
     P, Pp = T * k, util.pow2(T * k)
     nc = -(-T // TOKEN_TILE)
@@ -638,7 +656,7 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     BI, BN, BG, BF, BNf = cfg.block_i, cfg.block_h, cfg.groups, cfg.fma_block_i, cfg.fma_block_h
     nj1, nj2, nf1, nf2 = -(-I // BI), -(-H // BN), I // BF, -(-H // BNf)
     Gp1, Gp2 = -(-G1 // BG) * BG, -(-G2 // BG) * BG
-    Gf1, Gf2 = -(-G1 // fma.groups) * fma.groups, -(-G2 // fma.groups) * fma.groups
+    Gf1, Gf2 = -(-G1 // fma.groups) * fma.groups, -(-G2 // fma.down_groups) * fma.down_groups
     mma = T > fma.tokens  # some expert may have more tokens than the FMA path takes
     zero_cols = util.pow2(-(-H // (nf1 if fma.tokens else nj1)))  # kernel 1's programs zero out, zero_cols each
     # out: exactly [T, H] on GPU (masked stores and atomics); the interpreter gets every index in bounds
