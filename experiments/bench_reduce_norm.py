@@ -8,8 +8,9 @@ add and the norm), per message size, one process, one run.
 For each n in --tp (the first n GPUs as a (data 1, model n) mesh) and each R in --rows, [R, --hidden]
 partials (f32), a bf16 residual and scale (`reduce_timing.inputs`): the kernel's s against the
 reference's (max difference) and whether every device holds the same bits; then `--chain` calls a
-loop iteration, each feeding the next, in a jitted fori_loop compiled as decode's programs are, per
-call (`reduce_timing.per_call`), for both; the kernel once for each of --parts (blocks a row is sent
+loop iteration, each feeding the next (--feed: "direct", y is the next partial, nothing between two
+calls; "scaled", y times a per-device factor, a multiply kernel between them), in a jitted fori_loop
+compiled as decode's programs are, per call (`reduce_timing.per_call`), for both; the kernel once for each of --parts (blocks a row is sent
 from; "auto": `allreduce.parts_for`). With --profile, also the device time of each kernel family
 per call and device (`timing.kernel_records` of one run of a copy of the loop compiled with XLA's
 defaults, whose kernels the profiler sees: the fused kernel's own time, its spin included, against
@@ -34,6 +35,7 @@ flags.DEFINE_integer("iters", 200, "loop iterations timed", lower_bound=1)
 flags.DEFINE_list("parts", ["auto"], "blocks a row is sent from, each timed: integers or auto")
 flags.register_validator("parts", lambda v: all(p == "auto" or (p.isdigit() and int(p) > 0) for p in v),
                          "--parts: a list of positive integers or auto")
+flags.DEFINE_enum("feed", "direct", reduce_timing.FEEDS, "what a call's next partial is (see above)")
 flags.DEFINE_bool("profile", True, "also the device time per call of each kernel family")
 flags.DEFINE_string("out", None, "JSON output path")
 FLAGS = flags.FLAGS
@@ -59,7 +61,7 @@ def programs(mesh):
     def get(kernel, parts, options=None):
         key = (kernel, parts, options is None)
         if key not in made:
-            made[key] = reduce_timing.fused(mesh, kernel, FLAGS.chain, parts=parts, options=options)
+            made[key] = reduce_timing.fused(mesh, kernel, FLAGS.chain, parts=parts, options=options, feed=FLAGS.feed)
         return made[key]
 
     return get
@@ -72,7 +74,7 @@ def main(argv):
         raise ValueError("bench_reduce_norm: needs a GPU (the kernel has no CPU path), found none")
     H = FLAGS.hidden
     result = dict(timing.device_info(), num_devices=len(gpus), hidden=H, chain=FLAGS.chain, iters=FLAGS.iters,
-                  rows=[])
+                  feed=FLAGS.feed, rows=[])
     rng = np.random.default_rng(0)
     for n in (int(t) for t in FLAGS.tp):
         if n > len(gpus):

@@ -14,7 +14,8 @@ of --reductions ("kernel": decode and verify sum over "model" through pallas/all
 kernel, where `parallel.mailbox` gives the mesh a Mailbox; "xla": XLA's all-reduce,
 `step_timing.xla_reduction`), and for each of --allreduce_rows the reduction alone: one XLA
 all-reduce of a [rows, hidden] bf16 array (`timing.allreduce_seconds`), and the fused sum + add +
-RMSNorm of f32 partials through the kernel and through its reference (`lib/reduce_timing.py`). The
+RMSNorm through the kernel and through its reference, calls chained with nothing between them
+(`lib/reduce_timing.py`, feed "direct"). The
 models of one degree are freed before the next is made, so one GPU must hold the whole model at tp 1
 (gpt-oss-120b: 62.4 GiB). Rows {"tp", "batch", "ms_per_token", "tokens_per_second",
 "roofline_fraction" (the bytes the busiest device reads, `roofline.target_bytes(..., model=tp)`, at

@@ -96,6 +96,15 @@ def test_reduce_timing_reference(tmp_path):
     out = np.asarray(loop(*args, jnp.int32(2)), np.float32)
     assert out.shape == (1, 3, 128) and np.isfinite(out).all() and not np.array_equal(out[0], y)
     assert np.isfinite(reduce_timing.per_call(loop, args, iters=2, chain=2))
+    # feed "direct": the next partial is y itself (one call: s1 = bf16(y + s), y1 its norm); "scaled"
+    # multiplies it by the device's factor ((0 + 1) / 1 here: the same values through f32)
+    for feed in reduce_timing.FEEDS:
+        _, one = reduce_timing.fused(mesh, False, chain=1, feed=feed)
+        s1 = np.asarray(jnp.asarray((y + s).astype(np.float32), jnp.bfloat16), np.float64)
+        want = s1 / np.sqrt(np.mean(s1 ** 2, axis=-1, keepdims=True) + reduce_timing.EPS) * w
+        np.testing.assert_allclose(np.asarray(one(*args, jnp.int32(1)), np.float64)[0], want, rtol=2 ** -6, atol=2e-2)
+    with pytest.raises(ValueError, match="feed 'both', expected one of"):
+        reduce_timing.fused(mesh, False, feed="both")
 
 
 def test_bench_tp_rows(tmp_path):

@@ -5,9 +5,12 @@ partials and a bf16 residual on each device of a (data 1, model n) mesh.
 
 `inputs` makes the arguments; `fused(mesh, kernel)` gives (once, loop) jitted programs: `once(x, r,
 w[, mailbox])` one call, (s, y) stacked per device; `loop(x, r, w, k[, mailbox])` k iterations of `chain` calls
-each, every call fed by the last (y times a per-device factor is the next partial, s the next
-residual), compiled as decode's programs are (`select.compiler_options`: on GPUs the loop one CUDA
-graph) unless `options` says otherwise ({}: XLA's defaults, whose kernels a profiler sees).
+each, every call fed by the last (s the next residual; the next partial by `feed`: "direct", y itself
+(bf16, as o_proj's partial; nothing runs between two calls, as in the model, where a projection
+kernel writes the partial), or "scaled", y times a per-device factor in f32 (a multiply kernel
+between calls, counted in each call's time: the figures before 2026-11-28)), compiled as decode's
+programs are (`select.compiler_options`: on GPUs the loop one CUDA graph) unless `options` says
+otherwise ({}: XLA's defaults, whose kernels a profiler sees).
 `per_call`: (best of 3 at `iters` iterations - best of 3 at none) / (iters x chain) seconds.
 """
 
@@ -36,9 +39,15 @@ def inputs(mesh, rows: int, hidden: int, rng: np.random.Generator):
             put(jnp.asarray(1 + 0.1 * rng.normal(size=hidden), jnp.bfloat16), P()))
 
 
-def fused(mesh, kernel: bool, chain: int = 8, parts: int | None = None, options: dict | None = None):
+FEEDS = ("direct", "scaled")
+
+
+def fused(mesh, kernel: bool, chain: int = 8, parts: int | None = None, options: dict | None = None,
+          feed: str = "direct"):
     """(once, loop) for the kernel (with the Mailbox as a trailing argument; `parts` blocks a row,
-    None: the kernel's default) or the reference."""
+    None: the kernel's default) or the reference; feed: one of FEEDS."""
+    if feed not in FEEDS:
+        raise ValueError(f"reduce_timing.fused: feed {feed!r}, expected one of {FEEDS}")
     n, every = mesh.shape["model"], P(tuple(mesh.axis_names))
 
     def op(x, r, w, mb):
@@ -56,7 +65,7 @@ def fused(mesh, kernel: bool, chain: int = 8, parts: int | None = None, options:
         def step(i, carry):
             s, y = carry
             for _ in range(chain):
-                s, y = op(y.astype(jnp.float32) * c, s, w, mb)
+                s, y = op(y if feed == "direct" else y.astype(jnp.float32) * c, s, w, mb)
             return s, y
 
         return lax.fori_loop(0, k, step, op(x[0], r, w, mb))[1][None]
