@@ -269,14 +269,12 @@ def test_gates_names_file_and_missing_key(tmp_path):
 def test_bench_kernels_moe_grouped_writes_json(tmp_path):
     # the prefill MoE section on the tiny preset (kernels interpreted on CPU): kernels agree with the scan
     path = tmp_path / "g.json"
-    # with --moe_units, one device's share of each expert under the units split (96 of the tiny 64: more).
-    # Most of this run on CPU is the section's copy-bandwidth buffer (256 MiB, filled by jax.random.normal):
-    # with XLA's optimizations and the rbg generator its 42 CPU-seconds at -O0 with threefry are 13
-    # The same process runs the gemv section at a ragged shape: rows_matmul (interpreted) against XLA's dot.
+    # with --moe_units, one device's share of each expert under the units split (96 of the tiny 64: more);
+    # a 1 MB copy-bandwidth buffer (the default 256 MiB took most of this run on CPU). The same process
+    # runs the gemv section at a ragged shape: rows_matmul (interpreted) against XLA's dot.
     run("bench_kernels.py", "--only", "moe_grouped,gemv", "--moe_preset", "tiny", "--moe_units", "96",
         "--grouped_tokens", "80", "--gemv_shapes", "96x40", "--gemv_rows", "1,3", "--gemv_blocks", "8/64",
-        "--gemv_weights", "2", "--out", str(path),
-        env={"JAX_DISABLE_MOST_OPTIMIZATIONS": "0", "JAX_DEFAULT_PRNG_IMPL": "rbg"})
+        "--gemv_weights", "2", "--copy_bytes", "1000000", "--out", str(path))
     result = json.loads(path.read_text())
     res = result["moe_grouped"]
     (row,) = res["rows"]
