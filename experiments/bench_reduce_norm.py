@@ -9,9 +9,9 @@ For each n in --tp (the first n GPUs as a (data 1, model n) mesh) and each R in 
 partials (f32), a bf16 residual and scale (`reduce_timing.inputs`): the kernel's s against the
 reference's (max difference) and whether every device holds the same bits; then `--chain` calls a
 loop iteration, each feeding the next (--feed: "direct", y is the next partial, nothing between two
-calls; "scaled", y times a per-device factor, a multiply kernel between them), in a jitted fori_loop
-compiled as decode's programs are, per call (`reduce_timing.per_call`), for both; the kernel once for each of --parts (blocks a row is sent
-from; "auto": `allreduce.parts_for`). With --profile, also the device time of each kernel family
+calls; "scaled", y times a per-device factor, a multiply kernel between them), in a jitted
+fori_loop compiled as decode's programs are, per call (`reduce_timing.per_call`), for both; the
+kernel once for each of --parts (blocks a row is sent from; "auto": `allreduce.parts_for`). With --profile, also the device time of each kernel family
 per call and device (`timing.kernel_records` of one run of a copy of the loop compiled with XLA's
 defaults, whose kernels the profiler sees: the fused kernel's own time, its spin included, against
 what the launches around it add). Rows {"tp", "rows", "parts", "kernel_us", "reference_us",
