@@ -24,8 +24,10 @@ ms_per_token at the same batch over this one, both from this run; None before tp
 "projected_speedup" (tau x baseline / step at the published tau), "collectives", "reduction"
 ("kernel" | "xla"; None at tp 1), "experts" (how --experts split them, each split its own model
 timed in turn: "expert" whole experts a device, "tensor" every expert's units over the devices,
-`parallel.split_experts`; None at tp 1)}; "allreduce": [{"tp", "rows", "xla_us", "kernel_us",
-"reference_us"}] (kernel and reference: None where the mesh has no Mailbox). With --profile a row
+`parallel.split_experts`; None at tp 1), "moe_config" (the MXFP4 kernels' launch config for one
+device's share of the experts, `moe.config_for`, with its "units"; None for dense experts)};
+"allreduce": [{"tp", "rows", "xla_us", "kernel_us", "reference_us"}] (kernel and reference: None
+where the mesh has no Mailbox). With --profile a row
 also has "baseline_kernels_ms" (kernel family -> device ms a baseline step, per device) and
 "baseline_launches" (kernels a step, per device); {} and 0 where there is no profile (CPU); on a GPU
 the profiled loop is compiled with XLA's default options (`step_timing.loop_time`: a loop's CUDA
@@ -34,6 +36,7 @@ keeps what it measured.
 """
 
 import contextlib
+import dataclasses
 import gc
 
 import numpy as np
@@ -43,6 +46,7 @@ import jax
 
 from eagle3_jax import parallel
 from eagle3_jax.models import GptOssConfig
+from eagle3_jax.pallas import moe
 from lib import cli, reduce_timing, roofline, timing
 from lib.step_timing import (parse_shape, random_pair, time_baseline, time_step, validate_shape_flags,
                               xla_reduction)
@@ -74,6 +78,16 @@ flags.register_validator("experts", lambda v: set(v) <= {"expert", "tensor"} and
                          "--experts: a list of expert, tensor")
 
 
+def moe_config(target) -> dict | None:
+    """The launch config the MXFP4 experts' kernels take on one device's share of the units
+    (`moe.config_for`), with "units"; None for dense experts."""
+    blocks = getattr(target.layers[0].mlp.experts, "gate_up_blocks", None)
+    if blocks is None:
+        return None
+    units = blocks[...].addressable_shards[0].data.shape[1] // 2
+    return dict(units=units, **dataclasses.asdict(moe.config_for(units)))
+
+
 def timed_batch(cfg, tp: int, B: int, shape, reduction, experts, target, draft, result, base_ms):
     """Times the baseline and the speculative step at batch B, appending a row to result["rows"]."""
     base_mem, kernels = {}, ({} if FLAGS.profile else None)
@@ -85,7 +99,7 @@ def timed_batch(cfg, tp: int, B: int, shape, reduction, experts, target, draft, 
     ref = base_ms.get(B)
     nbytes = roofline.target_bytes(cfg, B, 1, FLAGS.context, model=tp, experts=experts)["total"]
     row = dict(tp=tp, batch=B, context=FLAGS.context, shape=FLAGS.shape, reduction=reduction, experts=experts,
-               ms_per_token=t_base * 1e3,
+               moe_config=moe_config(target), ms_per_token=t_base * 1e3,
                tokens_per_second=B / t_base, roofline_fraction=nbytes / result["copy_bandwidth"] / t_base,
                step_ms=t_step * 1e3,
                speedup_vs_tp1=None if ref is None else ref / (t_base * 1e3),

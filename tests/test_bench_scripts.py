@@ -2,6 +2,7 @@
 bench_baseline.py, bench_kernels.py, bench_allreduce.py, bench_reduce_norm.py) and their shared
 modules in experiments/lib: flags parse, output and JSON schema written."""
 
+import dataclasses
 import json
 import os
 import re
@@ -133,6 +134,9 @@ def test_bench_tp_rows(tmp_path):
         assert n == 0 if x["tp"] == 1 else 2 * layers <= n <= 2 * layers + 3, (x["tp"], n)
         assert x["reduction"] == (None if x["tp"] == 1 else "xla")  # no GPU: psum, no Mailbox
         assert x["baseline_kernels_ms"] == {} and x["baseline_launches"] == 0  # no device profile on CPU
+        units = GptOssConfig.preset("tiny").intermediate_size  # whole experts a device at tp 2 ("expert")
+        from eagle3_jax.pallas import moe
+        assert x["moe_config"] == dict(units=units, **dataclasses.asdict(moe.config_for(units))), x["moe_config"]
     assert [(a["tp"], a["rows"]) for a in r["allreduce"]] == [(2, 1), (2, 4)]
     assert all(a["xla_us"] > 0 and a["kernel_us"] is None and a["reference_us"] is None for a in r["allreduce"])
     assert "tp=2 B=2 " in out and "x tp1)" in out
