@@ -13,6 +13,7 @@ import pytest
 from experiment_runner import execute, fails, run
 
 from eagle3_jax.models import GptOssConfig
+from eagle3_jax.pallas import moe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))  # the scripts, and their shared modules in experiments/lib
@@ -135,7 +136,6 @@ def test_bench_tp_rows(tmp_path):
         assert x["reduction"] == (None if x["tp"] == 1 else "xla")  # no GPU: psum, no Mailbox
         assert x["baseline_kernels_ms"] == {} and x["baseline_launches"] == 0  # no device profile on CPU
         units = GptOssConfig.preset("tiny").intermediate_size  # whole experts a device at tp 2 ("expert")
-        from eagle3_jax.pallas import moe
         assert x["moe_config"] == dict(units=units, **dataclasses.asdict(moe.config_for(units))), x["moe_config"]
     assert [(a["tp"], a["rows"]) for a in r["allreduce"]] == [(2, 1), (2, 4)]
     assert all(a["xla_us"] > 0 and a["kernel_us"] is None and a["reference_us"] is None for a in r["allreduce"])
