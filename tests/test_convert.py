@@ -214,3 +214,27 @@ def test_random_gpt_oss_packed():
     assert m.layers[0].mlp.experts.gate_up_blocks[...].dtype == jnp.uint8
     logits, _ = nnx.jit(gpt_oss.forward)(m, jnp.arange(10)[None])  # jitted: ~1 s to compile, eager ~7 s
     assert np.isfinite(np.asarray(logits)).all() and float(jnp.std(logits)) > 0.1
+
+
+def test_random_gpt_oss_builds_again_without_compiling():
+    # the jitted constructors are kept: the same config again (any seed) compiles nothing, same seed same values
+    cfg = GptOssConfig.preset("tiny").replace(rms_norm_eps=1.5e-5)  # a config no other test built in this process
+    first = gpt_oss.random_gpt_oss(cfg, seed=3, dtype=jnp.float32)
+    compiles = []
+
+    def listener(name, secs, **kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(secs)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        again = gpt_oss.random_gpt_oss(cfg, seed=3, dtype=jnp.float32)
+        other = gpt_oss.random_gpt_oss(cfg, seed=4, dtype=jnp.float32)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == [], compiles
+    for (path, a), (_, b), (_, c) in zip(*(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(m))) for m in
+                                           (first, again, other))):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), path
+        if a.size > 64 and a.dtype != jnp.uint8:  # the random matrices (not the norms' ones): redrawn
+            assert not np.array_equal(np.asarray(a), np.asarray(c)), path

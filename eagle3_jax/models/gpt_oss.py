@@ -778,7 +778,8 @@ def prefill(model: GptOss, cache: kvc.KVCache, tokens, prompt_lengths, *, chunk:
 def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16, shardings=None) -> GptOss:
     """Random weights of any size (experts packed when config.experts_format == 'mxfp4'), created
     directly on the device (the host never holds them). Blocks are built one at a time by a
-    jitted constructor compiled once per layer type, so gpt-oss-120b builds in seconds.
+    jitted constructor compiled once per layer type, so gpt-oss-120b builds in seconds; the
+    constructors are kept (`_constructor`), so building the same config again compiles nothing.
 
     shardings: None (the default device), or a function of a variable's "/"-joined path (e.g.
     "layers/0/self_attn/wqkv") returning its jax.sharding.Sharding: each block is then created
@@ -787,39 +788,46 @@ def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16, shar
     on `shardings`."""
     key = jax.random.key(seed)
     model = nnx.eval_shape(lambda: GptOss(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    one = config.replace(num_hidden_layers=1, layer_types=config.layer_types[:1])
-    make_top = lambda k: GptOss(one, dtype=dtype, rngs=nnx.Rngs(k))  # noqa: E731
-    if shardings is None:
-        top = nnx.jit(make_top)(key)
-        make_block = nnx.jit(lambda layer, k: Block(config, layer, dtype, nnx.Rngs(k)), static_argnums=0)
-    else:
-        compiled = {}
 
-        def placed(name, make, prefix, k):
-            """make(k) -> module, built by jit with each variable's sharding as out_shardings
-            (compiled once per `name` and shardings)."""
-            graphdef, state = nnx.split(nnx.eval_shape(lambda: make(k)))
-            out = jax.tree_util.tree_map_with_path(
-                lambda p, _: shardings(prefix + "/".join(str(getattr(x, "key", x)) for x in p)),
-                nnx.to_pure_dict(state))
-            fn = (name, tuple(jax.tree.leaves(out)))
-            if fn not in compiled:  # the key goes as host data: an input every process holds whole
-                compiled[fn] = jax.jit(lambda kd: nnx.to_pure_dict(nnx.state(make(jax.random.wrap_key_data(kd)))),
-                                       out_shardings=out)
-            nnx.replace_by_pure_dict(state, compiled[fn](np.asarray(jax.random.key_data(k))))
-            return nnx.merge(graphdef, state)
+    def build(state, layer, prefix, k):
+        """`state` (abstract) filled from key k: the top (layer None) or a block of `layer`'s kind, each
+        variable created where `shardings` puts it."""
+        out = None
+        if shardings is not None:
+            where = lambda p, _: shardings(prefix + "/".join(str(getattr(x, "key", x)) for x in p))  # noqa: E731
+            leaves, treedef = jax.tree.flatten(jax.tree_util.tree_map_with_path(where, nnx.to_pure_dict(state)))
+            out = (tuple(leaves), treedef)
+        # the key goes as host data: an input every process holds whole
+        nnx.replace_by_pure_dict(state, _constructor(config, dtype, layer, out)(np.asarray(jax.random.key_data(k))))
+        return state
 
-        top = placed("top", make_top, "", key)
-    model.embed, model.lm_head, model.norm = top.embed, top.lm_head, top.norm
-    del top
+    state = nnx.state(model)
+    nnx.update(model, build(nnx.State({name: state[name] for name in _TOP}), None, "", key))
     for i, kind in enumerate(config.layer_types):
         layer, k = config.layer_types.index(kind), jax.random.fold_in(key, i + 1)
-        if shardings is None:
-            model.layers[i] = make_block(layer, k)
-        else:
-            make = lambda kk, layer=layer: Block(config, layer, dtype, nnx.Rngs(kk))  # noqa: E731
-            model.layers[i] = placed(layer, make, f"layers/{i}/", k)
+        graphdef, block = nnx.split(model.layers[i])
+        model.layers[i] = nnx.merge(graphdef, build(block, layer, f"layers/{i}/", k))
     return model
+
+
+_TOP = ("embed", "lm_head", "norm")  # the variables outside the blocks
+
+
+@functools.lru_cache(maxsize=32)
+def _constructor(config: GptOssConfig, dtype, layer: int | None, out):
+    """jit of key data -> a pure dict: the state of Block(config, layer) or, for layer None, the _TOP
+    variables of a one-layer GptOss (its block is drawn, then dropped by XLA: lm_head comes after it). out: None (the
+    default device) or the flattened out_shardings (leaves, treedef). Cached by its arguments: one
+    compile a config, dtype, layer kind and placement in a process."""
+    def make(kd):
+        rngs = nnx.Rngs(jax.random.wrap_key_data(kd))
+        if layer is not None:
+            return nnx.to_pure_dict(nnx.state(Block(config, layer, dtype, rngs)))
+        one = GptOss(config.replace(num_hidden_layers=1, layer_types=config.layer_types[:1]), dtype=dtype, rngs=rngs)
+        return {name: nnx.to_pure_dict(nnx.state(getattr(one, name))) if name == "norm" else getattr(one, name)[...]
+                for name in _TOP}
+
+    return jax.jit(make, out_shardings=None if out is None else jax.tree.unflatten(out[1], out[0]))
 
 
 def param_bytes(model: GptOss) -> int:
