@@ -53,6 +53,8 @@ flags.DEFINE_integer("short_context", 1024, "context of the single and batch sce
 flags.DEFINE_list("batch_sizes", ["4"], "batch sizes of the batch scenario (rows batch<B>)")
 flags.DEFINE_integer("iters", 8, "steps per timed loop", lower_bound=1)
 flags.DEFINE_integer("stress_new_tokens", 64, "new tokens a slot of the stress scenario", lower_bound=1)
+flags.DEFINE_integer("stress_prompt_max", 1024, "the stress scenario's prompt lengths are drawn from [64, this)",
+                     lower_bound=65)
 flags.DEFINE_bool("parts", True, "also time the step's parts (draft, verify, accept+rewind, extend), each its own "
                   "loop; --noparts times the whole step and the baseline only (two loops a row, not six)")
 flags.DEFINE_integer("copy_bytes", 4 << 30, "buffer size of the copy-bandwidth measurement", lower_bound=1 << 10)
@@ -155,10 +157,11 @@ def kv_bytes_per_token(target):
 def stress(target, draft):
     rng = np.random.default_rng(0)
     V = target.config.vocab_size
-    hi = min(1024, target.config.max_position_embeddings - 64 - FLAGS.stress_new_tokens)
+    hi = min(FLAGS.stress_prompt_max, target.config.max_position_embeddings - 64 - FLAGS.stress_new_tokens)
     prompts = [rng.integers(0, V, int(n)).tolist() for n in rng.integers(64, hi, 16)]
     eos = rng.choice(V, max(V // 100, 2), replace=False).tolist()  # ~1% of ids end a sequence: ragged stops
-    out = decode(target, draft, prompts, FLAGS.stress_new_tokens, num_spec_tokens=3, eos_ids=eos, prefill_chunk=512)
+    out = decode(target, draft, prompts, FLAGS.stress_new_tokens, num_spec_tokens=3, eos_ids=eos,
+                 prefill_chunk=min(512, hi))
     m = out.metrics
     lens = [len(t) for t in out.tokens]
     memory = dict(device=timing.memory_stats())

@@ -205,8 +205,10 @@ def test_bench_and_gates(tmp_path):
     # gates and stress: the sweep / large / single rows go through the same `measure` as the gate rows
     # (tree shapes through step_timing: test_bench_step_writes_json), so they are left out for time; so
     # are the step's parts (--noparts; timed in test_bench_on_a_mesh)
+    # and the stress rows' 16 prompts are short (64-127 tokens: the prefill on CPU took 11 s of 16 at up to 1023)
     out = run("bench.py", "--preset", "tiny", "--scenarios", "gates,stress", "--iters", "1", "--copy_bytes",
-              "1000000", "--dense_rows", "single-32k", "--noparts", "--stress_new_tokens", "16", "--out", str(path))
+              "1000000", "--dense_rows", "single-32k", "--noparts", "--stress_new_tokens", "16",
+              "--stress_prompt_max", "128", "--out", str(path))
     r = json.loads(path.read_text())
     names = [x["name"] for x in r["scenarios"]]
     assert names == ["single-32k", "batch4-16k", "stress"]
