@@ -49,17 +49,18 @@ def _add_cpu_xla_flag():
 
 # The files that take longest (mostly compiling), slowest first; the others follow in collection
 # order. `--dist loadfile` hands whole files to the workers, by default those with the most tests
-# first, which let the two slowest (few tests, 40% of the suite's time) start late, often on one
+# first, which let the two slowest (few tests, a quarter of the suite's time) start late, often on one
 # worker while the other sat idle at the end. With that reordering off the files go out in this
 # order: longest first, the short ones fill in at the end, and the two workers finish together. A
 # name missing here only loses that balance. A worker is handed its next file when it has two tests
-# of its current one left, so the files after these (each under ~6 s) even out the end. Seconds of
-# each, run alone on the 2-core machine (other work on it): 105, 41, 25, 25, 20, 18, 17, 17, 16, 14, 11, 8, 7, 6.
+# of its current one left, so the files after these (each under ~10 s) even out the end. Seconds of
+# each in a whole run on the 2-core machine (its --durations): 130, 128, 105, 85, 60, 59, 48, 44, 43, 41, 36,
+# 30, 30, 28, 28, 27, 22, 18, 17, 17, 7.
 SLOW_FILES = ("test_bench_scripts.py", "test_parallel.py", "test_experiments.py", "test_decode.py",
-              "test_pallas_moe.py", "test_notebooks.py", "test_bench_memory.py", "test_ring_cache.py",
-              "test_readme.py", "test_train.py", "test_gpt_oss.py", "test_parallel_load.py", "test_generate.py",
-              "test_pallas_attention.py", "test_pair.py", "test_sample_proposal.py", "test_accept.py",
-              "test_gpu_lowering.py", "test_pallas_moe_route.py", "test_eagle3.py", "test_transformers_parity.py")
+              "test_pallas_moe.py", "test_readme.py", "test_train.py", "test_notebooks.py", "test_ring_cache.py",
+              "test_bench_memory.py", "test_generate.py", "test_pair.py", "test_sample_proposal.py",
+              "test_pallas_attention.py", "test_parallel_load.py", "test_gpt_oss.py", "test_accept.py",
+              "test_pallas_moe_route.py", "test_eagle3.py", "test_gpu_lowering.py", "test_transformers_parity.py")
 
 
 def pytest_configure(config):

@@ -1,9 +1,12 @@
 """GPT-OSS against the independent float64 reference (tests/reference_np.py) on HF-format checkpoints."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from hf_fixtures import dense_from_mxfp4, random_hf_weights, tiny_hf_config, write_hf_checkpoint
 from reference_np import reference_forward, reference_greedy
 
@@ -35,6 +38,12 @@ def ckpt(request, tmp_path_factory):
     return cfg, w, model
 
 
+# the entry points jitted, as decode and the README run them (eager, each op compiles on its own: 2-4x the time)
+FORWARD = nnx.jit(gpt_oss.forward, static_argnames=("aux_layer_ids", "aux_convention"))
+PREFILL = nnx.jit(gpt_oss.prefill, static_argnames=("chunk", "feature_ids"))
+STEP = nnx.jit(gpt_oss.step, static_argnames=("feature_ids",))
+
+
 def rel_err(a, b):
     return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
 
@@ -44,13 +53,13 @@ def test_forward_logits_and_features(ckpt):
     rng = np.random.default_rng()
     tokens = rng.integers(0, cfg["vocab_size"], (2, 24))  # 24 > window 8
     ref_logits, hidden = reference_forward(cfg, w, tokens)
-    logits, feats = gpt_oss.forward(model, tokens, aux_layer_ids=(0, 2, 3))
+    logits, feats = FORWARD(model, tokens, aux_layer_ids=(0, 2, 3))
     assert logits.dtype == jnp.float32 and logits.shape == (2, 24, cfg["vocab_size"])
     assert rel_err(logits, ref_logits) < 1e-3
     np.testing.assert_array_equal(np.argmax(logits, -1), np.argmax(ref_logits, -1))
     want = np.concatenate([hidden[1], hidden[3], hidden[4]], -1)  # outputs of blocks 0, 2, 3
     assert feats.shape == want.shape and rel_err(feats, want) < 1e-3
-    _, feats_in = gpt_oss.forward(model, tokens, aux_layer_ids=(0, 2, 4), aux_convention="input")
+    _, feats_in = FORWARD(model, tokens, aux_layer_ids=(0, 2, 4), aux_convention="input")
     assert rel_err(feats_in, np.concatenate([hidden[0], hidden[2], hidden[4]], -1)) < 1e-3
 
 
@@ -93,12 +102,12 @@ def test_tree_step_matches_reference_paths(ckpt):
         prompts[b, :n] = rng.integers(0, 120, n)
     cache = gpt_oss.init_cache(model, 2, 32)
     cache = jax.tree.map(lambda a: a + 1e4, cache)  # poison: any read of scratch shows
-    cache, _, _ = gpt_oss.prefill(model, cache, jnp.asarray(prompts), jnp.asarray(lens), chunk=8)
+    cache, _, _ = PREFILL(model, cache, jnp.asarray(prompts), jnp.asarray(lens), chunk=8)
     tree_tokens = rng.integers(0, 120, (2, N))
     positions = lens[:, None] + depth[None]
     mask = pack(np.broadcast_to(anc, (2, N, N)))
-    logits, _, _ = gpt_oss.step(model, cache, jnp.asarray(tree_tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
-                                jnp.asarray(lens, jnp.int32), jnp.asarray(mask))
+    logits, _, _ = STEP(model, cache, jnp.asarray(tree_tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
+                        jnp.asarray(lens, jnp.int32), jnp.asarray(mask))
     for b in range(2):
         for i in range(N):
             path = [j for j in range(N) if anc[i, j]]
@@ -108,21 +117,28 @@ def test_tree_step_matches_reference_paths(ckpt):
             assert int(np.argmax(logits[b, i])) == int(np.argmax(ref))
 
 
+@functools.partial(nnx.jit, static_argnames=("path", "method"))
+def moe_call(moe, *args, path=None, method="__call__"):
+    """moe(*args, path=) or another of its methods, jitted (eager, every op compiles on its own: ~3x the time)."""
+    return getattr(moe, method)(*args, **({} if path is None else dict(path=path)))
+
+
 def test_moe_paths_agree(ckpt):
     # grouped tiles, per-pair gathers and every-expert-on-every-token give one function
     _, _, model = ckpt
     moe = model.layers[1].mlp
     x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)), (37, moe.router_w[...].shape[0]))
-    ref = np.asarray(moe(x, path="gathered"), np.float64)
+    ref = np.asarray(moe_call(moe, x, path="gathered"), np.float64)
     for path in ("grouped", "dense"):
-        assert rel_err(moe(x, path=path), ref) < 1e-5, path
+        assert rel_err(moe_call(moe, x, path=path), ref) < 1e-5, path
     # skewed routing: 300 tokens all on experts 0..3 (random order and weights), more pairs an expert
     # than the grouped path's largest tile (256 rows): experts over several tiles
     rng = np.random.default_rng()
     xs = jnp.asarray(rng.normal(size=(300, x.shape[1])), x.dtype)
     ids = jnp.asarray(np.argsort(rng.random((300, 4)), axis=1), jnp.int32)
     ws = jax.nn.softmax(jnp.asarray(rng.normal(size=(300, 4)), jnp.float32), axis=-1)
-    assert rel_err(moe._grouped(xs, ids, ws), np.asarray(moe._gathered(xs, ids, ws), np.float64)) < 1e-5
+    assert rel_err(moe_call(moe, xs, ids, ws, method="_grouped"),
+                   np.asarray(moe_call(moe, xs, ids, ws, method="_gathered"), np.float64)) < 1e-5
     with pytest.raises(ValueError, match="grouped kernels"):  # float32 activations: the kernels take bf16
         moe._grouped(xs, ids, ws, kernel=True)
     moe.path = "dense"
@@ -202,8 +218,6 @@ def test_kv_cache_write_puts_tokens_at_each_start(B):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from flax import nnx
-
     from eagle3_jax.models.config import PRESETS
 
     cfg = PRESETS["tiny-dense"]
