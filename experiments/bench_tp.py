@@ -33,6 +33,16 @@ also has "baseline_kernels_ms" (kernel family -> device ms a baseline step, per 
 the profiled loop is compiled with XLA's default options (`step_timing.loop_time`: a loop's CUDA
 graph hides its kernels from the profiler). The JSON is written after every row: a run cut short
 keeps what it measured.
+
+With --shares (after the degrees): one device running one device's share of tp n and nothing else
+(`share_config`: the heads, kv heads, vocabulary and each expert's units that a device of a (1, n)
+mesh holds) through the one-device program: the experts through their launch config for that many
+units, as on the tp n mesh, but q|k|v and o_proj through XLA's dots and each residual add + RMSNorm
+through the norm kernel, where a tp n device runs the projections' one-row kernel
+(`gemv.rows_matmul`: 3.4-4.6 us a share faster at one row, kernels_gemv_nk_h200.json) and the fused
+reduction. Its baseline timed at each batch: "share_rows": [{"share", "batch", "ms_per_token",
+"roofline_fraction" (tp n's device bytes), "speedup_vs_tp1", "config", "moe_config"}]: what
+tp n's kernels cost a device without communication, to within those differences (docs/perf/multi_gpu.md).
 """
 
 import contextlib
@@ -41,11 +51,12 @@ import gc
 
 import numpy as np
 from absl import flags
+from jax.sharding import AbstractMesh
 
 import jax
 
 from eagle3_jax import parallel
-from eagle3_jax.models import GptOssConfig
+from eagle3_jax.models import GptOssConfig, gpt_oss
 from eagle3_jax.pallas import moe
 from lib import cli, reduce_timing, roofline, timing
 from lib.step_timing import (parse_shape, random_pair, time_baseline, time_step, validate_shape_flags,
@@ -66,11 +77,13 @@ flags.DEFINE_integer("iters", 24, "steps per timed loop (at 6, tp 2's B=1 baseli
                      "loop, weighs less on more steps)", lower_bound=1)
 flags.DEFINE_integer("copy_bytes", 1 << 30, "buffer size of the copy-bandwidth measurement (first device)",
                      lower_bound=1 << 10)
+flags.DEFINE_list("shares", [], "also one device running one device's share of tp n, for each n (no communication)")
 flags.DEFINE_bool("profile", False, "also each baseline step's device time by kernel family (ms a step and device)")
 flags.DEFINE_string("out", None, "JSON output path")
 cli.progress_flag()
 FLAGS = flags.FLAGS
 cli.positive_ints("tp", "batch_sizes", "allreduce_rows")
+cli.positive_ints("shares", empty=True)
 validate_shape_flags("shape")
 flags.register_validator("reductions", lambda v: set(v) <= {"kernel", "xla"} and len(v) > 0,
                          "--reductions: a list of kernel, xla")
@@ -148,6 +161,49 @@ def degree(cfg, tp: int, batches, shape, result, base_ms):
         jax.clear_caches()
 
 
+def share_config(cfg: GptOssConfig, n: int) -> GptOssConfig:
+    """The model one device of a (data 1, model n) mesh holds under the default experts split: heads,
+    kv heads and vocabulary divided by n, each expert's units as `parallel.expert_units` pads them
+    (gpt-oss-120b at 4: 2944 / 4 = 736), token ids taken into the smaller vocabulary. Raises
+    ValueError naming --shares and what n does not divide."""
+    mesh = AbstractMesh((1, n), ("data", "model"))
+    try:
+        parallel.check_mesh(cfg, mesh)
+    except ValueError as e:
+        raise ValueError(f"--shares: {n}: {e}") from None
+    V = cfg.vocab_size // n
+    ids = lambda i: None if i is None else i % V
+    return cfg.replace(num_attention_heads=cfg.num_attention_heads // n,
+                       num_key_value_heads=cfg.num_key_value_heads // n,
+                       intermediate_size=parallel.expert_units(cfg, mesh, "tensor") // n, vocab_size=V,
+                       eos_token_ids=tuple(ids(i) for i in cfg.eos_token_ids), pad_token_id=ids(cfg.pad_token_id),
+                       bos_token_id=ids(cfg.bos_token_id))
+
+
+def share_rows(cfg, n: int, batches, result, base_ms):
+    """Times one device's share of tp n (`share_config`) at each batch, appending to result["share_rows"]."""
+    target = gpt_oss.random_gpt_oss(share_config(cfg, n), seed=0)
+    scfg = target.config
+    for B in batches:
+        t = time_baseline(target, B, FLAGS.context, FLAGS.iters)
+        nbytes = roofline.target_bytes(cfg, B, 1, FLAGS.context, model=n)["total"]
+        ref = base_ms.get(B)
+        row = dict(share=n, batch=B, context=FLAGS.context, ms_per_token=t * 1e3,
+                   roofline_fraction=nbytes / result["copy_bandwidth"] / t,
+                   speedup_vs_tp1=None if ref is None else ref / (t * 1e3),
+                   config={k: getattr(scfg, k) for k in ("num_attention_heads", "num_key_value_heads",
+                                                          "intermediate_size", "vocab_size")},
+                   moe_config=moe_config(target))
+        result["share_rows"].append(row)
+        timing.write_json(FLAGS.out, result)
+        vs = "" if row["speedup_vs_tp1"] is None else f" ({row['speedup_vs_tp1']:.2f}x tp1)"
+        cli.write(f"share of tp={n} B={B:<3} on one device {row['ms_per_token']:7.2f} ms a token "
+                  f"({row['roofline_fraction']:.0%} of tp {n}'s roofline){vs}")
+    del target
+    gc.collect()
+    jax.clear_caches()
+
+
 def main(argv):
     del argv
     tps, batches = [int(t) for t in FLAGS.tp], [int(b) for b in FLAGS.batch_sizes]
@@ -156,13 +212,17 @@ def main(argv):
         if tp > jax.device_count():
             raise ValueError(f"--tp: {tp} devices, but {jax.device_count()} available")
         parallel.check_mesh(cfg, parallel.make_mesh(model=tp, devices=jax.devices()[:tp]))
+    for n in map(int, FLAGS.shares):
+        share_config(cfg, n)
     result = dict(timing.device_info(), preset=FLAGS.preset, num_devices=jax.device_count(), context=FLAGS.context,
                   shape=FLAGS.shape, iters=FLAGS.iters, tau_published=roofline.PUBLISHED_TAU,
-                  copy_bandwidth=timing.copy_bandwidth(FLAGS.copy_bytes), rows=[], allreduce=[])
+                  copy_bandwidth=timing.copy_bandwidth(FLAGS.copy_bytes), rows=[], allreduce=[], share_rows=[])
     cli.write(f"copy bandwidth {result['copy_bandwidth'] / 1e12:.2f} TB/s")
     base_ms = {}
     for tp in cli.bar(tps, "degrees", unit="tp"):
         degree(cfg, tp, batches, parse_shape(FLAGS.shape), result, base_ms)
+    for n in map(int, FLAGS.shares):
+        share_rows(cfg, n, batches, result, base_ms)
     timing.write_json(FLAGS.out, result)
 
 

@@ -11,7 +11,9 @@ import sys
 import numpy as np
 import pytest
 from experiment_runner import execute, fails, run
+from jax.sharding import AbstractMesh
 
+from eagle3_jax import parallel
 from eagle3_jax.models import GptOssConfig
 from eagle3_jax.pallas import moe
 
@@ -117,7 +119,7 @@ def test_bench_tp_rows(tmp_path):
     path = tmp_path / "tp.json"
     out = run("bench_tp.py", "--preset", "tiny", "--tp", "1,2", "--batch_sizes", "2", "--context", "64", "--iters",
               "1", "--allreduce_rows", "1,4", "--copy_bytes", "1000000", "--profile", "--experts", "expert",
-              "--noprogress", "--out", str(path),
+              "--shares", "2", "--noprogress", "--out", str(path),
               env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     r = json.loads(path.read_text())
     assert r["num_devices"] == 2 and [(x["tp"], x["batch"], x["experts"]) for x in r["rows"]] == [
@@ -140,10 +142,24 @@ def test_bench_tp_rows(tmp_path):
     assert [(a["tp"], a["rows"]) for a in r["allreduce"]] == [(2, 1), (2, 4)]
     assert all(a["xla_us"] > 0 and a["kernel_us"] is None and a["reference_us"] is None for a in r["allreduce"])
     assert "tp=2 B=2 " in out and "x tp1)" in out
+    # one device's share of tp 2 alone: half the heads, kv heads, vocabulary and (padded) units of each expert
+    (s,) = r["share_rows"]
+    cfg = GptOssConfig.preset("tiny")
+    units = parallel.expert_units(cfg, AbstractMesh((1, 2), ("data", "model")), "tensor") // 2
+    assert (s["share"], s["batch"]) == (2, 2) and s["config"] == dict(
+        num_attention_heads=cfg.num_attention_heads // 2, num_key_value_heads=cfg.num_key_value_heads // 2,
+        intermediate_size=units, vocab_size=cfg.vocab_size // 2)
+    assert s["moe_config"]["units"] == units and s["ms_per_token"] > 0
+    assert s["speedup_vs_tp1"] == pytest.approx(r["rows"][0]["ms_per_token"] / s["ms_per_token"])
+    nbytes = roofline.target_bytes(cfg, 2, 1, 64, model=2)["total"]
+    assert s["roofline_fraction"] == pytest.approx(nbytes / r["copy_bandwidth"] / (s["ms_per_token"] / 1e3))
+    assert "share of tp=2 B=2 " in out
     # a degree the devices cannot hold, refused before any model is made
     err = fails("bench_tp.py", "--preset", "tiny", "--tp", "1,4",
                 env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     assert err.strip() == "error: --tp: 4 devices, but 2 available", err
+    err = fails("bench_tp.py", "--preset", "tiny", "--tp", "1", "--shares", "4")  # tiny's 2 kv heads
+    assert err.strip() == 'error: --shares: 4: mesh axis "model" of size 4 must divide num_key_value_heads=2', err
     assert "--reductions" in fails("bench_tp.py", "--reductions", "nccl", code=1)
     assert "--experts" in fails("bench_tp.py", "--experts", "heads", code=1)
 

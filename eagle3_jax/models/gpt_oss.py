@@ -794,7 +794,7 @@ def random_gpt_oss(config: GptOssConfig, seed: int = 0, dtype=jnp.bfloat16, shar
         variable created where `shardings` puts it."""
         out = None
         if shardings is not None:
-            where = lambda p, _: shardings(prefix + "/".join(str(getattr(x, "key", x)) for x in p))  # noqa: E731
+            where = lambda p, _: shardings(prefix + "/".join(str(getattr(x, "key", x)) for x in p))
             leaves, treedef = jax.tree.flatten(jax.tree_util.tree_map_with_path(where, nnx.to_pure_dict(state)))
             out = (tuple(leaves), treedef)
         # the key goes as host data: an input every process holds whole
