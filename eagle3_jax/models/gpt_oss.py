@@ -816,16 +816,16 @@ _TOP = ("embed", "lm_head", "norm")  # the variables outside the blocks
 @functools.lru_cache(maxsize=32)
 def _constructor(config: GptOssConfig, dtype, layer: int | None, out):
     """jit of key data -> a pure dict: the state of Block(config, layer) or, for layer None, the _TOP
-    variables of a one-layer GptOss (its block is drawn, then dropped by XLA: lm_head comes after it). out: None (the
-    default device) or the flattened out_shardings (leaves, treedef). Cached by its arguments: one
-    compile a config, dtype, layer kind and placement in a process."""
+    variables of a one-layer GptOss (its block is drawn, as lm_head comes after it, then dropped by
+    XLA). out: None (the default device) or the flattened out_shardings (leaves, treedef). Cached by
+    its arguments: one compile a config, dtype, layer kind and placement in a process."""
     def make(kd):
         rngs = nnx.Rngs(jax.random.wrap_key_data(kd))
         if layer is not None:
             return nnx.to_pure_dict(nnx.state(Block(config, layer, dtype, rngs)))
         one = GptOss(config.replace(num_hidden_layers=1, layer_types=config.layer_types[:1]), dtype=dtype, rngs=rngs)
-        return {name: nnx.to_pure_dict(nnx.state(getattr(one, name))) if name == "norm" else getattr(one, name)[...]
-                for name in _TOP}
+        state = nnx.to_pure_dict(nnx.state(one))
+        return {name: state[name] for name in _TOP}
 
     return jax.jit(make, out_shardings=None if out is None else jax.tree.unflatten(out[1], out[0]))
 
