@@ -273,6 +273,28 @@ def test_copy_buffer_that_does_not_fit_is_named():
         timing.copy_bandwidth(1 << 45, "--moe_copy_bytes")
 
 
+def test_program_memory_without_buffer_stats():
+    # a backend without XLA's buffer-assignment statistics: None (the rows then record None), not an error
+    import jax
+    from lib import timing
+
+    class Compiled:
+        def __init__(self, answer):
+            self.answer = answer
+
+        def memory_analysis(self):
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+    for answer in (NotImplementedError("no stats"), jax.errors.JaxRuntimeError("UNIMPLEMENTED"), None):
+        assert timing.program_memory(Compiled(answer)) is None, answer
+    with pytest.raises(ValueError, match="other"):  # any other failure is not swallowed
+        timing.program_memory(Compiled(ValueError("other")))
+    real = timing.program_memory(jax.jit(lambda x: x * 2).lower(np.ones(4, np.float32)).compile())
+    assert real["peak"] == real["argument"] + real["output"] - real["alias"] + real["temp"] > 0
+
+
 def test_gates_names_file_and_missing_key(tmp_path):
     import gates
     path = tmp_path / "not_bench.json"
