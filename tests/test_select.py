@@ -42,7 +42,11 @@ def test_moe_paths():
     assert [path(T) for T in (1, 16, 64, 65)] == ["kernel"] * 3 + ["grouped"]
     assert path(1, packed=False) == path(16, platform="cpu") == path(16, dtype=f32) == "gathered"
     assert path(17, platform="cpu") == "grouped" and path(17, E=16, platform="cpu") == "dense"
-    assert path(16, E=16, platform="cpu") == "gathered"
+    # packed experts that "dense" takes: "gathered" while the pairs are no more than the experts (each
+    # pair decodes a copy of its expert's MXFP4 weights; "dense" decodes every expert once)
+    assert path(4, E=16, platform="cpu") == path(16, E=16, packed=False, platform="cpu") == "gathered"
+    assert path(5, E=16, platform="cpu") == path(16, E=16, platform="cpu") == "dense"
+    assert path(16, E=64, platform="cpu") == "gathered"  # "dense" not taken: 64 experts > 4 k
     assert select.moe_grouped(_z((300, 2880)), True, platform="gpu") == "kernel"
     assert select.moe_grouped(_z((300, 2880)), True, interpret=True, platform="cpu") == "kernel"
     assert select.moe_grouped(_z((300, 2880)), False, interpret=True, platform="gpu") == "scan"
