@@ -42,11 +42,10 @@ def test_moe_paths():
     assert [path(T) for T in (1, 16, 64, 65)] == ["kernel"] * 3 + ["grouped"]
     assert path(1, packed=False) == path(16, platform="cpu") == path(16, dtype=f32) == "gathered"
     assert path(17, platform="cpu") == "grouped" and path(17, E=16, platform="cpu") == "dense"
-    # packed experts that "dense" takes: "gathered" while the pairs are no more than the experts (each
-    # pair decodes a copy of its expert's MXFP4 weights; "dense" decodes every expert once)
-    assert path(4, E=16, platform="cpu") == path(16, E=16, packed=False, platform="cpu") == "gathered"
-    assert path(5, E=16, platform="cpu") == path(16, E=16, platform="cpu") == "dense"
-    assert path(16, E=64, platform="cpu") == "gathered"  # "dense" not taken: 64 experts > 4 k
+    # packed experts that "dense" takes go dense at any size ("gathered" would gather and decode a copy
+    # of an expert's MXFP4 weights a pair; "dense" decodes every expert once); unpacked ones gather
+    assert path(1, E=16, platform="cpu") == path(16, E=16, dtype=f32) == "dense"
+    assert path(16, E=16, packed=False, platform="cpu") == path(16, E=17, platform="cpu") == "gathered"
     assert select.moe_grouped(_z((300, 2880)), True, platform="gpu") == "kernel"
     assert select.moe_grouped(_z((300, 2880)), True, interpret=True, platform="cpu") == "kernel"
     assert select.moe_grouped(_z((300, 2880)), False, interpret=True, platform="gpu") == "scan"

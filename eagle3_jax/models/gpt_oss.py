@@ -356,8 +356,7 @@ class MoE(nnx.Module):
         (token, expert) pair's weights, "grouped" tokens grouped into expert tiles, "dense" every
         expert on every token (training: batched, differentiable; compute grows with E / k). By size:
         `select.moe` (the kernel where it applies, else gathered up to select.GATHER_MAX_PAIRS pairs
-        (packed experts of a small model: up to one pair an expert), else dense for few experts, else
-        grouped)."""
+        but for packed experts of a small model, else dense for few experts, else grouped)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         if partial:

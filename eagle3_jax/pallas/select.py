@@ -14,7 +14,7 @@ name. `platform` defaults to the default backend (`util.on_gpu`). Kernels have n
 | | "plain" | otherwise: `qkv_rope`, the cache write, then `attention` |
 | `norm(x)` | "kernel" | glue kernels (`norm.add_rms_norm`); else "reference" |
 | `moe(x, ...)` | "kernel" | MXFP4 experts, glue kernels, tokens <= MOE_KERNEL_MAX_TOKENS |
-| | "gathered" | tokens * top_k <= GATHER_MAX_PAIRS (packed experts that "dense" takes: pairs <= experts) |
+| | "gathered" | tokens * top_k <= GATHER_MAX_PAIRS, but not for packed experts that "dense" takes |
 | | "dense" | experts <= DENSE_MAX_EXPERTS_PER_TOPK * top_k (small models) |
 | | "grouped" | otherwise |
 | `moe_grouped(x, packed, interpret)` | "kernel" | MXFP4 experts, bf16, glue kernels or interpret; else "scan" |
@@ -116,9 +116,9 @@ def moe(x, *, num_experts: int, top_k: int, packed: bool, platform: str | None =
     tokens = x.shape[0]
     if packed and glue_kernels(x, platform) and tokens <= MOE_KERNEL_MAX_TOKENS:
         return "kernel"
-    pairs, dense = tokens * top_k, num_experts <= DENSE_MAX_EXPERTS_PER_TOPK * top_k
-    # packed experts: "gathered" decodes a copy of its expert per pair, "dense" each expert once
-    if pairs <= GATHER_MAX_PAIRS and not (packed and dense and pairs > num_experts):
+    dense = num_experts <= DENSE_MAX_EXPERTS_PER_TOPK * top_k
+    # packed experts: "gathered" gathers and decodes a copy of its expert a pair, "dense" decodes each once
+    if tokens * top_k <= GATHER_MAX_PAIRS and not (packed and dense):
         return "gathered"
     return "dense" if dense else "grouped"
 
