@@ -56,9 +56,10 @@ FLAGS = flags.FLAGS
 
 CPU_NOTE = ("note: on a CPU expect speculative decoding to gain little over generate (a 2-core CPU, "
             "results/pair_eval_cpu.json: 0.88x at B=1, 1.64x at B=2, 0.83x at B=4): a CPU is compute-bound, so "
-            "verifying N tokens in one pass costs about as much as N one-token steps. On a GPU decoding is memory-bound (a step reads every weight "
-            "once, whatever the tokens), and this pair runs 1.6-2.2x faster than generate at B=1 (2.16x on an H200 "
-            "under JAX's default command buffers, 1.58x on an H100 with loops as CUDA graphs, the library's default).")
+            "verifying N tokens in one pass costs about as much as N one-token steps. On a GPU decoding is "
+            "memory-bound (a step reads every weight once, whatever the tokens), and this pair runs 1.6-2.2x "
+            "faster than generate at B=1 (2.16x on an H200 under JAX's default command buffers, 1.58x on an H100 "
+            "with loops as CUDA graphs, the library's default).")
 
 
 def _say(msg):
