@@ -101,6 +101,12 @@ def moe_config(target) -> dict | None:
     return dict(units=units, **dataclasses.asdict(moe.config_for(units)))
 
 
+def vs_tp1(base_ms: dict, B: int, ms: float):
+    """(tp 1's ms a token at batch B over `ms`, None where tp 1 was not timed; its " (N.NNx tp1)" text)."""
+    ref = base_ms.get(B)
+    return (None, "") if ref is None else (ref / ms, f" ({ref / ms:.2f}x tp1)")
+
+
 def timed_batch(cfg, tp: int, B: int, shape, reduction, experts, target, draft, result, base_ms):
     """Times the baseline and the speculative step at batch B, appending a row to result["rows"]."""
     base_mem, kernels = {}, ({} if FLAGS.profile else None)
@@ -109,13 +115,13 @@ def timed_batch(cfg, tp: int, B: int, shape, reduction, experts, target, draft, 
     t_step = r["seconds"]["step"]
     if tp == 1:
         base_ms[B] = t_base * 1e3
-    ref = base_ms.get(B)
+    speedup, vs = vs_tp1(base_ms, B, t_base * 1e3)
     nbytes = roofline.target_bytes(cfg, B, 1, FLAGS.context, model=tp, experts=experts)["total"]
     row = dict(tp=tp, batch=B, context=FLAGS.context, shape=FLAGS.shape, reduction=reduction, experts=experts,
                moe_config=moe_config(target), ms_per_token=t_base * 1e3,
                tokens_per_second=B / t_base, roofline_fraction=nbytes / result["copy_bandwidth"] / t_base,
                step_ms=t_step * 1e3,
-               speedup_vs_tp1=None if ref is None else ref / (t_base * 1e3),
+               speedup_vs_tp1=speedup,
                projected_speedup={f"{tau:g}": tau * t_base / t_step for tau in roofline.PUBLISHED_TAU},
                collectives=dict(baseline=base_mem.get("collectives"),
                                 step=r["memory"]["step"].get("collectives")))
@@ -125,7 +131,6 @@ def timed_batch(cfg, tp: int, B: int, shape, reduction, experts, target, draft, 
         row["baseline_launches"] = kernels.get("launches", 0) / tp
     result["rows"].append(row)
     timing.write_json(FLAGS.out, result)
-    vs = "" if row["speedup_vs_tp1"] is None else f" ({row['speedup_vs_tp1']:.2f}x tp1)"
     cli.write(f"tp={tp} B={B:<3} {reduction or '':6} {experts or '':6} {row['ms_per_token']:7.2f} ms a token "
               f"({row['roofline_fraction']:.0%} of roofline){vs}  {FLAGS.shape} step {row['step_ms']:7.2f} ms  "
               f"proj@3.22 {row['projected_speedup']['3.22']:.2f}x  collectives "
@@ -187,16 +192,15 @@ def share_rows(cfg, n: int, batches, result, base_ms):
     for B in batches:
         t = time_baseline(target, B, FLAGS.context, FLAGS.iters)
         nbytes = roofline.target_bytes(cfg, B, 1, FLAGS.context, model=n)["total"]
-        ref = base_ms.get(B)
+        speedup, vs = vs_tp1(base_ms, B, t * 1e3)
         row = dict(share=n, batch=B, context=FLAGS.context, ms_per_token=t * 1e3,
                    roofline_fraction=nbytes / result["copy_bandwidth"] / t,
-                   speedup_vs_tp1=None if ref is None else ref / (t * 1e3),
+                   speedup_vs_tp1=speedup,
                    config={k: getattr(scfg, k) for k in ("num_attention_heads", "num_key_value_heads",
                                                           "intermediate_size", "vocab_size")},
                    moe_config=moe_config(target))
         result["share_rows"].append(row)
         timing.write_json(FLAGS.out, result)
-        vs = "" if row["speedup_vs_tp1"] is None else f" ({row['speedup_vs_tp1']:.2f}x tp1)"
         cli.write(f"share of tp={n} B={B:<3} on one device {row['ms_per_token']:7.2f} ms a token "
                   f"({row['roofline_fraction']:.0%} of tp {n}'s roofline){vs}")
     del target
