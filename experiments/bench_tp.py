@@ -41,7 +41,8 @@ units, as on the tp n mesh, but q|k|v and o_proj through XLA's dots and each res
 through the norm kernel, where a tp n device runs the projections' one-row kernel
 (`gemv.rows_matmul`: 3.4-4.6 us a share faster at one row, kernels_gemv_nk_h200.json) and the fused
 reduction. Its baseline timed at each batch: "share_rows": [{"share", "batch", "ms_per_token",
-"roofline_fraction" (tp n's device bytes), "speedup_vs_tp1", "config", "moe_config"}]: what
+"roofline_fraction" (tp n's device bytes), "speedup_vs_tp1", "config", "moe_config"}, with --profile
+also "baseline_kernels_ms" and "baseline_launches"]: what
 tp n's kernels cost a device without communication, to within those differences (docs/perf/multi_gpu.md).
 """
 
@@ -107,6 +108,13 @@ def vs_tp1(base_ms: dict, B: int, ms: float):
     return (None, "") if ref is None else (ref / ms, f" ({ref / ms:.2f}x tp1)")
 
 
+def profile_fields(kernels: dict, devices: int) -> dict:
+    """A baseline loop's profile (`time_baseline`'s kernels: device seconds a step by family, summed
+    over the devices, and "launches") per device: {"baseline_kernels_ms", "baseline_launches"}."""
+    ms = {k: v * 1e3 / devices for k, v in sorted(kernels.items(), key=lambda kv: -kv[1]) if k != "launches"}
+    return dict(baseline_kernels_ms=ms, baseline_launches=kernels.get("launches", 0) / devices)
+
+
 def timed_batch(cfg, tp: int, B: int, shape, reduction, experts, target, draft, result, base_ms):
     """Times the baseline and the speculative step at batch B, appending a row to result["rows"]."""
     base_mem, kernels = {}, ({} if FLAGS.profile else None)
@@ -125,10 +133,8 @@ def timed_batch(cfg, tp: int, B: int, shape, reduction, experts, target, draft, 
                projected_speedup={f"{tau:g}": tau * t_base / t_step for tau in roofline.PUBLISHED_TAU},
                collectives=dict(baseline=base_mem.get("collectives"),
                                 step=r["memory"]["step"].get("collectives")))
-    if kernels is not None:  # per device: the records cover every device of the step
-        row["baseline_kernels_ms"] = {k: v * 1e3 / tp for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])
-                                      if k != "launches"}
-        row["baseline_launches"] = kernels.get("launches", 0) / tp
+    if kernels is not None:
+        row.update(profile_fields(kernels, tp))
     result["rows"].append(row)
     timing.write_json(FLAGS.out, result)
     cli.write(f"tp={tp} B={B:<3} {reduction or '':6} {experts or '':6} {row['ms_per_token']:7.2f} ms a token "
@@ -190,7 +196,8 @@ def share_rows(cfg, n: int, batches, result, base_ms):
     target = gpt_oss.random_gpt_oss(share_config(cfg, n), seed=0)
     scfg = target.config
     for B in batches:
-        t = time_baseline(target, B, FLAGS.context, FLAGS.iters)
+        kernels = {} if FLAGS.profile else None
+        t = time_baseline(target, B, FLAGS.context, FLAGS.iters, kernels=kernels)
         nbytes = roofline.target_bytes(cfg, B, 1, FLAGS.context, model=n)["total"]
         speedup, vs = vs_tp1(base_ms, B, t * 1e3)
         row = dict(share=n, batch=B, context=FLAGS.context, ms_per_token=t * 1e3,
@@ -199,6 +206,8 @@ def share_rows(cfg, n: int, batches, result, base_ms):
                    config={k: getattr(scfg, k) for k in ("num_attention_heads", "num_key_value_heads",
                                                           "intermediate_size", "vocab_size")},
                    moe_config=moe_config(target))
+        if kernels is not None:
+            row.update(profile_fields(kernels, 1))
         result["share_rows"].append(row)
         timing.write_json(FLAGS.out, result)
         cli.write(f"share of tp={n} B={B:<3} on one device {row['ms_per_token']:7.2f} ms a token "

@@ -150,6 +150,7 @@ def test_bench_tp_rows(tmp_path):
         num_attention_heads=cfg.num_attention_heads // 2, num_key_value_heads=cfg.num_key_value_heads // 2,
         intermediate_size=units, vocab_size=cfg.vocab_size // 2)
     assert s["moe_config"]["units"] == units and s["ms_per_token"] > 0
+    assert s["baseline_kernels_ms"] == {} and s["baseline_launches"] == 0  # --profile: none on CPU
     assert s["speedup_vs_tp1"] == pytest.approx(r["rows"][0]["ms_per_token"] / s["ms_per_token"])
     nbytes = roofline.target_bytes(cfg, 2, 1, 64, model=2)["total"]
     assert s["roofline_fraction"] == pytest.approx(nbytes / r["copy_bandwidth"] / (s["ms_per_token"] / 1e3))
