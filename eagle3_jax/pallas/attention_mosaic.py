@@ -121,7 +121,7 @@ def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages
                 plgpu.barrier_wait(k_bar.at[slot])
 
                 def qk_of(ref):
-                    plgpu.wgmma(ref, qs, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(ref, qs, k_smem.at[slot].transpose((1, 0)))
                     if pingpong:
                         schedule()
                     return ref[...]
