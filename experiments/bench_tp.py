@@ -112,7 +112,7 @@ def profile_fields(kernels: dict, devices: int) -> dict:
     """A baseline loop's profile (`time_baseline`'s kernels: device seconds a step by family, summed
     over the devices, and "launches") per device: {"baseline_kernels_ms", "baseline_launches"}."""
     ms = {k: v * 1e3 / devices for k, v in sorted(kernels.items(), key=lambda kv: -kv[1]) if k != "launches"}
-    return dict(baseline_kernels_ms=ms, baseline_launches=kernels.get("launches", 0) / devices)
+    return {"baseline_kernels_ms": ms, "baseline_launches": kernels.get("launches", 0) / devices}
 
 
 def timed_batch(cfg, tp: int, B: int, shape, reduction, experts, target, draft, result, base_ms):
