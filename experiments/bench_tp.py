@@ -42,8 +42,8 @@ through the norm kernel, where a tp n device runs the projections' one-row kerne
 (`gemv.rows_matmul`: 3.4-4.6 us a share faster at one row, kernels_gemv_nk_h200.json) and the fused
 reduction. Its baseline timed at each batch: "share_rows": [{"share", "batch", "ms_per_token",
 "roofline_fraction" (tp n's device bytes), "speedup_vs_tp1", "config", "moe_config"}, with --profile
-also "baseline_kernels_ms" and "baseline_launches"]: what
-tp n's kernels cost a device without communication, to within those differences (docs/perf/multi_gpu.md).
+also "baseline_kernels_ms" and "baseline_launches"]: what tp n's kernels cost a device without
+communication, to within those differences (docs/perf/multi_gpu.md).
 """
 
 import contextlib
