@@ -108,9 +108,12 @@ def vs_tp1(base_ms: dict, B: int, ms: float):
     return (None, "") if ref is None else (ref / ms, f" ({ref / ms:.2f}x tp1)")
 
 
-def profile_fields(kernels: dict, devices: int) -> dict:
+def profile_fields(kernels: dict | None, devices: int) -> dict:
     """A baseline loop's profile (`time_baseline`'s kernels: device seconds a step by family, summed
-    over the devices, and "launches") per device: {"baseline_kernels_ms", "baseline_launches"}."""
+    over the devices, and "launches") per device: {"baseline_kernels_ms", "baseline_launches"}; {}
+    where nothing was profiled (kernels None: no --profile)."""
+    if kernels is None:
+        return {}
     ms = {k: v * 1e3 / devices for k, v in sorted(kernels.items(), key=lambda kv: -kv[1]) if k != "launches"}
     return {"baseline_kernels_ms": ms, "baseline_launches": kernels.get("launches", 0) / devices}
 
@@ -133,8 +136,7 @@ def timed_batch(cfg, tp: int, B: int, shape, reduction, experts, target, draft, 
                projected_speedup={f"{tau:g}": tau * t_base / t_step for tau in roofline.PUBLISHED_TAU},
                collectives=dict(baseline=base_mem.get("collectives"),
                                 step=r["memory"]["step"].get("collectives")))
-    if kernels is not None:
-        row.update(profile_fields(kernels, tp))
+    row.update(profile_fields(kernels, tp))
     result["rows"].append(row)
     timing.write_json(FLAGS.out, result)
     cli.write(f"tp={tp} B={B:<3} {reduction or '':6} {experts or '':6} {row['ms_per_token']:7.2f} ms a token "
@@ -206,8 +208,7 @@ def share_rows(cfg, n: int, batches, result, base_ms):
                    config={k: getattr(scfg, k) for k in ("num_attention_heads", "num_key_value_heads",
                                                           "intermediate_size", "vocab_size")},
                    moe_config=moe_config(target))
-        if kernels is not None:
-            row.update(profile_fields(kernels, 1))
+        row.update(profile_fields(kernels, 1))
         result["share_rows"].append(row)
         timing.write_json(FLAGS.out, result)
         cli.write(f"share of tp={n} B={B:<3} on one device {row['ms_per_token']:7.2f} ms a token "
