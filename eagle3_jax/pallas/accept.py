@@ -24,9 +24,7 @@ u[:, N]; kernel and reference agree token for token (up to float rounding of sum
 Kernels (Pallas Triton): greedy, one program a sequence on [N, N] tiles (`tree_mask.closure`);
 sampling, three launches: the walk (a sampled rejection is one pass over the vocabulary, shared by
 SMs / B programs a sequence, see `_walk_kernel`), the residual's sums over vocabulary chunks, the bonus
-draw. H200, B=4, N=64 (experiments/results/accept_h200.json): deterministic 8.6 / 11.6 us, sample
-9.9 / 13.5 us at V = 32000 / 201088 (the references 207 / 178 and 259 / 248 us). What was tried:
-docs/perf/accept.md.
+draw. Figures against the jnp references, and what was tried: docs/perf/accept.md.
 """
 
 from __future__ import annotations

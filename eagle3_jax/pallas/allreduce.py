@@ -18,15 +18,12 @@ all in until every flag is this call's, sums them with its own x in device order
 residual, normalizes and writes s and y from registers. Inboxes are memory outside XLA
 (`peer_memory`), reached through a table of addresses in the `Mailbox` (directly in one process,
 through CUDA IPC across processes), not `plgpu.remote_ref` or `lax.axis_index`: a kernel reading
-XLA's collective metadata makes XLA launch a barrier (5-7 us) before every call. Calls alternate
+XLA's collective metadata makes XLA launch a barrier kernel before every call. Calls alternate
 between two slots, reused with no handshake (see `_exchange`). After MAX_SPINS reloads a kernel traps
 (an error, not a hang). Every device must make the same calls in the same order.
 
-4 H200s, JAX 0.11.2, loops as CUDA graphs, one process (experiments/results/reduce_norm_prefetch_h200x4.json,
-chains of 8 calls): 1 / 4 / 16 rows 3.7 / 3.8 / 4.1 us a call on one device, 5.9 / 6.8 / 8.4 over 2,
-6.8 / 8.6 / 13.5 over 4 (16 rows from 6 blocks a row: reduce_norm_parts_prefetch_h200x4.json); XLA's
-all-reduce + add + norm 14.4-18.1 us, the add + norm alone on one device 1.6-2.2. Requires
-H % 64 == 0, R <= MAX_ROWS and model groups whose GPUs share memory (`shared_memory_problem`).
+Requires H % 64 == 0, R <= MAX_ROWS and model groups whose GPUs share memory
+(`shared_memory_problem`). Figures against XLA's all-reduce + add + norm: docs/perf/multi_gpu.md.
 """
 
 from __future__ import annotations
@@ -497,9 +494,9 @@ def max_parts(hidden: int) -> int:
 
 def parts_for(rows: int, hidden: int, devices: int) -> int:
     """Blocks a row's message is sent from by default: `max_parts`, at most SPREAD_BLOCKS // rows
-    blocks a call over 2 devices (reduce_norm_parts_h200x4.json: 1 and 4 rows gained from 6 blocks a
-    row, 16 and 64 rows lost), MAX_BLOCKS // rows over more (reduce_norm_parts_prefetch_h200x4.json,
-    4 devices: 16 rows 15.8 us from 1 block a row, 13.5 from 6)."""
+    blocks a call over 2 devices (where spreading helped 1 and 4 rows and hurt 16 and 64),
+    MAX_BLOCKS // rows over more (where 16 rows over 4 devices were fastest from 6 blocks a row; the
+    sweeps: docs/perf/multi_gpu.md)."""
     spread = SPREAD_BLOCKS if devices <= 2 else MAX_BLOCKS
     return max(1, min(max_parts(hidden), spread // rows))
 

@@ -13,9 +13,7 @@ the fused q/k/v projection: the bias, RoPE and the new tokens' cache write happe
 model's entry point) runs the implementation `select.attention` names: the Mosaic GPU kernel of
 attention_mosaic.py, this one, or the reference.
 
-H200, 32K prefix, 64/8 heads, D 64, device time with the merge (experiments/results/kernels_h200.json):
-B=1 Nq=1/4/8/16 22.4/24.7/25.6/32.1 us (73/66/64/51% of the K/V roofline); B=4 67.9/71.7/72.1/95.0
-us (96/91/90/69%); sliding layers 3.6-5.8 us at any prefix. What was tried: docs/perf/attention.md.
+Figures (device time against the K/V roofline) and what was tried: docs/perf/attention.md.
 """
 
 from __future__ import annotations
@@ -116,13 +114,12 @@ def attention_config(batch, nq, hq, hkv, head_dim, cache_len, window, *, num_sms
                      **overrides) -> AttnConfig:
     """Launch parameters; any field can be overridden by keyword.
 
-    From sweeps on an H200 (experiments/results/kernels_h200.json; each choice's figures in
-    docs/perf/attention.md): 64-key blocks, 3 stages, 4 warps (8 for 128-row blocks, 2 where blocks of
-    <= 32 rows stream >= 1024 keys a program); as many splits as give about 2 programs per SM (4 for
-    blocks of <= 32 rows while each split keeps >= 1024 keys), rounded down to a power of two (the merge
-    pads the split count to one); the new tokens' K/V loaded before the prefix loop where that costs no
-    occupancy (<= 2 programs per SM); Nq=16 (128 rows) one 8-warp block; the split-K merge a kernel of
-    its own.
+    From sweeps of the launch parameters (each choice's figures in docs/perf/attention.md): 64-key
+    blocks, 3 stages, 4 warps (8 for 128-row blocks, 2 where blocks of <= 32 rows stream >= 1024
+    keys a program); as many splits as give about 2 programs per SM (4 for blocks of <= 32 rows while
+    each split keeps >= 1024 keys), rounded down to a power of two (the merge pads the split count to
+    one); the new tokens' K/V loaded before the prefix loop where that costs no occupancy (<= 2
+    programs per SM); Nq=16 (128 rows) one 8-warp block; the split-K merge a kernel of its own.
     """
     G = hq // hkv
     R = nq * G

@@ -21,10 +21,7 @@ contract of `attention.attention_reference` for full (window None) layers. Two l
 `select.MOSAIC_MIN_CACHE` slots, Nq >= 2). `prefix_reference` is the jnp function of the prefix kernel;
 with interpret=True the partials come from it and the finish kernel runs in the Pallas interpreter.
 
-H200, 32K prefix, 64/8 heads, D 64, device time of both kernels (experiments/results/
-attention_mosaic_h200.json): B=1 Nq=1/4/8/16 22.9/23.8/24.8/29.0 us, B=4 67.5/68.5/71.1/88.5 us
-(87.7 us at Nq=16 with the per-thread row sums, attention_floor_h200.json); 128K Nq=16 B=1 86.8 us,
-B=4 322 us. What was tried, and where it stops: docs/perf/attention.md.
+Figures against the Triton kernel, what was tried, and where it stops: docs/perf/attention.md.
 """
 
 from __future__ import annotations

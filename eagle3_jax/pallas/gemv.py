@@ -12,13 +12,10 @@ x's rows in turn. `rows_matmul_reference` is the jnp function of the same signat
 The model runs a device's q|k|v and o_proj through it at one row under tensor parallelism
 (`select.rows_matmul`, `gpt_oss.device_proj`), where XLA pads the row to two (`layers.rows_dot`) and
 runs a GEMM, then a slice or a copy. The default launch (4 outputs a program, 1024-element steps)
-was the fastest of a sweep (4 / 8 / 16 outputs, 256-2048 steps; gemv_t_probe_h200.json) at every
-share. One H200, JAX 0.11.2, device time a call at one row, 36 distinct weights, against XLA's path
-on the same arrays (experiments/results/kernels_gemv_nk_h200.json), w [N, K] of o and q|k|v at 4
-devices, then at 2: [2880, 1024] 3.32 us against 7.32, [1280, 2880] 5.51 / 8.94, [2880, 2048]
-5.29 / 9.62, [2560, 2880] 6.61 / 11.16; at 4 rows XLA is faster (5.13 against 5.72 us at o's).
-In the model: gpt-oss-120b B=1 on 4 H200s, tp 2 1.80 and tp 4 1.66 ms a token against tp 1's 2.33
-in the same process (experiments/results/tp_decode_b1_nk_tp124_h200x4.json).
+was the fastest of a sweep over outputs a program and step lengths at every share. At one row the
+kernel beat XLA's path on the same arrays at each share of o and q|k|v over 2 and 4 devices; at 4
+rows XLA's was faster (`select.rows_matmul` says which runs). The figures, the sweep and the model's
+tokens: docs/perf/multi_gpu.md ("wqkv and wo stored [out, in]").
 """
 
 from __future__ import annotations

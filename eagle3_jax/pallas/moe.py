@@ -21,11 +21,8 @@ times 2^-32 (exact for scale bytes 35..160). The interpreter decodes through f16
 every tile at once, the MMA path's decode and tensor-core products. `mxfp4_moe_reference` is the
 plain-jnp function of `mxfp4_moe`'s signature; CPU tests run the kernels with interpret=True.
 
-H200, one gpt-oss-120b layer, device time: `mxfp4_moe` 26.9 / 80.0 / 141 / 256 / 901 us at T = 1 / 4
-/ 8 / 16 / 64 = 50 / 65 / 69 / 67 / 40% of the HBM roofline (experiments/results/moe_h200.json);
-`mxfp4_moe_grouped` 3.5-3.6 ms at 2048 tokens (moe_grouped_h200.json). A device's share of every
-expert (tensor parallel) launches with `config_for(units)`: at 736 units, T=1, 11.9 us (both
-kernels). What was tried, and the variants removed: docs/perf/moe.md.
+A device's share of every expert (tensor parallel) launches with `config_for(units)`. Figures (device
+time against the HBM roofline), what was tried, and the variants removed: docs/perf/moe.md.
 """
 
 from __future__ import annotations
@@ -91,11 +88,11 @@ class MoeConfig:
 
 DEFAULT_CONFIG = MoeConfig()
 # Experts split over devices (`parallel.split_experts`): (most units, config), the first that holds a
-# device's share. Both kernels' device time a layer at T = 1 / 4 against DEFAULT_CONFIG, one H200
-# (moe_units{736,1472}_t14_sweep_h200.json):
+# device's share. Each chosen from a sweep of launches at its share (T = 1 and 4, both kernels, against
+# DEFAULT_CONFIG; the figures: docs/perf/moe.md, "A device's share of the experts").
 SHARE_CONFIGS = (
-    (1024, MoeConfig(fma_warps=4)),  # 736 units (4 devices): 11.9 / 29.5 us against 13.8 / 29.7
-    (2048, MoeConfig(fma_warps=4, fma_down_groups=16)),  # 1472 units (2 devices): 17.5 / 47.7 against 18.8 / 50.6
+    (1024, MoeConfig(fma_warps=4)),  # 736 units (4 devices)
+    (2048, MoeConfig(fma_warps=4, fma_down_groups=16)),  # 1472 units (2 devices)
 )
 
 
@@ -727,8 +724,8 @@ class GroupedConfig:
     gate_up program (it reads 2 * block_i weight rows), block_h: outputs per down program, both for
     tm <= 128 and scaled down by tm / 128 above (at least 16), so that a program's accumulators stay
     the same size. groups: 32-input scale groups per K step; prefetch: K steps loaded ahead; num_warps,
-    num_stages: Triton's; decode: as in MoeConfig ("ptx" on GPUs). The defaults: 3.5-3.6 ms for one
-    gpt-oss-120b layer at 2048 tokens, tm = 128 (H200; the launches measured: docs/perf/moe.md)."""
+    num_stages: Triton's; decode: as in MoeConfig ("ptx" on GPUs). The defaults: the fastest launch
+    measured for one gpt-oss-120b layer at 2048 tokens, tm = 128 (the launches: docs/perf/moe.md)."""
 
     block_i: int = 128
     block_h: int = 128

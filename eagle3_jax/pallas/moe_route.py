@@ -17,15 +17,15 @@ and returns what `moe.mxfp4_moe` consumes:
      products and a sum) and stores the partial logits. The expert tile 0 programs write x; the
      chunk's eight scale groups of xq are spread over the expert tiles' programs, each group's
      (low, high) pairs gathered from h in pair order and normalized again, so that no layout
-     conversion happens in registers. gpt-oss-120b at one token: 96 programs, 3.7 us on an H200.
+     conversion happens in registers (gpt-oss-120b at one token: 96 programs).
   2. top k + softmax, one program per token tile: the partial logits summed, the bias added, then
      k rounds of (row max, lowest id at the max). One warp at one token (its reductions stay in the
-     warp): 1.74 us on an H200.
+     warp).
 
 At one token this replaces the ten XLA kernels of the plain path (the norm's reduce and scale, the
 padding of the router input and of its weight for a split-K GEMM, the GEMM, its reduce, the top k's
-two reduces, the softmax and the pair layout) with two: 0.20 ms a token over gpt-oss-120b's 36 layers
-(experiments/results/moe_e2e_h200.json, `kernels_by_family`; what was tried: docs/perf/glue.md).
+two reduces, the softmax and the pair layout) with two (figures and what was tried:
+docs/perf/glue.md).
 `route_reference` is the jnp function of the same signature.
 """
 

@@ -5,11 +5,10 @@ sum in f32 rounded to x.dtype, as `x + residual.astype(x.dtype)` in jnp), and
 y = s * rsqrt(mean(s^2) + eps) * scale computed in f32, rounded to x.dtype. Returns (s, y).
 
 One program per row, the whole row in registers; 16 warps a program for up to 64 rows (decode and
-verify: one row of 2880 takes 1.42 us on an H200), 4 beyond. At one token XLA runs this as three
-kernels (the add, the mean's reduce, the scale: a full reduction to a scalar does not fuse with its
-consumer); the model calls it between its blocks (the MoE's f32 output is added to the residual
-stream and the next block's input norm applied in one kernel): 0.08 ms a token over gpt-oss-120b's
-36 layers (experiments/results/moe_e2e_h200.json; what was tried: docs/perf/glue.md).
+verify; faster than 4 there), 4 beyond. At one token XLA runs this as three kernels (the add, the
+mean's reduce, the scale: a full reduction to a scalar does not fuse with its consumer); the model
+calls it between its blocks (the MoE's f32 output is added to the residual stream and the next
+block's input norm applied in one kernel). Figures and what was tried: docs/perf/glue.md.
 `add_rms_norm_reference` is the jnp function of the same signature.
 """
 
