@@ -140,7 +140,7 @@ def test_moe_paths_agree(ckpt):
     assert rel_err(moe_call(moe, xs, ids, ws, method="_grouped"),
                    np.asarray(moe_call(moe, xs, ids, ws, method="_gathered"), np.float64)) < 1e-5
     with pytest.raises(ValueError, match="grouped kernels"):  # float32 activations: the kernels take bf16
-        moe._grouped(xs, ids, ws, kernel=True)
+        moe._grouped(xs, ids, ws, select.KernelPolicy(moe_grouped="kernel"))
     moe.path = "dense"
     try:
         assert rel_err(moe(x), ref) < 1e-5

@@ -13,7 +13,6 @@ from jax.sharding import PartitionSpec as P
 from eagle3_jax import parallel
 from eagle3_jax.convert import random_gpt_oss
 from eagle3_jax.models import GptOssConfig
-from eagle3_jax.spec import loop
 
 pytestmark = pytest.mark.gpu
 
@@ -31,10 +30,11 @@ def gpus():
 def moe_out(moe, x, mesh=None, path=None):
     """The layer's f32 output for bf16 rows x [T, H] through `path` (None: chosen by size), traced
     under the mesh as decode traces it."""
+    ctx = parallel.context(mesh)
+
     @jax.jit
     def run(moe, rows):
-        with loop.on_mesh(mesh):
-            return moe(rows, path=path, dtype=jnp.float32)
+        return moe(rows, path=path, dtype=jnp.float32, ctx=ctx)
 
     rows = x if mesh is None else jax.device_put(x, NamedSharding(mesh, P()))
     return np.asarray(run(moe, rows), np.float64)

@@ -10,6 +10,7 @@ from flax import nnx
 from hf_fixtures import random_hf_weights, tiny_hf_config, write_hf_checkpoint
 from reference_np import reference_forward
 
+from eagle3_jax import parallel
 from eagle3_jax.convert import load_gpt_oss
 from eagle3_jax.models import Eagle3Config, eagle3, gpt_oss
 from eagle3_jax.pallas import select
@@ -27,18 +28,18 @@ def model(tmp_path_factory):
     return cfg, w, load_gpt_oss(path, dtype=jnp.bfloat16)
 
 
-def _cached_logits(m, tokens, nxt):
+def _cached_logits(m, tokens, nxt, ctx=parallel.ONE_DEVICE):
     """Logits of a 20-token step from an empty, NaN-poisoned cache and of one more token after it."""
     B, T = tokens.shape
     cache = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), gpt_oss.init_cache(m, B, 32))
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    step = jax.jit(lambda mm, c, t, p, n: gpt_oss.step(mm, c, t, p, n))
+    step = jax.jit(lambda mm, c, t, p, n: gpt_oss.step(mm, c, t, p, n, ctx=ctx))
     lg, _, cache = step(m, cache, jnp.asarray(tokens, jnp.int32), pos, jnp.zeros((B,), jnp.int32))
     lg2, _, _ = step(m, cache, jnp.asarray(nxt, jnp.int32), jnp.full((B, 1), T, jnp.int32), jnp.full((B,), T, jnp.int32))
     return np.asarray(lg, np.float64), np.asarray(lg2[:, 0], np.float64)
 
 
-def test_cached_step_matches_reference(model, monkeypatch):
+def test_cached_step_matches_reference(model):
     # the kernels' bf16 error against float64 is no worse than the plain jnp path's in bf16, as the
     # median over random prompts: one prompt's error is dominated by router near-ties, which pick other
     # experts in one bf16 path and not the other (0.02 to 0.36 of the largest logit on this random
@@ -56,22 +57,16 @@ def test_cached_step_matches_reference(model, monkeypatch):
         ref, _ = reference_forward(cfg, w, np.concatenate([tokens, nxt], 1))
         cases.append((tokens, nxt, (ref[:, :T], ref[:, T])))
 
-    def median_errors():  # [step of 20 tokens, step of 1] relative max errors, median over the draws
+    def median_errors(ctx=parallel.ONE_DEVICE):  # [step of 20 tokens, step of 1] relative max errors, median
         errs = []
         for tokens, nxt, want in cases:
-            got = _cached_logits(m, tokens, nxt)
+            got = _cached_logits(m, tokens, nxt, ctx)
             errs.append([np.max(np.abs(g - r)) / np.max(np.abs(r)) for g, r in zip(got, want)])
         return np.median(errs, axis=0)
 
     err = median_errors()
-    monkeypatch.setattr(select, "glue_kernels", lambda x, platform=None: False)
-    for blk in m.layers:
-        blk.mlp.path = "gathered"
-    try:
-        err_jnp = median_errors()
-    finally:
-        for blk in m.layers:
-            blk.mlp.path = None
+    plain = select.KernelPolicy(norm="reference", target_attention="plain", moe="gathered")
+    err_jnp = median_errors(parallel.RunContext(kernels=plain))
     assert np.all(err < np.maximum(2 * err_jnp, 0.04)), (err, err_jnp)
 
 

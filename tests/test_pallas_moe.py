@@ -362,15 +362,15 @@ def test_interpret_model_grouped_path_uses_kernel():
     ids = jnp.asarray(np.argsort(rng.random((300, 6)) + np.array([0, 0, 0, 0, 0.6, 0.9]), axis=1)[:, :4], jnp.int32)
     w = jax.nn.softmax(jnp.asarray(rng.normal(size=(300, 4)), jnp.float32), axis=-1)
     # jitted: one program each (eager, ~170 ops compile one by one)
-    got = nnx.jit(lambda m, *a: m._grouped(*a, interpret=True))(layer, x, ids, w)
+    got = nnx.jit(lambda m, *a: m._grouped(*a, select.KernelPolicy(interpret=True)))(layer, x, ids, w)
     ref = nnx.jit(lambda m, *a: m._gathered(*a))(layer, x, ids, w)
     assert np.isfinite(np.asarray(got)).all() and _rel(got, ref) < 2e-3
     # pairs with id -1 (experts held by another device) get no tile: as the same pairs with weight 0
     skip = jnp.asarray(rng.random(ids.shape) < 0.4)
-    got = nnx.jit(lambda m, *a: m._grouped(*a, interpret=True))(layer, x, jnp.where(skip, -1, ids), w)
+    got = nnx.jit(lambda m, *a: m._grouped(*a, select.KernelPolicy(interpret=True)))(layer, x, jnp.where(skip, -1, ids), w)
     ref = nnx.jit(lambda m, *a: m._gathered(*a))(layer, x, ids, jnp.where(skip, 0.0, w))
     assert np.isfinite(np.asarray(got)).all() and _rel(got, ref) < 2e-3
-    scan = nnx.jit(lambda m, *a: m._grouped(*a, kernel=False))(layer, x, jnp.where(skip, -1, ids), w)
+    scan = nnx.jit(lambda m, *a: m._grouped(*a, select.KernelPolicy(moe_grouped="scan")))(layer, x, jnp.where(skip, -1, ids), w)
     assert _rel(scan, ref) < 2e-3
 
 
@@ -500,5 +500,5 @@ def test_gpu_model_grouped_path_uses_kernel():
     assert layer._path_for(x) == "grouped"
     got = jax.jit(lambda m, v: m(v, dtype=jnp.float32))(layer, x)
     ids, w = layer.route(x)
-    ref = jax.jit(lambda m, v, i, u: m._grouped(v, i, u, kernel=False))(layer, x, ids, w)
+    ref = jax.jit(lambda m, v, i, u: m._grouped(v, i, u, select.KernelPolicy(moe_grouped="scan")))(layer, x, ids, w)
     assert _rel(got, ref) < 2e-3

@@ -48,7 +48,7 @@ def test_two_processes_match_one_device():
 def test_sharding_table(experts):
     cfg = GptOssConfig.preset("tiny").replace(experts_format=experts)
     model = nnx.eval_shape(lambda: gpt_oss.GptOss(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
-    specs = {path: parallel.param_spec(model, path) for path, _ in parallel.variables(model)}
+    specs = {path: parallel.param_partition(model, path) for path, _ in parallel.variables(model)}
     experts_params = {p for p in specs if "/mlp/experts/" in p}
     assert len(experts_params) == cfg.num_hidden_layers * (6 if experts == "mxfp4" else 4)
     for path, spec in specs.items():
@@ -64,7 +64,7 @@ def test_sharding_table(experts):
                      vocab_size=256, draft_vocab_size=256, target_hidden_size=64, aux_layer_ids=(0, 1, 2),
                      target_num_layers=4, own_embed=False)
     draft = nnx.eval_shape(lambda: eagle3.random_eagle3(d, target=model))
-    dspecs = {path: parallel.param_spec(draft, path) for path, _ in parallel.variables(draft)}
+    dspecs = {path: parallel.param_partition(draft, path) for path, _ in parallel.variables(draft)}
     assert dspecs.pop("embed") == P("model", None) and set(dspecs.values()) == {P()}, dspecs
 
 
@@ -77,7 +77,7 @@ def test_tensor_expert_split(experts):
     model = nnx.eval_shape(lambda: gpt_oss.GptOss(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     for layer in model.layers:
         layer.mlp.expert_split = "tensor"
-    specs = {p.split("/")[-1]: parallel.param_spec(model, p) for p, _ in parallel.variables(model) if "/experts/" in p}
+    specs = {p.split("/")[-1]: parallel.param_partition(model, p) for p, _ in parallel.variables(model) if "/experts/" in p}
     want = {"gate_up_bias": P(None, "model"), "down_bias": P()}
     want.update({"gate_up_blocks": P(None, "model"), "gate_up_scales": P(None, "model"),
                  "down_blocks": P(None, None, "model"), "down_scales": P(None, None, "model")} if experts == "mxfp4"
@@ -89,15 +89,15 @@ def test_tensor_expert_split(experts):
         2944 if experts == "mxfp4" else 2880)
     rng = np.random.default_rng(np.random.randint(1 << 30))
     scales = jnp.asarray(rng.integers(0, 256, (2, 6, 3)), jnp.uint8)  # [E, 2I, H/32], I = 3
-    grown = gpt_oss.resize_units("gate_up_scales", scales, 5)
+    grown = parallel.resize_units("gate_up_scales", scales, 5)
     assert grown.shape == (2, 10, 3) and (np.asarray(grown[:, 6:]) == 127).all()
-    np.testing.assert_array_equal(np.asarray(gpt_oss.resize_units("gate_up_scales", grown, 3)), np.asarray(scales))
+    np.testing.assert_array_equal(np.asarray(parallel.resize_units("gate_up_scales", grown, 3)), np.asarray(scales))
     down = jnp.asarray(rng.integers(0, 256, (2, 4, 3, 16)), jnp.uint8)  # [E, H, I/32, 16], I = 96
-    assert gpt_oss.resize_units("down_blocks", down, 128).shape == (2, 4, 4, 16)
-    assert not np.asarray(gpt_oss.resize_units("down_blocks", down, 128)[:, :, 3]).any()
+    assert parallel.resize_units("down_blocks", down, 128).shape == (2, 4, 4, 16)
+    assert not np.asarray(parallel.resize_units("down_blocks", down, 128)[:, :, 3]).any()
     with pytest.raises(ValueError, match=r"experts: 'heads', expected one of \('expert', 'tensor'\)"):
         parallel.expert_units(cfg, abstract(1, 2), "heads")
-    for split in gpt_oss.EXPERT_SPLITS:  # a split without a mesh: no default to fall back on
+    for split in parallel.EXPERT_SPLITS:  # a split without a mesh: no default to fall back on
         with pytest.raises(ValueError, match=rf"experts='{split}' splits the experts over a mesh; pass mesh= or leave"):
             random_gpt_oss(cfg, experts=split)
     assert parallel.EXPERTS == "tensor"  # the default split (docs/perf/multi_gpu.md: faster at B=1 and 4)
@@ -108,8 +108,8 @@ def test_one_device_shard_and_cache_layout():
     mesh = parallel.make_mesh(devices=[dev])
     t = parallel.shard(gpt_oss.GptOss(GptOssConfig.preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0)), mesh)
     assert parallel.mesh_of(t) is mesh and t.embed.get_value().sharding.spec == P("model", None)
-    assert parallel.cache_spec() == P("data", "model", None, None)
-    assert parallel.cache_spec(heads=False) == P("data", None, None, None)
+    assert parallel.cache_partition() == P("data", "model", None, None)
+    assert parallel.cache_partition(heads=False) == P("data", None, None, None)
     assert parallel.mesh_of(gpt_oss.GptOss(GptOssConfig.preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))) is None
 
 

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from eagle3_jax.pallas import select
 
@@ -47,16 +48,51 @@ def test_moe_paths():
     assert path(1, E=16, platform="cpu") == path(16, E=16, dtype=f32) == "dense"
     assert path(16, E=16, packed=False, platform="cpu") == path(16, E=17, platform="cpu") == "gathered"
     assert select.moe_grouped(_z((300, 2880)), True, platform="gpu") == "kernel"
-    assert select.moe_grouped(_z((300, 2880)), True, interpret=True, platform="cpu") == "kernel"
-    assert select.moe_grouped(_z((300, 2880)), False, interpret=True, platform="gpu") == "scan"
-    assert select.moe_grouped(_z((300, 2880), f32), True, interpret=True) == "scan"
+    interp = select.KernelPolicy(interpret=True)
+    assert select.moe_grouped(_z((300, 2880)), True, platform="cpu", policy=interp) == "kernel"
+    assert select.moe_grouped(_z((300, 2880)), False, platform="gpu", policy=interp) == "scan"
+    assert select.moe_grouped(_z((300, 2880), f32), True, policy=interp) == "scan"
     assert select.moe_grouped(_z((300, 2880)), True, platform="cpu") == "scan"
     assert select.router_top_k(select.RANK_TOP_K_ROWS) == "rank" and select.router_top_k(65) == "sort"
 
 
 def test_spec_ops():
-    assert select.spec_op(None, "gpu") == select.spec_op(True, "cpu") == select.spec_op(True, "gpu") == "kernel"
-    assert select.spec_op(None, "cpu") == select.spec_op(False, "gpu") == "reference"
+    interp, ref = select.KernelPolicy(interpret=True), select.KernelPolicy(spec_ops="reference")
+    assert select.spec_ops("gpu") == select.spec_ops("cpu", policy=interp) == "kernel"
+    assert select.spec_ops("gpu", policy=interp) == "kernel"
+    assert select.spec_ops("cpu") == select.spec_ops("gpu", policy=ref) == "reference"
+
+
+def test_policy_overrides_every_question():
+    """Each KernelPolicy field forces its question's answer on any platform and shape (within what the
+    op can run at all), and a wrong name is a ValueError naming the field and the choices."""
+    x, kc, q = _z((1, 1, 2880)), _z((1, 8, 4096, 64)), _z((1, 4, 64, 64))
+    for name in select.CHOICES:
+        for choice in select.CHOICES[name]:
+            policy = select.KernelPolicy(**{name: choice})
+            assert getattr(policy, name) == choice
+    P = select.KernelPolicy
+    assert select.attention(q, kc, None, "cpu", policy=P(attention="mosaic")) == "mosaic"
+    assert select.attention(q, kc, None, "gpu", policy=P(attention="reference")) == "reference"
+    assert select.target_attention(x, kc, "cpu", policy=P(target_attention="rope_kernel")) == "rope_kernel"
+    assert select.target_attention(x, _z((1, 8, 0, 64)), "cpu", policy=P(target_attention="rope_kernel")) == "plain"
+    assert select.norm(x, "gpu", policy=P(norm="reference")) == "reference"
+    assert select.norm(x, "cpu", policy=P(norm="kernel")) == "kernel"
+    for path in select.MOE_PATHS:
+        assert select.moe(_z((1, 2880)), num_experts=128, top_k=4, packed=True, platform="cpu", policy=P(moe=path)) == path
+    assert select.moe_grouped(_z((300, 2880)), True, "gpu", policy=P(moe_grouped="scan")) == "scan"
+    assert select.router_top_k(1, policy=P(router_top_k="sort")) == "sort"
+    assert select.rows_matmul(_z((1, 2880)), _z((512, 2880)), "cpu", policy=P(rows_matmul="kernel")) == "kernel"
+    assert select.rows_matmul(_z((64, 2880)), _z((512, 2880)), "cpu", policy=P(rows_matmul="kernel")) == "xla"
+    assert select.rows_matmul(_z((1, 2880)), _z((512, 2880)), "gpu", policy=P(rows_matmul="xla")) == "xla"
+    # the one-shot all-reduce needs a Mailbox whatever the policy says; "reference" is always possible
+    assert select.tp_reduce(x, 1, 2, None, "gpu", policy=P(tp_reduce="kernel")) == "reference"
+    assert select.tp_reduce(x, 1, 2, object(), "cpu", policy=P(tp_reduce="kernel")) == "kernel"
+    assert select.tp_pick(1, 2, None, "gpu", policy=P(tp_pick="kernel")) == "reference"
+    for bad in (dict(attention="cuda"), dict(moe="fast"), dict(spec_ops=True), dict(interpret="yes"),
+                dict(moe_config=4)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            select.KernelPolicy(**bad)
 
 
 def test_compiler_options(monkeypatch):

@@ -200,7 +200,7 @@ def _stored_state(model: GptOss):
                 var = state["layers"][i]["self_attn"][name]
                 var.set_value(att.qkv_columns(var.get_value(), axis=0))
         for name, var in state["layers"][i]["mlp"]["experts"].items():
-            var.set_value(gpt_oss.resize_units(name, var.get_value(), units))
+            var.set_value(parallel.resize_units(name, var.get_value(), units))
     return state
 
 

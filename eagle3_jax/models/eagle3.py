@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as Spec
+from jax.sharding import PartitionSpec as P
 
+from eagle3_jax import parallel
 from eagle3_jax.checks import int_arg
 from eagle3_jax.models import kv_cache as kvc
-from eagle3_jax.models import rope, shards
+from eagle3_jax.models import rope
 from eagle3_jax.models.config import Eagle3Config
 from eagle3_jax.models.gpt_oss import RMSNorm, check_step_inputs, check_step_tokens, check_tokens, qkv_rope
 from eagle3_jax.models.layers import F32, keep_position, normal, over_chunks, shape_of
@@ -89,9 +90,10 @@ def project(draft: Eagle3, features):
     return x @ draft.fc[...]
 
 
-def layer_inputs(draft: Eagle3, tokens, g, positions):
+def layer_inputs(draft: Eagle3, tokens, g, positions, ctx: parallel.RunContext = parallel.ONE_DEVICE):
     """The layer up to attention: tokens int32 [B, T], g [B, T, H], positions [B, T] ->
-    (q [B, T, Hq, D], k, v [B, T, Hkv, D] with RoPE applied, residual [B, T, H])."""
+    (q [B, T, Hq, D], k, v [B, T, Hkv, D] with RoPE applied, residual [B, T, H]). ctx: the run
+    context (the target's embedding, when borrowed, is split over its mesh)."""
     c = draft.config
     B, T = tokens.shape
     Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -99,7 +101,7 @@ def layer_inputs(draft: Eagle3, tokens, g, positions):
     gn = draft.hidden_norm(g)
     residual = gn if c.norm_before_residual else g
     table = draft.embed[...]  # the target's (split over "model" on a mesh) unless own_embed
-    e = table[tokens] if draft.config.own_embed else shards.vocab_rows(table, tokens)
+    e = table[tokens] if draft.config.own_embed else parallel.vocab_rows(ctx, table, tokens)
     x = jnp.concatenate([draft.input_layernorm(e), gn], axis=-1)
     inv_freq, scale = rope.inv_freq_and_scale(c.rope, D, c.max_position_embeddings)
     cos, sin = rope.cos_sin(positions, inv_freq, scale)
@@ -115,13 +117,14 @@ def layer_outputs(draft: Eagle3, residual, o):
     return h + (jax.nn.silu(y @ draft.gate[...]) * (y @ draft.up[...])) @ draft.down[...]
 
 
-def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache | None, *, n_write=None):
+def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache | None, *, n_write=None,
+          ctx: parallel.RunContext = parallel.ONE_DEVICE):
     """The decoder layer. tokens int32 [B, T] (x_{t+1}), g [B, T, H] (fc(f_t) or the previous step's
     h), positions [B, T], lengths [B] committed draft-cache prefix (new K/V written at positions
     lengths .. lengths + T - 1), mask packed [B, T, ceil(T/32)] or None (causal). n_write int32 [B]
     (prefill chunks) or None: with a windowed draft's ring cache, only the first n_write[b] tokens are
-    written, after attention has read the ring; without it T <= cache.max_step_tokens.
-    Returns (h [B, T, H] un-normed, cache)."""
+    written, after attention has read the ring; without it T <= cache.max_step_tokens. ctx: the run
+    context (mesh, kernels; default one device). Returns (h [B, T, H] un-normed, cache)."""
     c = draft.config
     tokens = check_tokens(tokens, c.vocab_size)
     B, T = tokens.shape
@@ -134,27 +137,27 @@ def layer(draft: Eagle3, tokens, g, positions, lengths, mask, cache: kvc.KVCache
         check_step_tokens(T, cache, "layer")
     positions, lengths = jnp.asarray(positions, jnp.int32), jnp.asarray(lengths, jnp.int32)
     Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    q, k, v, residual = layer_inputs(draft, tokens, g, positions)
+    q, k, v, residual = layer_inputs(draft, tokens, g, positions, ctx)
     if cache is None:
         kc = vc = jnp.zeros((B, Hkv, 0, D), k.dtype)
     else:
         kc, vc = cache.k[0], cache.v[0]
     sinks = jnp.full((Hq,), NO_SINK, F32)
-    attend = functools.partial(kvc.attend, ring=ring, window=c.sliding_window, scale=D ** -0.5)
-    # under a mesh (models/shards.py) each device attends with its rows; the draft's heads are not split
-    rows = shards.ROWS
-    o, kc, vc = shards.local(attend, (rows,) * 8 + (Spec(), rows), (rows, rows, rows))(
+    attend = functools.partial(kvc.attend, ring=ring, window=c.sliding_window, scale=D ** -0.5, policy=ctx.kernels)
+    # under ctx's mesh each device attends with its rows; the draft's heads are not split
+    rows = parallel.BATCH
+    o, kc, vc = ctx.local(attend, (rows,) * 8 + (P(), rows), (rows, rows, rows))(
         q, k, v, kc, vc, lengths, positions, mask, sinks, n_write)
     if cache is not None:
         cache = cache.replace(k=(kc,), v=(vc,))
     return layer_outputs(draft, residual, o), cache
 
 
-def logits(draft: Eagle3, h):
-    """h [..., H] -> float32 draft-vocab logits [..., Vd]."""
+def logits(draft: Eagle3, h, ctx: parallel.RunContext = parallel.ONE_DEVICE):
+    """h [..., H] -> float32 draft-vocab logits [..., Vd] (a borrowed target head: split over ctx's mesh)."""
     x = draft.norm(h) if draft.config.norm_output else h
     if not draft.config.own_lm_head:  # the target's head, split over "model" on a mesh
-        return shards.vocab_logits(x, draft.lm_head[...])
+        return parallel.vocab_logits(ctx, x, draft.lm_head[...])
     return jnp.einsum("...h,vh->...v", x, draft.lm_head[...], preferred_element_type=F32)
 
 
@@ -186,11 +189,13 @@ def forward(draft: Eagle3, next_tokens, features):
     return logits(draft, h)
 
 
-def prefill(draft: Eagle3, cache: kvc.KVCache, next_tokens, features, prompt_lengths, *, chunk: int):
+def prefill(draft: Eagle3, cache: kvc.KVCache, next_tokens, features, prompt_lengths, *, chunk: int,
+            ctx: parallel.RunContext = parallel.ONE_DEVICE):
     """Chunked draft prefill over (x_{t+1}, f_t) for t below each prompt's length: next_tokens int32
     [B, P] (the prompt shifted left, the first generated token at position length - 1), features
     [B, P, 3 * Ht] (the target's, from its prefill), P a multiple of `chunk`.
-    Returns (cache, un-normed h at each prompt's last position [B, H]: the first draft root's state)."""
+    ctx: the run context (default one device). Returns (cache, un-normed h at each prompt's last
+    position [B, H]: the first draft root's state)."""
     B, P = next_tokens.shape
     last = prompt_lengths - 1
 
@@ -200,7 +205,7 @@ def prefill(draft: Eagle3, cache: kvc.KVCache, next_tokens, features, prompt_len
         f = jax.lax.dynamic_slice_in_dim(features, start, chunk, axis=1)
         pos = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
         h, cache = layer(draft, toks, project(draft, f), pos, jnp.full((B,), start, jnp.int32), None, cache,
-                         n_write=jnp.clip(prompt_lengths - start, 0, chunk))
+                         n_write=jnp.clip(prompt_lengths - start, 0, chunk), ctx=ctx)
         return cache, keep_position(h, h_last, last, start)
 
     return over_chunks(body, prompt_lengths, chunk, (cache, jnp.zeros((B, draft.config.hidden_size), draft.dtype)))

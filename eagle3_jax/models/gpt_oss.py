@@ -25,12 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as Spec
+from jax.sharding import PartitionSpec as P
 
+from eagle3_jax import parallel
 from eagle3_jax.checks import int_arg
 from eagle3_jax.formats import mxfp4
 from eagle3_jax.models import kv_cache as kvc
-from eagle3_jax.models import rope, shards
+from eagle3_jax.models import rope
 from eagle3_jax.models.config import GptOssConfig
 from eagle3_jax.models.layers import F32, keep_position, normal, over_chunks, rows_dot, shape_of
 from eagle3_jax.pallas import gemv, moe_route, select
@@ -74,14 +75,14 @@ class RMSNorm(nnx.Module):
         t = t * jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + self.eps) * self.scale[...]
         return t.astype(x.dtype)
 
-    def add(self, x, residual):
+    def add(self, x, residual, ctx: parallel.RunContext = parallel.ONE_DEVICE):
         """(s, norm(s)) with s = x + residual rounded to x.dtype (residual None: s = x); x [B, ...].
         One Pallas kernel where `select.norm` says so (pallas/norm.py), where XLA runs up to three;
-        under a mesh each device runs it on its rows (XLA would gather a custom call's rows)."""
-        if select.norm(x) == "kernel":
-            run = functools.partial(norm_kernel.add_rms_norm, eps=self.eps)
-            rows = shards.ROWS
-            return shards.local(run, (rows, Spec(), rows), (rows, rows))(x, self.scale[...], residual)
+        under ctx's mesh each device runs it on its rows (XLA would gather a custom call's rows)."""
+        if select.norm(x, policy=ctx.kernels) == "kernel":
+            run = functools.partial(norm_kernel.add_rms_norm, eps=self.eps, interpret=ctx.kernels.interpret)
+            rows = parallel.BATCH
+            return ctx.local(run, (rows, P(), rows), (rows, rows))(x, self.scale[...], residual)
         s = x if residual is None else x + residual.astype(x.dtype)
         return s, self(s)
 
@@ -90,7 +91,7 @@ def qkv_rope(qkv, bias, cos, sin, num_heads, num_kv_heads, head_dim):
     """Fused projection [B, T, (Hq + 2 Hkv) * D] before its bias (bias [(Hq + 2 Hkv) * D] or None) ->
     q [B, T, Hq, D] and k [B, T, Hkv, D] biased and rotated, v [B, T, Hkv, D] biased. q and k rotate as
     one array, and the bias is added here rather than on the GEMM's output, where XLA on GPUs gives
-    cuBLAS a bias epilogue that costs a copy kernel (one kernel and about 1 us a layer; docs/perf/glue.md)."""
+    cuBLAS a bias epilogue that costs a copy kernel of its own (docs/perf/glue.md)."""
     B, T, _ = qkv.shape
     n = (num_heads + num_kv_heads) * head_dim
     qk, v = qkv[..., :n], qkv[..., n:]
@@ -111,14 +112,14 @@ def qkv_order(num_heads: int, num_kv_heads: int, head_dim: int, blocks: int) -> 
                            ((m * hq * D, hq * D), (nq + m * hkv * D, hkv * D), (nq + nk + m * hkv * D, hkv * D))])
 
 
-def device_proj(x, w, out_dtype=None, bias=None, bias_on=None):
+def device_proj(x, w, ctx: parallel.RunContext, out_dtype=None, bias=None, bias_on=None):
     """x [R, K] @ w.T, w [N, K] (+ bias [N] where bias_on, a bool scalar; None: always) -> [R, N] in
     out_dtype (default: jnp.dot's), products and the bias summed in f32: a device's share of a
-    projection inside shard_map. One bf16 row of a small enough share goes through
-    `gemv.rows_matmul` on GPUs (`select.rows_matmul`), the rest through `layers.rows_dot`."""
-    if select.rows_matmul(x, w) == "kernel":
-        return gemv.rows_matmul(x, w, bias, bias_on, out_dtype=out_dtype or x.dtype)
-    y = rows_dot(x, w, out_first=True, preferred_element_type=out_dtype)
+    projection inside shard_map over ctx's mesh. Where `select.rows_matmul` says so (one bf16 row of
+    a small enough share on a GPU) through `gemv.rows_matmul`, the rest through `layers.rows_dot`."""
+    if select.rows_matmul(x, w, policy=ctx.kernels) == "kernel":
+        return gemv.rows_matmul(x, w, bias, bias_on, out_dtype=out_dtype or x.dtype, interpret=ctx.kernels.interpret)
+    y = rows_dot(x, w, out_first=True, devices=ctx.model_size, preferred_element_type=out_dtype)
     if bias is None:
         return y
     on = True if bias_on is None else bias_on
@@ -128,10 +129,9 @@ def device_proj(x, w, out_dtype=None, bias=None, bias_on=None):
 class Attention(nnx.Module):
     """Weights in [out, in] layout, as HF stores them: wqkv [(Hq + 2 Hkv) * D, H] (q, k, v rows one
     after the other), wo [H, Hq*D]; biases bqkv, bo; sinks f32 [Hq]. Each output's weights are
-    contiguous, which a one-row product of a device's share streams fastest (`pallas/gemv.py`:
-    1.1-2.8 us a share faster than in [in, out], kernels_gemv_nk_h200.json against
-    kernels_gemv_h200.json). q, k and v share one matrix so that a single token is one GEMM (apart,
-    k and v's [2880, 512] became multiply + reduce fusions: docs/perf/glue.md, 9.8 against 24.7 us);
+    contiguous, which a one-row product of a device's share streams fastest (`pallas/gemv.py`; faster
+    than [in, out]: docs/perf/multi_gpu.md). q, k and v share one matrix so that a single token is one GEMM
+    (apart, k and v's [2880, 512] became slower multiply + reduce fusions: docs/perf/glue.md);
     one row goes through the projections as two (`layers.rows_dot`), or under a mesh, as a device's
     share, through `device_proj`.
     qkv_blocks: the rows of wqkv and bqkv in `qkv_order(..., qkv_blocks)`: 1 (q|k|v) on one
@@ -149,62 +149,62 @@ class Attention(nnx.Module):
         self.bqkv, self.bo = bias((Hq + 2 * Hkv) * D), bias(H)
         self.sinks = nnx.Param(normal(rngs, (Hq,), 1.0, F32))
 
-    def _proj(self, x, w, b):
-        y = rows_dot(x, w[...], out_first=True)
+    def _proj(self, x, w, b, ctx: parallel.RunContext):
+        y = rows_dot(x, w[...], out_first=True, devices=ctx.model_size)
         return y if b is None else y + b[...]
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, positions, mask, *, ring=False, n_write=None,
-                 partial=False):
+    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, positions, mask, *, ctx: parallel.RunContext,
+                 ring=False, n_write=None, partial=False):
         """x [B, T, H] -> (out [B, T, H], k_cache, v_cache with the new tokens' K/V written at positions
         lengths .. lengths + T - 1; caches of length 0 (no cache) are returned as they are).
         ring: the caches are this sliding layer's ring (models/kv_cache.py). n_write int32 [B] (prefill
         chunks): on a ring, only the first n_write[b] tokens are written, after attention has read it.
-        Under a mesh (models/shards.py) each device attends with its rows and heads: its block of
+        Under ctx's mesh each device attends with its rows and heads (`RunContext.local`): its block of
         the projection's outputs is its heads' q, k and v (qkv_blocks = the "model" size), and
         o_proj's row-parallel GEMM sums the heads (XLA's all-reduce); with partial=True (under a mesh)
-        out is each device's o_proj of its heads instead, f32 [M, B * T, H] (`shards.reduce_add_norm` sums
+        out is each device's o_proj of its heads instead, f32 [M, B * T, H] (`parallel.reduce_add_norm` sums
         them; o_proj's bias on the first device's)."""
         B, T, _ = x.shape
         bqkv = None if self.bqkv is None else self.bqkv[...]
-        kernel = select.target_attention(x, k_cache) == "rope_kernel"
-        attend = functools.partial(self._attend, kernel=kernel, ring=ring)
-        if shards.mesh() is None:
+        kernel = select.target_attention(x, k_cache, policy=ctx.kernels) == "rope_kernel"
+        attend = functools.partial(self._attend, kernel=kernel, ring=ring, policy=ctx.kernels)
+        if ctx.mesh is None:
             qkv = rows_dot(x, self.wqkv[...], out_first=True)
             if self.qkv_blocks > 1:  # a model placed on a mesh, run without it: back to q|k|v order
                 qkv, bqkv = self.qkv_columns(qkv), None if bqkv is None else self.qkv_columns(bqkv)
             o, k_cache, v_cache = attend(qkv, bqkv, self.sinks[...], cos, sin, k_cache, v_cache, lengths, positions,
                                          mask, n_write, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
         else:
-            M = shards.model_size()
+            M = ctx.model_size
             if self.qkv_blocks != M:
                 raise ValueError(f"Attention: wqkv rows in {self.qkv_blocks} head-aligned blocks under a mesh whose "
                                  f'"model" axis has {M} devices; place the model with parallel.shard(model, mesh)')
             attend = functools.partial(attend, num_heads=self.num_heads // M, num_kv_heads=self.num_kv_heads // M)
 
             def project_attend(x, wqkv, *rest):  # a device's heads: its rows of wqkv, then attention
-                qkv = device_proj(x.reshape(-1, x.shape[-1]), wqkv)
+                qkv = device_proj(x.reshape(-1, x.shape[-1]), wqkv, ctx)
                 return attend(qkv.reshape(*x.shape[:-1], -1), *rest)
 
-            rows = shards.ROWS
-            o, k_cache, v_cache = shards.local(
-                project_attend, (rows, Spec(shards.MODEL, None), Spec(shards.MODEL), Spec(shards.MODEL), rows, rows,
-                                 shards.HEADS, shards.HEADS, rows, rows, rows, rows),
-                (Spec(shards.DATA, None, shards.MODEL), shards.HEADS, shards.HEADS),
+            rows, heads, model = parallel.BATCH, parallel.BATCH_HEADS, parallel.MODEL
+            o, k_cache, v_cache = ctx.local(
+                project_attend, (rows, P(model, None), P(model), P(model), rows, rows, heads, heads, rows, rows, rows,
+                                 rows),
+                (P(parallel.DATA, None, model), heads, heads),
             )(x, self.wqkv[...], bqkv, self.sinks[...], cos, sin, k_cache, v_cache, lengths, positions, mask, n_write)
             if partial:
-                return self._partial_proj(o), k_cache, v_cache
-        return self._proj(o.reshape(B, T, -1), self.wo, self.bo), k_cache, v_cache
+                return self._partial_proj(o, ctx), k_cache, v_cache
+        return self._proj(o.reshape(B, T, -1), self.wo, self.bo, ctx), k_cache, v_cache
 
-    def _partial_proj(self, o):
+    def _partial_proj(self, o, ctx: parallel.RunContext):
         """o [B, T, Hq, D] (heads over "model") -> f32 [M, B * T, H]: each device's heads through its
         columns of wo, the bias on device 0's."""
         def body(o, wo, *bo):
-            first = jax.lax.axis_index(shards.MODEL) == 0
-            return device_proj(o.reshape(-1, wo.shape[1]), wo, F32, *bo, bias_on=first)[None]
+            first = jax.lax.axis_index(parallel.MODEL) == 0
+            return device_proj(o.reshape(-1, wo.shape[1]), wo, ctx, F32, *bo, bias_on=first)[None]
 
         bo = () if self.bo is None else (self.bo[...],)
-        specs = (Spec(shards.DATA, None, shards.MODEL), Spec(None, shards.MODEL)) + (Spec(),) * len(bo)
-        return shards.local(body, specs, Spec(shards.MODEL, shards.DATA))(o, self.wo[...], *bo)
+        specs = (P(parallel.DATA, None, parallel.MODEL), P(None, parallel.MODEL)) + (P(),) * len(bo)
+        return ctx.local(body, specs, parallel.PARTIALS)(o, self.wo[...], *bo)
 
     def qkv_columns(self, a, blocks: int = 1, axis: int = -1):
         """a with (Hq + 2 Hkv) * D entries along `axis` (q|k|v activations and bqkv: the last; wqkv:
@@ -219,17 +219,18 @@ class Attention(nnx.Module):
         return np.argsort(order)[qkv_order(self.num_heads, self.num_kv_heads, self.head_dim, blocks)]
 
     def _attend(self, qkv, bqkv, sinks, cos, sin, k_cache, v_cache, lengths, positions, mask, n_write, *,
-                num_heads, num_kv_heads, kernel, ring):
+                num_heads, num_kv_heads, kernel, ring, policy):
         """The attention of `__call__` after the projection, over num_heads / num_kv_heads heads (all,
         or one device's): qkv [B, T, (num_heads + 2 num_kv_heads) * D] -> (o [B, T, num_heads, D],
-        k_cache, v_cache). kernel: the fused rope + write + attention kernel where select says so."""
+        k_cache, v_cache). kernel: the fused rope + write + attention kernel where select says so;
+        policy: the run's kernel policy."""
         kw = dict(window=self.window, scale=self.head_dim ** -0.5, ring=ring)
         if kernel and not (ring and n_write is not None):
             # bias, RoPE, the cache write and attention in one kernel
             return rope_attention(qkv, bqkv, cos, sin, k_cache, v_cache, lengths, positions, mask, sinks,
-                                  num_heads=num_heads, num_kv_heads=num_kv_heads, **kw)
+                                  num_heads=num_heads, num_kv_heads=num_kv_heads, interpret=policy.interpret, **kw)
         q, k, v = qkv_rope(qkv, bqkv, cos, sin, num_heads, num_kv_heads, self.head_dim)
-        return kvc.attend(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, n_write, **kw)
+        return kvc.attend(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, n_write, policy=policy, **kw)
 
 
 class Mxfp4Experts(nnx.Module):
@@ -274,42 +275,10 @@ class DenseExperts(nnx.Module):
         return self.gate_up[...][e], self.gate_up_bias[...][e], self.down[...][e], self.down_bias[...][e]
 
 
-EXPERT_SPLITS = ("expert", "tensor")  # how a mesh's "model" axis splits the experts (MoE.expert_split)
-# expert arrays with intermediate units (I): (the units' axis, its entries a unit)
-_UNITS = {"gate_up_blocks": (1, 2), "gate_up_scales": (1, 2), "gate_up_bias": (1, 2), "gate_up": (1, 2),
-          "down_blocks": (2, 1 / mxfp4.BLOCK), "down_scales": (2, 1 / mxfp4.BLOCK), "down": (2, 1)}
-
-
-def expert_spec(name: str, split: str) -> Spec:
-    """The PartitionSpec of the expert array `name` (an Mxfp4Experts or DenseExperts attribute) under
-    `split`: "expert", the leading E axis over "model" (each device whole experts); "tensor", every
-    expert's intermediate units over "model" (gate_up's rows, down's input groups or columns; down's
-    bias replicated, added by one device)."""
-    if split == "expert":
-        return Spec(shards.MODEL)
-    if name not in _UNITS:
-        return Spec()
-    return Spec(*([None] * _UNITS[name][0]), shards.MODEL)
-
-
-def resize_units(name: str, a, units: int):
-    """Expert array `name` holding `units` intermediate units: cut, or padded at the end with zero
-    blocks and biases and scale byte 127 (x 1), so that a padded unit's activation is 0 and adds
-    nothing. Arrays without units are returned as they are."""
-    if name not in _UNITS:
-        return a
-    axis, per = _UNITS[name]
-    n = int(units * per)
-    if n <= a.shape[axis]:
-        return a[(slice(None),) * axis + (slice(0, n),)]
-    width = [(0, 0)] * a.ndim
-    width[axis] = (0, n - a.shape[axis])
-    return jnp.pad(a, width, constant_values=127 if name.endswith("_scales") else 0)
-
-
 class MoE(nnx.Module):
     """Router (f32 logits, top-k, softmax over the selected) and the experts' clamped SwiGLU.
-    expert_split: how a mesh's "model" axis splits the experts (`EXPERT_SPLITS`, `expert_spec`): set
+    expert_split: how a mesh's "model" axis splits the experts (`parallel.EXPERT_SPLITS`,
+    `parallel.expert_partition`): set
     by `parallel.shard` and the loaders; "tensor" arrays hold I padded to what the mesh divides."""
 
     def __init__(self, cfg: GptOssConfig, dtype, rngs: nnx.Rngs):
@@ -322,14 +291,15 @@ class MoE(nnx.Module):
         cls = Mxfp4Experts if cfg.experts_format == "mxfp4" else DenseExperts
         self.experts = cls(cfg, dtype, rngs)
 
-    def route(self, x):
+    def route(self, x, ctx: parallel.RunContext = parallel.ONE_DEVICE):
         """x [N, H] -> (expert ids int32 [N, k], combine weights f32 [N, k]).
 
-        One token goes through the router as two rows (`rows_dot`). Up to select.RANK_TOP_K_ROWS
-        tokens take the top k by rank counting instead of lax.top_k's sort."""
+        One token goes through the router as two rows (`rows_dot`). The top k by rank counting or by
+        lax.top_k's sort as `select.router_top_k` says."""
         N = x.shape[0]
-        logits = rows_dot(x, self.router_w[...], preferred_element_type=F32) + self.router_b[...].astype(F32)
-        rank = select.router_top_k(N) == "rank"
+        logits = rows_dot(x, self.router_w[...], devices=ctx.model_size, preferred_element_type=F32)
+        logits = logits + self.router_b[...].astype(F32)
+        rank = select.router_top_k(N, policy=ctx.kernels) == "rank"
         top, ids = top_k_by_rank(logits, self.top_k) if rank else jax.lax.top_k(logits, self.top_k)
         return ids, jax.nn.softmax(top, axis=-1)
 
@@ -346,11 +316,13 @@ class MoE(nnx.Module):
 
     PATHS = select.MOE_PATHS
 
-    def __call__(self, x, path: str | None = None, norm: RMSNorm | None = None, dtype=None, partial=False):
+    def __call__(self, x, path: str | None = None, norm: RMSNorm | None = None, dtype=None, partial=False, *,
+                 ctx: parallel.RunContext = parallel.ONE_DEVICE):
         """x [..., H] -> [..., H] in `dtype` (default x.dtype); with `norm`, the experts see norm(x).
-        partial=True (under a mesh): each "model" device's sum over the experts it holds instead,
-        f32 [M, N, H] (N = x's rows; `shards.reduce_add_norm` sums them).
-        `path` (else the module's `path` attribute, else chosen by size): "kernel" the Pallas kernels
+        partial=True (under ctx's mesh): each "model" device's sum over the experts it holds instead,
+        f32 [M, N, H] (N = x's rows; `parallel.reduce_add_norm` sums them).
+        `path` (else the module's `path` attribute, else ctx.kernels.moe, else chosen by size):
+        "kernel" the Pallas kernels
         (GPU, MXFP4, bf16; few tokens: the norm, router and top k in pallas/moe_route.py, the experts
         in pallas/moe.py), "gathered" each
         (token, expert) pair's weights, "grouped" tokens grouped into expert tiles, "dense" every
@@ -360,36 +332,40 @@ class MoE(nnx.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         if partial:
-            return self._on_shards(x, path, norm, partial=True)
-        if shards.mesh() is None:
-            out = self._run(x, path, norm)
+            return self._on_shards(x, path, norm, ctx, partial=True)
+        if ctx.mesh is None:
+            out = self._run(x, path, norm, ctx)
         else:
-            out = self._on_shards(x, path, norm)
+            out = self._on_shards(x, path, norm, ctx)
         return out.astype(dtype or x.dtype).reshape(shape)
 
-    def _run(self, x, path, norm, first_expert=None, down_bias_on=None):
+    def _run(self, x, path, norm, ctx: parallel.RunContext, first_expert=None, down_bias_on=None):
         """x [N, H] -> f32 [N, H] through the experts this module holds: all of them, or (first_expert
         int32, under a mesh) those numbered first_expert .. first_expert + held - 1, the other pairs
         adding nothing. down_bias_on (a bool scalar; None: True): whether down's bias is added (split
         "tensor": on one device); where it is False the kernel skips the bias and the other paths zero
         it in this (merged, local) module."""
-        path = path or self.path or self._path_for(x)
+        path = path or self.path or self._path_for(x, ctx)
         if path not in self.PATHS:
             raise ValueError(f"MoE path: {path!r} not in {self.PATHS}")
         if path == "kernel":
-            return self._kernel(x, norm, first_expert, down_bias_on)
+            return self._kernel(x, norm, ctx, first_expert, down_bias_on)
         if down_bias_on is not None:
             bias = self.experts.down_bias
             bias.set_value(jnp.where(down_bias_on, bias.get_value(), jnp.zeros((), bias.get_value().dtype)))
         x = x if norm is None else norm(x)
-        ids, w = self.route(x)
+        ids, w = self.route(x, ctx)
         if first_expert is not None:
             ids, held = self._held(ids, first_expert)
             if path == "grouped":  # pairs not held get no tile
                 ids = jnp.where(held, ids, -1)
             else:  # a held expert's weights, weight 0
                 ids, w = jnp.clip(ids, 0, self.num_held - 1), jnp.where(held, w, 0.0)
-        return getattr(self, "_" + path)(x, ids, w)
+        if path == "gathered":
+            return self._gathered(x, ids, w)
+        if path == "grouped":
+            return self._grouped(x, ids, w, ctx.kernels)
+        return self._dense(x, ids, w)
 
     @property
     def num_held(self) -> int:
@@ -401,8 +377,8 @@ class MoE(nnx.Module):
         ids = ids - first_expert
         return ids, (ids >= 0) & (ids < self.num_held)
 
-    def _on_shards(self, x, path, norm, partial=False):
-        """The experts over the mesh in context (models/shards.py): each device routes its rows (router
+    def _on_shards(self, x, path, norm, ctx: parallel.RunContext, partial=False):
+        """The experts over ctx's mesh (`RunContext.local`): each device routes its rows (router
         replicated) and, split "expert", runs the pairs of the experts it holds (E / model of them,
         numbered from its index times that) or, split "tensor", every pair on its share of each
         expert's units (down's bias on the first device); the partial outputs are summed over
@@ -413,28 +389,28 @@ class MoE(nnx.Module):
 
         def spec(p, _):
             keys = [getattr(k, "key", None) for k in p]
-            return expert_spec(keys[1], split) if keys[0] == "experts" else Spec()
+            return parallel.expert_partition(keys[1], split) if keys[0] == "experts" else P()
 
-        held = self.num_held // shards.model_size()
+        held = self.num_held // ctx.model_size
 
         def body(state, norm_state, x):
             local = nnx.merge(graphdef, state)
             n = None if norm_def is None else nnx.merge(norm_def, norm_state)
-            me = jax.lax.axis_index(shards.MODEL)
+            me = jax.lax.axis_index(parallel.MODEL)
             if split == "tensor":
-                out = local._run(x, path, n, down_bias_on=me == 0)
+                out = local._run(x, path, n, ctx, down_bias_on=me == 0)
             else:
-                out = local._run(x, path, n, me * held)
-            return out[None] if partial else jax.lax.psum(out, shards.MODEL)
+                out = local._run(x, path, n, ctx, me * held)
+            return out[None] if partial else jax.lax.psum(out, parallel.MODEL)
 
         specs = jax.tree_util.tree_map_with_path(spec, state)
-        out_spec = Spec(shards.MODEL, shards.DATA) if partial else shards.ROWS
-        return shards.local(body, (specs, Spec(), shards.ROWS), out_spec)(state, norm_state, x)
+        out_spec = parallel.PARTIALS if partial else parallel.BATCH
+        return ctx.local(body, (specs, P(), parallel.BATCH), out_spec)(state, norm_state, x)
 
-    def _path_for(self, x):
-        """The path `select.moe` picks for x [N, H]."""
+    def _path_for(self, x, ctx: parallel.RunContext):
+        """The path `select.moe` picks for x [N, H] under ctx's kernel policy."""
         return select.moe(x, num_experts=self.router_w.shape[1], top_k=self.top_k,
-                          packed=isinstance(self.experts, Mxfp4Experts))
+                          packed=isinstance(self.experts, Mxfp4Experts), policy=ctx.kernels)
 
     def _dense(self, x, ids, w):
         """Every expert on every token, combined with the top-k weights (zero elsewhere). f32 [N, H]."""
@@ -444,13 +420,15 @@ class MoE(nnx.Module):
         y = self._ffn(jnp.broadcast_to(x[:, None], (N, E, H)), *self.experts.weights(jnp.arange(E)), "neh,eoh->neo")
         return jnp.einsum("neo,ne->no", y, combine)
 
-    def _kernel(self, x, norm, first_expert=None, down_bias_on=None):
+    def _kernel(self, x, norm, ctx: parallel.RunContext, first_expert=None, down_bias_on=None):
         """Few tokens on a GPU: norm, router and top k in two kernels (pallas/moe_route.py), then each
         (token, expert) pair's packed expert weights streamed from HBM or, for experts shared by tokens,
         mostly from L2 (pallas/moe.py); pairs of experts not held (first_expert: `_run`) get id -1, which
         the kernel skips; down_bias_on: `_run`'s. f32 [N, H]."""
         scale, eps = (None, 0.0) if norm is None else (norm.scale[...], norm.eps)
-        x, xq, ids, w = moe_route.route(x, scale, self.router_w[...], self.router_b[...], eps=eps, k=self.top_k)
+        interpret = ctx.kernels.interpret
+        x, xq, ids, w = moe_route.route(x, scale, self.router_w[...], self.router_b[...], eps=eps, k=self.top_k,
+                                        interpret=interpret)
         if first_expert is not None:
             ids, held = self._held(ids, first_expert)
             ids = jnp.where(held, ids, -1)
@@ -458,7 +436,7 @@ class MoE(nnx.Module):
         return moe_kernel.mxfp4_moe(x, ids, w, ex.gate_up_blocks[...], ex.gate_up_scales[...], ex.gate_up_bias[...],
                                     ex.down_blocks[...], ex.down_scales[...], ex.down_bias[...],
                                     limit=float(self.limit), alpha=float(self.alpha), xq=xq,
-                                    down_bias_on=down_bias_on)
+                                    down_bias_on=down_bias_on, config=ctx.kernels.moe_config, interpret=interpret)
 
     def _gathered(self, x, ids, w):
         """Few tokens: read each (token, expert) pair's weights. Returns f32 [N, H]."""
@@ -466,23 +444,22 @@ class MoE(nnx.Module):
         y = self._ffn(jnp.broadcast_to(x[:, None], ids.shape + x.shape[-1:]), w1, b1, w2, b2, "nkh,nkoh->nko")
         return jnp.einsum("nko,nk->no", y, w)
 
-    def _grouped(self, x, ids, w, *, kernel: bool | None = None, interpret: bool = False):
+    def _grouped(self, x, ids, w, policy: select.KernelPolicy = select.AUTO):
         """Many tokens: sort (token, expert) pairs by expert into tiles of tm rows, each tile holding one
-        expert's tokens, so that each tile reads its expert once (tm: `group_tile`). Packed (MXFP4) experts
-        on bf16 activations on a GPU (or with interpret, in the Pallas interpreter) go through
-        pallas.moe.mxfp4_moe_grouped: every tile at once, decoded in registers, on the tensor cores;
-        otherwise (or with kernel=False) a scan over the tiles dequantizes each tile's expert and skips
-        empty tiles. No per-token copy of expert weights. Pairs with a negative id (expert parallel: an
+        expert's tokens, so that each tile reads its expert once (tm: `group_tile`). Where
+        `select.moe_grouped` says so under `policy` (packed MXFP4 experts, bf16 activations, a GPU or
+        policy.interpret) through pallas.moe.mxfp4_moe_grouped: every tile at once, decoded in
+        registers, on the tensor cores; otherwise ("scan") a scan over the tiles dequantizes each
+        tile's expert and skips empty tiles. No per-token copy of expert weights. Pairs with a negative id (expert parallel: an
         expert held elsewhere) get no tile and add nothing. Returns f32 [N, H]."""
         N, H = x.shape
         E, P = self.num_held, ids.size
         ex = self.experts
         fits = isinstance(ex, Mxfp4Experts) and x.dtype == jnp.bfloat16
+        kernel = select.moe_grouped(x, isinstance(ex, Mxfp4Experts), policy=policy) == "kernel"
         if kernel and not fits:
             raise ValueError(f"MoE grouped kernels: need packed MXFP4 experts and bf16 activations, got "
                              f"{type(ex).__name__} and {x.dtype}")
-        if kernel is None:
-            kernel = select.moe_grouped(x, isinstance(ex, Mxfp4Experts), interpret) == "kernel"
         tm = group_tile(P, E, kernel)
         num_tiles = -(-P // tm) + E  # >= sum_e ceil(count_e / tm)
         flat_e = jnp.where(ids < 0, E, ids).reshape(-1)  # skipped pairs: bucket E, sorted last, no tiles
@@ -506,7 +483,7 @@ class MoE(nnx.Module):
                 x_pad[rows].reshape(num_tiles, tm, H), tile_expert.astype(jnp.int32), tile_end[-1],
                 row_w.reshape(num_tiles, tm), ex.gate_up_blocks[...], ex.gate_up_scales[...], ex.gate_up_bias[...],
                 ex.down_blocks[...], ex.down_scales[...], ex.down_bias[...], limit=float(self.limit),
-                alpha=float(self.alpha), interpret=interpret)
+                alpha=float(self.alpha), interpret=policy.interpret)
             pos = jnp.zeros((P,), jnp.int32).at[order].set(dest.astype(jnp.int32))  # pair -> its tile row
             y = jnp.concatenate([y.reshape(num_tiles * tm, H), jnp.zeros((1, H), y.dtype)])  # skipped pairs: 0
             return y[pos.reshape(ids.shape)].sum(axis=1)
@@ -533,23 +510,26 @@ class Block(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg, dtype, rngs)
 
-    def __call__(self, x, h, cos, sin, k_cache, v_cache, lengths, positions, mask, **cache_kw):
+    def __call__(self, x, h, cos, sin, k_cache, v_cache, lengths, positions, mask, *, ctx: parallel.RunContext,
+                 **cache_kw):
         """x: the residual stream [B, T, H], h = input_layernorm(x) (run_layers fuses it with the
         previous block's residual add). Returns (x + attention, the MoE's f32 output, not yet added
         to the stream, k_cache, v_cache). The attention residual add stays an XLA fusion: at one
         token it is also the reduce of o_proj's split-K GEMM (what was tried instead: docs/perf/glue.md)."""
-        a, k_cache, v_cache = self.self_attn(h, cos, sin, k_cache, v_cache, lengths, positions, mask, **cache_kw)
-        x = x + a
-        return x, self.mlp(x, norm=self.post_attention_layernorm, dtype=F32), k_cache, v_cache
-
-    def reduced(self, x, h, next_norm: RMSNorm, cos, sin, k_cache, v_cache, lengths, positions, mask, **cache_kw):
-        """The block where `shards.reduces_fused(x)`: each sublayer's partial outputs summed over "model"
-        with the residual add and the norm after it (`shards.reduce_add_norm`: two calls a block, the MoE
-        routing the normalized stream). Returns (x after the block, next_norm of it, k_cache, v_cache)."""
-        a, k_cache, v_cache = self.self_attn(h, cos, sin, k_cache, v_cache, lengths, positions, mask, partial=True,
+        a, k_cache, v_cache = self.self_attn(h, cos, sin, k_cache, v_cache, lengths, positions, mask, ctx=ctx,
                                              **cache_kw)
-        x, h = shards.reduce_add_norm(a, x, self.post_attention_layernorm)
-        x, h = shards.reduce_add_norm(self.mlp(h, partial=True), x, next_norm)
+        x = x + a
+        return x, self.mlp(x, norm=self.post_attention_layernorm, dtype=F32, ctx=ctx), k_cache, v_cache
+
+    def reduced(self, x, h, next_norm: RMSNorm, cos, sin, k_cache, v_cache, lengths, positions, mask, *,
+                ctx: parallel.RunContext, **cache_kw):
+        """The block where `ctx.reduces_fused(x)`: each sublayer's partial outputs summed over "model"
+        with the residual add and the norm after it (`parallel.reduce_add_norm`: two calls a block, the MoE
+        routing the normalized stream). Returns (x after the block, next_norm of it, k_cache, v_cache)."""
+        a, k_cache, v_cache = self.self_attn(h, cos, sin, k_cache, v_cache, lengths, positions, mask, ctx=ctx,
+                                             partial=True, **cache_kw)
+        x, h = parallel.reduce_add_norm(ctx, a, x, self.post_attention_layernorm)
+        x, h = parallel.reduce_add_norm(ctx, self.mlp(h, partial=True, ctx=ctx), x, next_norm)
         return x, h, k_cache, v_cache
 
 
@@ -634,20 +614,21 @@ def feature_hidden_index(config: GptOssConfig, aux_layer_ids, convention: str = 
     return tuple(out)
 
 
-def logits(model: GptOss, h):
-    """Final-normed hidden [B, ..., H] -> float32 logits [B, ..., V] (on a mesh split over "model":
-    shards.vocab_logits)."""
-    return shards.vocab_logits(h, model.lm_head[...])
+def logits(model: GptOss, h, ctx: parallel.RunContext = parallel.ONE_DEVICE):
+    """Final-normed hidden [B, ..., H] -> float32 logits [B, ..., V] (under ctx's mesh split over
+    "model": parallel.vocab_logits)."""
+    return parallel.vocab_logits(ctx, h, model.lm_head[...])
 
 
 def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCache | None,
-               feature_ids: tuple[int, ...] = (), n_write=None):
+               feature_ids: tuple[int, ...] = (), n_write=None, ctx: parallel.RunContext = parallel.ONE_DEVICE):
     """The trunk shared by every entry point.
 
     tokens, positions: int32 [B, T]; lengths int32 [B]: committed cache prefix per sequence; the
     new tokens' K/V are written at positions lengths .. lengths + T - 1. mask: packed [B, T, ceil(T/32)]
     or None (causal). cache None means no prefix (nothing is read or written). n_write int32 [B] or
-    None: a prefill chunk's tokens each sequence keeps (ring layers write only those).
+    None: a prefill chunk's tokens each sequence keeps (ring layers write only those). ctx: the run
+    context (mesh, kernels).
     Returns (final-normed hidden [B, T, H], features [B, T, len(ids) * H] or None, new cache).
     """
     cfg = model.config
@@ -657,14 +638,14 @@ def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCac
     hidden = []  # hidden[j]: the input of layer j (j = L: the final norm's input)
     new_k, new_v = [], []
     moe_out = None  # each block's MoE output is added to the stream by the next norm's kernel
-    fused = shards.reduces_fused(tokens)  # or each sum over "model" fused with the add and the next norm
+    fused = ctx.reduces_fused(tokens)  # or each sum over "model" fused with the add and the next norm
     norms = [block.input_layernorm for block in model.layers] + [model.norm]
     table = model.embed[...]
     if fused:  # the lookup's sum over "model" (exact: one device's row and zeros) with the first norm
         zeros = jnp.zeros((B, T, cfg.hidden_size), table.dtype)
-        x, h = shards.reduce_add_norm(shards.vocab_rows(table, tokens, partial=True), zeros, norms[0])
+        x, h = parallel.reduce_add_norm(ctx, parallel.vocab_rows(ctx, table, tokens, partial=True), zeros, norms[0])
     else:
-        x = shards.vocab_rows(table, tokens)
+        x = parallel.vocab_rows(ctx, table, tokens)
     for i, block in enumerate(model.layers):
         with jax.named_scope(f"layer{i}"):
             if cache is None:
@@ -673,9 +654,9 @@ def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCac
             else:
                 kc, vc = cache.k[i], cache.v[i]
             if not fused:
-                x, h = block.input_layernorm.add(x, moe_out)
+                x, h = block.input_layernorm.add(x, moe_out, ctx)
             hidden.append(x)
-            kw = dict(ring=cache is not None and cache.rings[i], n_write=n_write)
+            kw = dict(ring=cache is not None and cache.rings[i], n_write=n_write, ctx=ctx)
             if fused:
                 x, h, kc, vc = block.reduced(x, h, norms[i + 1], cos, sin, kc, vc, lengths, positions, mask, **kw)
             else:
@@ -683,19 +664,21 @@ def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCac
             new_k.append(kc)
             new_v.append(vc)
     if not fused:
-        x, h = model.norm.add(x, moe_out)
+        x, h = model.norm.add(x, moe_out, ctx)
     hidden.append(x)
     feats = jnp.concatenate([hidden[j] for j in feature_ids], axis=-1) if feature_ids else None
     cache = None if cache is None else cache.replace(k=tuple(new_k), v=tuple(new_v))
     return h, feats, cache
 
 
-def forward(model: GptOss, tokens, aux_layer_ids=None, *, aux_convention: str = "output"):
+def forward(model: GptOss, tokens, aux_layer_ids=None, *, aux_convention: str = "output",
+            ctx: parallel.RunContext = parallel.ONE_DEVICE):
     """Full sequence from position 0 without a cache.
 
     tokens int32 [B, T] -> (logits f32 [B, T, V], features [B, T, 3H]): the hidden states at
     `aux_layer_ids` (default `config.default_aux_layer_ids()`), concatenated, read with
-    `aux_convention` ("output": outputs of those blocks; "input": inputs of those layers).
+    `aux_convention` ("output": outputs of those blocks; "input": inputs of those layers). ctx: the
+    run context (default one device; training and parity checks run so).
     """
     cfg = model.config
     tokens = check_tokens(tokens, cfg.vocab_size)
@@ -703,8 +686,8 @@ def forward(model: GptOss, tokens, aux_layer_ids=None, *, aux_convention: str = 
     ids = cfg.default_aux_layer_ids() if aux_layer_ids is None else tuple(aux_layer_ids)
     fidx = feature_hidden_index(cfg, ids, aux_convention)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    h, feats, _ = run_layers(model, tokens, positions, jnp.zeros((B,), jnp.int32), None, None, fidx)
-    return logits(model, h), feats
+    h, feats, _ = run_layers(model, tokens, positions, jnp.zeros((B,), jnp.int32), None, None, fidx, ctx=ctx)
+    return logits(model, h, ctx), feats
 
 
 def init_cache(model: GptOss, batch: int, max_len: int, *, max_step_tokens: int = kvc.DEFAULT_STEP_TOKENS
@@ -720,27 +703,31 @@ def init_cache(model: GptOss, batch: int, max_len: int, *, max_step_tokens: int 
                     max_step_tokens=max_step_tokens)
 
 
-def step(model: GptOss, cache: kvc.KVCache, tokens, positions, lengths, mask=None, feature_ids=()):
+def step(model: GptOss, cache: kvc.KVCache, tokens, positions, lengths, mask=None, feature_ids=(), *,
+         ctx: parallel.RunContext = parallel.ONE_DEVICE):
     """Cached multi-token step (decode: T = 1; verify: T tree nodes with a packed ancestor mask).
 
     tokens/positions int32 [B, T]; lengths int32 [B] committed prefix; K/V of the T tokens go to
     positions lengths .. lengths + T - 1 (lengths are not advanced here); T <= cache.max_step_tokens.
-    Returns (logits f32 [B, T, V], features or None, cache).
+    ctx: the run context (mesh, kernels; default one device). Returns (logits f32 [B, T, V],
+    features or None, cache).
     """
     tokens = check_tokens(tokens, model.config.vocab_size)
     check_step_inputs(tokens, positions, lengths, mask, cache.batch, cache.max_len)
     check_step_tokens(tokens.shape[1], cache)
     positions, lengths = jnp.asarray(positions, jnp.int32), jnp.asarray(lengths, jnp.int32)
-    h, feats, cache = run_layers(model, tokens, positions, lengths, mask, cache, feature_ids)
-    return logits(model, h), feats, cache
+    h, feats, cache = run_layers(model, tokens, positions, lengths, mask, cache, feature_ids, ctx=ctx)
+    return logits(model, h, ctx), feats, cache
 
 
-def prefill(model: GptOss, cache: kvc.KVCache, tokens, prompt_lengths, *, chunk: int, feature_ids=()):
+def prefill(model: GptOss, cache: kvc.KVCache, tokens, prompt_lengths, *, chunk: int, feature_ids=(),
+            ctx: parallel.RunContext = parallel.ONE_DEVICE):
     """Chunked prefill of right-padded prompts tokens int32 [B, P] (P a multiple of `chunk`).
 
     Runs ceil(max(prompt_lengths) / chunk) causal chunks (a `fori_loop`, so prompt lengths do not
     recompile); padding writes only scratch slots. Returns (cache, final-normed hidden of each
     prompt's last token [B, H], features [B, P, len(feature_ids) * H] of every position, or None).
+    ctx: the run context (mesh, kernels; default one device).
     """
     tokens = check_tokens(tokens, model.config.vocab_size)
     B, P = tokens.shape
@@ -765,7 +752,8 @@ def prefill(model: GptOss, cache: kvc.KVCache, tokens, prompt_lengths, *, chunk:
         toks = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
         pos = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
         n_write = jnp.clip(prompt_lengths - start, 0, chunk)
-        h, f, cache = run_layers(model, toks, pos, jnp.full((B,), start, jnp.int32), None, cache, feature_ids, n_write)
+        h, f, cache = run_layers(model, toks, pos, jnp.full((B,), start, jnp.int32), None, cache, feature_ids, n_write,
+                                 ctx)
         if feature_ids:
             feats = jax.lax.dynamic_update_slice_in_dim(feats, f, start, axis=1)
         return cache, keep_position(h, h_last, last, start), feats

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from eagle3_jax.pallas import select
 from eagle3_jax.pallas.attention import attention
 
 DEFAULT_STEP_TOKENS = 128  # new tokens a cached step may write by default (decode 1, a verify its nodes)
@@ -83,13 +84,15 @@ def write_after_read(k_cache, v_cache, k, v, lengths, n_write):
             write(v_cache, v, lengths, ring=True, count=n_write))
 
 
-def attend(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, n_write, *, ring: bool, window, scale):
+def attend(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, n_write, *, ring: bool, window, scale,
+           policy: select.KernelPolicy = select.AUTO):
     """A layer's cached attention (`pallas.attention.attention`, q [B, T, Hq, D], k, v [B, T, Hkv, D])
     with its cache update in the order the layout needs: the new K/V written first
     (`write_before_read`), or, for a ring's prefill chunk (ring and n_write given: it may be longer
     than the ring's spare slots), after attention has read the ring (`write_after_read`).
-    Returns (o [B, T, Hq, D], k_cache, v_cache)."""
-    kw = dict(window=window, scale=scale, ring=ring)
+    policy: which attention implementation runs (`select.attention`). Returns (o [B, T, Hq, D],
+    k_cache, v_cache)."""
+    kw = dict(window=window, scale=scale, ring=ring, policy=policy)
     if ring and n_write is not None:
         o = attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, **kw)
         return (o, *write_after_read(k_cache, v_cache, k, v, lengths, n_write))

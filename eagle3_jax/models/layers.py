@@ -6,8 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.models import shards
-
 F32 = jnp.float32
 
 
@@ -24,23 +22,20 @@ def shape_of(x) -> list:
 GEMV_ELEMENTS = 10_000_000  # XLA GPU: a one-row dot with a smaller matrix becomes multiply + reduce
 
 
-def rows_dot(x, w, *, out_first: bool = False, **kw):
+def rows_dot(x, w, *, out_first: bool = False, devices: int = 1, **kw):
     """x [..., K] @ w [K, N], or w [N, K] where out_first (x @ w.T: the target's q|k|v and o, stored
     as HF stores them) (kw: jnp.dot's, e.g. preferred_element_type) -> [..., N]; one row (x of
     size K) computed as two, the second zero, where a device may hold fewer than GEMV_ELEMENTS of w
-    (w.size < GEMV_ELEMENTS x the "model" devices in context: w whole, or split over them). XLA on
-    GPUs rewrites a dot with a vector operand and a matrix under 10M elements into a multiply writing
-    every product plus a reduce (its GPU algebraic simplifier's dot strength reduction, which no
-    option turns off in JAX 0.10-0.11): the router's [2880, 128], and at batch 1 under tensor
-    parallelism each device's share of the q|k|v and o projections ([2880, 2560] and [2048, 2880] at
-    2 devices), where it took 1.9 ms a token against 0.74 for the GEMMs (4 H100s,
-    `experiments/results/tp_decode_h100x4.json`, docs/perf/multi_gpu.md). Two rows are never a
-    vector, so the dot stays a GEMM that reads w once; larger matrices keep one row (the pad is a
-    launch of its own)."""
+    (w.size < GEMV_ELEMENTS x devices, the "model" devices w is split over or that share its work).
+    XLA on GPUs rewrites a dot with a vector operand and a matrix under 10M elements into a multiply
+    writing every product plus a reduce (its GPU algebraic simplifier's dot strength reduction,
+    which no option turns off in JAX 0.10-0.11), far slower than the GEMM (docs/perf/multi_gpu.md).
+    Two rows are never a vector, so the dot stays a GEMM that reads w once; larger matrices keep one
+    row (the pad is a launch of its own)."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     n = x2.shape[0]
-    if n == 1 and w.size < GEMV_ELEMENTS * shards.model_size():
+    if n == 1 and w.size < GEMV_ELEMENTS * devices:
         x2 = jnp.pad(x2, ((0, 1), (0, 0)))
     return jnp.dot(x2, w.T if out_first else w, **kw)[:n].reshape(*lead, w.shape[0 if out_first else -1])
 

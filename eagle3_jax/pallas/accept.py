@@ -123,10 +123,11 @@ def accept_greedy_pallas(tokens, parents, target, *, max_depth=None, interpret: 
                           name="accept_greedy")(tokens.astype(i32), parents.astype(i32), target.astype(i32))
 
 
-def accept_greedy(tokens, parents, target, *, max_depth=None, interpret: bool | None = None):
-    """Greedy acceptance: the kernel on GPU (or with interpret=True), the reference elsewhere."""
-    if select.spec_op(interpret) == "kernel":
-        return accept_greedy_pallas(tokens, parents, target, max_depth=max_depth, interpret=bool(interpret))
+def accept_greedy(tokens, parents, target, *, max_depth=None, policy: select.KernelPolicy = select.AUTO):
+    """Greedy acceptance: the kernel where `select.spec_ops` says so under `policy` (a GPU, or
+    policy.interpret: the interpreter), the reference elsewhere."""
+    if select.spec_ops(policy=policy) == "kernel":
+        return accept_greedy_pallas(tokens, parents, target, max_depth=max_depth, interpret=policy.interpret)
     return accept_greedy_reference(tokens, parents, target, max_depth=max_depth)
 
 
@@ -407,10 +408,10 @@ def accept_sample_pallas(tokens, parents, p, q, key, *, max_depth=None, proposal
 
 
 def accept_sample(tokens, parents, p, q, key, *, max_depth=None, proposal="sample",
-                  interpret: bool | None = None):
-    """Lossless tree sampling: the kernels on GPU (or with interpret=True), the reference elsewhere (same
-    outputs for the same key)."""
-    if select.spec_op(interpret) == "kernel":
+                  policy: select.KernelPolicy = select.AUTO):
+    """Lossless tree sampling: the kernels where `select.spec_ops` says so under `policy` (a GPU, or
+    policy.interpret: the interpreter), the reference elsewhere (same outputs for the same key)."""
+    if select.spec_ops(policy=policy) == "kernel":
         return accept_sample_pallas(tokens, parents, p, q, key, max_depth=max_depth, proposal=proposal,
-                                    interpret=bool(interpret))
+                                    interpret=policy.interpret)
     return accept_sample_reference(tokens, parents, p, q, key, max_depth=max_depth, proposal=proposal)

@@ -550,18 +550,19 @@ def _launch(srcs, rope, k_cache, v_cache, lengths, positions, mask, sinks, *, B,
     return (out, *caches) if rope is not None else out
 
 
-def attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale, ring: bool = False):
+def attention(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks, *, window, scale, ring: bool = False,
+              policy: select.KernelPolicy = select.AUTO):
     """The model's single attention entry point (same contract as `attention_reference`): the
     implementation `select.attention` names for these shapes on this platform. The Mosaic GPU kernel
     (attention_mosaic.py) for full layers with long caches and several query tokens on a GPU, else the
     Pallas (Triton) kernel on a GPU; the jnp reference elsewhere and for cache-free full-sequence
     passes (`forward`, training: the reference is differentiable, the kernels are not)."""
-    impl = select.attention(q, k_cache, window, ring=ring)
+    impl = select.attention(q, k_cache, window, ring=ring, policy=policy)
     if impl == "mosaic":
         return attention_mosaic.attention_mosaic(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
-                                                 window=window, scale=scale)
+                                                 window=window, scale=scale, interpret=policy.interpret)
     if impl == "triton":
         return attention_pallas(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
-                                window=window, scale=scale, ring=ring)
+                                window=window, scale=scale, ring=ring, interpret=policy.interpret)
     return attention_reference(q, k, v, k_cache, v_cache, lengths, positions, mask, sinks,
                                window=window, scale=scale, ring=ring)

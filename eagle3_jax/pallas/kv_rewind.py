@@ -146,11 +146,12 @@ def kv_rewind_pallas(k_caches, v_caches, lengths, path, accept_len, rings=None, 
               group_size=group_size)
 
 
-def kv_rewind(k_caches, v_caches, lengths, path, accept_len, rings=None, *, interpret: bool | None = None):
-    """In-place accepted-path compaction: the kernel on GPU (or with interpret=True), the reference
-    elsewhere. rings: per layer, whether its buffer is a ring (`KVCache.rings`; None: none). Donates
-    the cache buffers on the kernel path."""
-    if select.spec_op(interpret) == "kernel":
+def kv_rewind(k_caches, v_caches, lengths, path, accept_len, rings=None, *,
+              policy: select.KernelPolicy = select.AUTO):
+    """In-place accepted-path compaction: the kernel where `select.spec_ops` says so under `policy` (a
+    GPU, or policy.interpret: the interpreter), the reference elsewhere. rings: per layer, whether
+    its buffer is a ring (`KVCache.rings`; None: none). Donates the cache buffers on the kernel path."""
+    if select.spec_ops(policy=policy) == "kernel":
         return kv_rewind_pallas(tuple(k_caches), tuple(v_caches), lengths, path, accept_len, rings,
-                                interpret=bool(interpret))
+                                interpret=policy.interpret)
     return kv_rewind_reference(tuple(k_caches), tuple(v_caches), lengths, path, accept_len, rings)

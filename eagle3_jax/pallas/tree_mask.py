@@ -140,9 +140,10 @@ def tree_mask_pallas(parents, lengths, *, interpret: bool = False):
         interpret=interpret, name="tree_mask")(parents, lengths.astype(i32))
 
 
-def tree_mask(parents, lengths, *, interpret: bool | None = None):
-    """Tree structure of `parents` (see the module docstring): the Pallas kernel on GPU (or with
-    interpret=True), the reference elsewhere. Returns (bits, depth, positions, first_child, next_sibling)."""
-    if select.spec_op(interpret) == "kernel":
-        return tree_mask_pallas(parents, lengths, interpret=bool(interpret))
+def tree_mask(parents, lengths, *, policy: select.KernelPolicy = select.AUTO):
+    """Tree structure of `parents` (see the module docstring): the Pallas kernel where `select.spec_ops`
+    says so under `policy` (a GPU, or policy.interpret: the interpreter), the reference elsewhere.
+    Returns (bits, depth, positions, first_child, next_sibling)."""
+    if select.spec_ops(policy=policy) == "kernel":
+        return tree_mask_pallas(parents, lengths, interpret=policy.interpret)
     return tree_mask_reference(parents, lengths)

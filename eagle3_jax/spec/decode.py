@@ -77,8 +77,7 @@ def prefill_chunk_for(batch: int, longest: int) -> int:
     """The automatic prefill chunk (prefill_chunk=None): the fewest chunks of at most PREFILL_TOKENS
     tokens over the batch (at least PREFILL_CHUNK a row), the longest prompt split evenly between them
     and rounded up to a multiple of PREFILL_CHUNK. The MoE runs more efficiently on more tokens a call:
-    gpt-oss-120b, one 2048-token prompt on an H200, prefill 0.63 / 0.37 / 0.27 / 0.20 s with chunks of
-    256 / 512 / 1024 / 2048 tokens (docs/perf/end_to_end.md)."""
+    prefill times by chunk size: docs/perf/end_to_end.md."""
     cap = max(PREFILL_CHUNK, PREFILL_TOKENS // batch // PREFILL_CHUNK * PREFILL_CHUNK)
     n = -(-longest // cap)
     return _round_up(-(-longest // n), PREFILL_CHUNK)
@@ -158,13 +157,29 @@ def _prepare(cfg, prompts, max_new_tokens, temperature, eos_ids, seed, max_cache
     return prompts, args, dict(cache_len=cache_len, out_len=out_len, chunk=chunk, greedy=temperature == 0)
 
 
-def _run(models, prompts, args, plan: Plan):
-    """Compiles (once per plan and shapes) and runs the loop: (per-prompt token lists, steps, Counters,
-    throughput metrics). Models on a mesh of several devices (parallel.py) get the host arguments
-    on it: prompts and lengths split over "data", the batch padded to a multiple of it with empty
-    prompts (rows that start done and are dropped from the outputs), the rest replicated."""
+def run_context(target, ctx: parallel.RunContext | None) -> parallel.RunContext:
+    """ctx, checked against the mesh the models' parameters are on, or `parallel.context_for(target)`
+    for None."""
+    if ctx is None:
+        return parallel.context_for(target)
+    if not isinstance(ctx, parallel.RunContext):
+        raise ArgumentError(f"ctx: expected a parallel.RunContext (parallel.context_for(target, kernels=...)), "
+                            f"got {type(ctx).__name__}")
+    mesh = parallel.mesh_of(target)
+    mesh = None if mesh is None or mesh.size == 1 else mesh
+    if ctx.mesh != mesh:
+        raise ValueError(f"ctx: its mesh {ctx.mesh} is not the one the parameters are on ({mesh}); make it with "
+                         "parallel.context_for(target, ...)")
+    return ctx
+
+
+def _run(models, prompts, args, plan: Plan, ctx: parallel.RunContext):
+    """Compiles (once per plan, run context and shapes) and runs the loop: (per-prompt token lists,
+    Counters, throughput metrics). On ctx's mesh the host arguments go onto it: prompts and lengths
+    split over "data", the batch padded to a multiple of it with empty prompts (rows that start done
+    and are dropped from the outputs), the rest replicated."""
     graphdef, state = nnx.split(models)
-    mesh = loop.loop_mesh(state)
+    mesh = ctx.mesh
     B = len(prompts)
     if mesh is not None:
         tokens, lengths, *rest = args
@@ -173,9 +188,9 @@ def _run(models, prompts, args, plan: Plan):
         lengths = np.concatenate([lengths, np.zeros((pad,), lengths.dtype)])
         args = (parallel.put_rows(tokens, mesh), parallel.put_rows(lengths, mesh), *parallel.replicate(rest, mesh))
     args = (state, *args)
-    exe, compile_s = loop.compiled(plan, graphdef, *args, hidden=models[0].config.hidden_size)
+    exe, compile_s = loop.compiled(plan, graphdef, ctx, *args)
     t0 = time.perf_counter()
-    out, n_out, steps, counters = jax.block_until_ready(exe(*args))
+    out, n_out, steps, counters = jax.block_until_ready(exe(ctx, *args))
     seconds = time.perf_counter() - t0
     out, n_out = np.asarray(out)[:B], np.asarray(n_out)[:B]
     toks = [out[b, :n_out[b]].tolist() for b in range(B)]
@@ -184,11 +199,13 @@ def _run(models, prompts, args, plan: Plan):
 
 def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: float = 0.0,
              eos_ids: Sequence[int] | None = None, seed: int = 0, *, max_cache_len: int | None = None,
-             prefill_chunk: int | None = None) -> Output:
+             prefill_chunk: int | None = None, ctx: parallel.RunContext | None = None) -> Output:
     """Baseline autoregressive generation (greedy at temperature 0, else sampling), batched and ragged.
 
-    prompts: list of token-id lists (any lengths). eos_ids default to the config's; a slot stops at
-    its first eos (included in its output) or after `max_new_tokens`. prefill_chunk: tokens a row per
+    prompts: list of token-id lists (any lengths). eos_ids: None takes the config's eos ids
+    (`config.eos_token_ids`; [] for none); a slot stops at its first eos (included in its output) or
+    after `max_new_tokens`. ctx: how the program runs (`parallel.RunContext`: mesh, kernel policy,
+    compiler options); None: `parallel.context_for(target)`, the parameters' mesh, automatic kernels. prefill_chunk: tokens a row per
     prefill step (prompts are padded to a multiple of it); None: `prefill_chunk_for`. max_cache_len:
     the most KV-cache slots a row (None: the prompt + budget rounded up to LENGTH_BUCKET). Wrong
     types raise `ArgumentError` (a ValueError and a TypeError), wrong values ValueError.
@@ -197,7 +214,8 @@ def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: 
         raise ArgumentError(f"target: expected a gpt_oss.GptOss, got {type(target).__name__}")
     prompts, args, static = _prepare(target.config, prompts, max_new_tokens, temperature, eos_ids, seed,
                                      max_cache_len, prefill_chunk)
-    toks, _, m = _run((target, None), prompts, args, Plan(**static))
+    ctx = run_context(target, ctx)
+    toks, _, m = _run((target, None), prompts, args, Plan(**static), ctx)
     return Output(toks, m)
 
 
@@ -227,12 +245,13 @@ def _check_pair(target, draft):
 def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens: int, num_spec_tokens: int = 3,
            topk: int = 1, num_draft_tokens: int | None = None, temperature: float = 0.0,
            eos_ids: Sequence[int] | None = None, seed: int = 0, *, proposal: str = "deterministic",
-           max_cache_len: int | None = None, prefill_chunk: int | None = None) -> Output:
+           max_cache_len: int | None = None, prefill_chunk: int | None = None,
+           ctx: parallel.RunContext | None = None) -> Output:
     """EAGLE-3 speculative decoding; lossless against `generate` (greedy: token for token).
 
     num_spec_tokens: draft depth; topk: children per expanded node (1 = chain); num_draft_tokens:
     tree nodes N including the root (default: num_spec_tokens + 1 for a chain; required <=
-    1 + topk + (depth - 1) * topk^2 for a tree); prefill_chunk, max_cache_len as in `generate` (the
+    1 + topk + (depth - 1) * topk^2 for a tree); prefill_chunk, max_cache_len, eos_ids, ctx as in `generate` (the
     cache also holds num_draft_tokens + num_spec_tokens + 1 scratch slots). Output as `generate`, with
     acceptance metrics: mean_accept_length (tau: tokens committed per slot-step, the bonus token
     counted), accept_rate (accepted drafts per slot-step over the most a step can accept,
@@ -267,7 +286,8 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
                                      max_cache_len, prefill_chunk, slack)
     plan = Plan(**static, depth=num_spec_tokens, topk=topk, num_nodes=num_draft_tokens,
                 feature_ids=tuple(draft.config.feature_layers), proposal=proposal)
-    toks, counters, m = _run((target, draft), prompts, args, plan)
+    ctx = run_context(target, ctx)
+    toks, counters, m = _run((target, draft), prompts, args, plan, ctx)
     m.update(metrics.acceptance(counters, num_spec_tokens, num_draft_tokens), num_spec_tokens=num_spec_tokens,
              topk=topk, num_draft_tokens=num_draft_tokens, proposal=proposal)
     return Output(toks, m)

@@ -1,11 +1,11 @@
 """Prefill and the `lax.while_loop` over `step`, shared by `generate` and `decode`, compiled once
-per plan and argument shapes (and shardings: with the models' parameters on a mesh of several
-devices, the caches and the loop state are laid out over it, `layout`, and the program is traced
-`on_mesh`, so that the kernels run on local shards)."""
+per plan, run context and argument shapes (and shardings: on a mesh of several devices the caches
+and the loop state are laid out over it, `layout`). Executables are kept in a bounded LRU cache
+(`COMPILED_MAX` of them), so a notebook sweeping shapes does not grow without bound."""
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import time
 
 import jax
@@ -13,13 +13,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax import parallel
-from eagle3_jax.models import eagle3, gpt_oss, shards
-from eagle3_jax.pallas import select
+from eagle3_jax.models import eagle3, gpt_oss
 from eagle3_jax.spec.metrics import Counters
 from eagle3_jax.spec.state import DecodeState, Plan
 from eagle3_jax.spec.step import sample, step
 
 PER_ROW = ("lengths", "root", "h_root", "out", "n_out", "done")  # DecodeState's [B, ...] fields besides the caches
+COMPILED_MAX = 16  # executables `compiled` keeps (least recently used dropped first)
 
 
 def layout(state: DecodeState, mesh) -> DecodeState:
@@ -33,20 +33,22 @@ def layout(state: DecodeState, mesh) -> DecodeState:
                          draft_cache=parallel.constrain_cache(state.draft_cache, mesh, heads=False), **rows)
 
 
-def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan: Plan, mesh=None) -> DecodeState:
+def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan: Plan,
+               ctx: parallel.RunContext) -> DecodeState:
     """Prefills the target (and the draft) with right-padded prompts tokens int32 [B, P] and draws
-    the first token; the state before the first step, laid out over `mesh` (`layout`). Rows of
+    the first token; the state before the first step, laid out over ctx's mesh (`layout`). Rows of
     prompt length 0 (padding that a mesh's data axis needs: spec/decode.py) start done."""
     target, draft = models
+    mesh = ctx.mesh
     B = tokens.shape[0]
     cache = gpt_oss.init_cache(target, B, plan.cache_len, max_step_tokens=plan.step_tokens)
     if mesh is not None:
         tokens, prompt_lengths = parallel.constrain_rows(tokens, mesh), parallel.constrain_rows(prompt_lengths, mesh)
         cache = parallel.constrain_cache(cache, mesh)
     with jax.named_scope("prefill"):
-        target_cache, h_last, feats = gpt_oss.prefill(target, cache, tokens,
-                                                      prompt_lengths, chunk=plan.chunk, feature_ids=plan.feature_ids)
-        first = sample(gpt_oss.logits(target, h_last), jax.random.fold_in(key, 0), temperature, plan.greedy)
+        target_cache, h_last, feats = gpt_oss.prefill(target, cache, tokens, prompt_lengths, chunk=plan.chunk,
+                                                      feature_ids=plan.feature_ids, ctx=ctx)
+        first = sample(gpt_oss.logits(target, h_last, ctx), jax.random.fold_in(key, 0), temperature, plan.greedy, ctx)
         draft_cache = h_root = None
         if plan.depth:
             # the draft reads (x_{t+1}, f_t): the prompt shifted left, the first token after the last position
@@ -55,7 +57,8 @@ def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key
             draft_cache = eagle3.init_cache(draft, B, plan.cache_len, max_step_tokens=plan.step_tokens)
             if mesh is not None:
                 draft_cache = parallel.constrain_cache(draft_cache, mesh, heads=False)
-            draft_cache, h_root = eagle3.prefill(draft, draft_cache, nxt, feats, prompt_lengths, chunk=plan.chunk)
+            draft_cache, h_root = eagle3.prefill(draft, draft_cache, nxt, feats, prompt_lengths, chunk=plan.chunk,
+                                                 ctx=ctx)
     n_out = jnp.ones((B,), jnp.int32)
     state = DecodeState(target_cache=target_cache, draft_cache=draft_cache, lengths=prompt_lengths, root=first,
                         h_root=h_root, out=jnp.zeros((B, plan.out_len), jnp.int32).at[:, 0].set(first), n_out=n_out,
@@ -65,55 +68,41 @@ def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key
     return layout(state, mesh)
 
 
-def run(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan: Plan, mesh=None) -> DecodeState:
+def run(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan: Plan,
+        ctx: parallel.RunContext) -> DecodeState:
     """Prefill, then `step` until every slot is done: the whole generation, traceable under jit.
-    mesh: the models' parameters' mesh (several devices), or None; the state keeps `layout`."""
-    state = init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan, mesh)
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: layout(step(models, s, plan), mesh), state)
+    ctx: the run context (its mesh: the models' parameters'); the state keeps `layout`."""
+    state = init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan, ctx)
+    return jax.lax.while_loop(lambda state: ~jnp.all(state.done),
+                              lambda state: layout(step(models, state, plan, ctx), ctx.mesh), state)
 
 
-def loop_mesh(params):
-    """The mesh the loop lays its state out over: that of the parameters' NamedShardings
-    (`parallel.mesh_of`) where it has more than one device, else None (one device: nothing changes)."""
-    mesh = parallel.mesh_of(params)
-    return None if mesh is None or mesh.size == 1 else mesh
-
-
-def on_mesh(mesh):
-    """The context `run` is traced in: the mesh's abstract mesh, under which the models run their
-    kernels on local shards (models/shards.py); nothing for mesh None."""
-    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
-
-
-def _program(graphdef, params, mailbox, *args, plan: Plan, mesh=None):
-    with on_mesh(mesh), shards.mailbox_context(mailbox):
-        final = run(nnx.merge(graphdef, params), *args, plan, mesh)
+def program(graphdef, ctx: parallel.RunContext, params, *args, plan: Plan):
+    """The whole generation as one function of (ctx, params, *args) for jit: -> (out [B, out_len],
+    n_out [B], steps, Counters), whole on every device (several processes each read them)."""
+    final = run(nnx.merge(graphdef, params), *args, plan, ctx)
     results = final.out, final.n_out, final.steps, final.counters
-    # whole on every device: each process reads them (several processes: jax.distributed)
-    return results if mesh is None else parallel.constrain_replicated(results, mesh)
+    return results if ctx.mesh is None else parallel.constrain_replicated(results, ctx.mesh)
 
 
-_COMPILED: dict = {}
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
 
 
-def compiled(plan: Plan, graphdef, *args, hidden: int | None = None):
-    """The executable of `run` for (target, draft) = nnx.merge(graphdef, args[0]) and these argument
-    shapes, dtypes and shardings (the state laid out over `loop_mesh(args[0])`), compiled on first
-    use: (executable taking *args, seconds spent compiling now, 0.0 on reuse). It returns
-    (out [B, out_len], n_out [B], steps, Counters). hidden: the target's hidden size, for the
-    mesh's all-reduce Mailbox (`parallel.mailbox`), which the executable passes in itself (None:
-    no Mailbox, XLA's all-reduce). XLA options: `select.compiler_options` (on a GPU, every loop one
-    CUDA graph)."""
-    mesh = loop_mesh(args[0])
-    mailbox = None if hidden is None else parallel.mailbox(mesh, hidden)
-    spec = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a), getattr(a, "sharding", None)), args)
-    key = (graphdef, plan, mesh, mailbox is None, str(jax.tree.structure(args)), str(spec))
-    if key not in _COMPILED:
-        t0 = time.perf_counter()
-
-        exe = jax.jit(_program, static_argnums=0, static_argnames=("plan", "mesh")).lower(
-            graphdef, args[0], mailbox, *args[1:], plan=plan, mesh=mesh).compile(
-            compiler_options=select.compiler_options())
-        _COMPILED[key] = (lambda *a: exe(a[0], mailbox, *a[1:])), time.perf_counter() - t0
-        return _COMPILED[key]
-    return _COMPILED[key][0], 0.0
+def compiled(plan: Plan, graphdef, ctx: parallel.RunContext, *args):
+    """The executable of `program` for (target, draft) = nnx.merge(graphdef, args[0]), this run
+    context and these argument shapes, dtypes and shardings, compiled with ctx.compiler_options on
+    first use: (executable taking (ctx, *args), seconds spent compiling now, 0.0 on reuse). At most
+    COMPILED_MAX are kept, the least recently used dropped first."""
+    spec = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a), getattr(a, "sharding", None)), (ctx, args))
+    key = (graphdef, plan, ctx.mesh, ctx.kernels, ctx.compiler_options, str(jax.tree.structure((ctx, args))),
+           str(spec))
+    if key in _COMPILED:
+        _COMPILED.move_to_end(key)
+        return _COMPILED[key], 0.0
+    t0 = time.perf_counter()
+    exe = jax.jit(program, static_argnums=0, static_argnames="plan").lower(
+        graphdef, ctx, *args, plan=plan).compile(compiler_options=ctx.options)
+    _COMPILED[key] = exe
+    while len(_COMPILED) > COMPILED_MAX:
+        _COMPILED.popitem(last=False)
+    return exe, time.perf_counter() - t0

@@ -26,9 +26,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax import parallel
 from eagle3_jax.models import eagle3, gpt_oss
 from eagle3_jax.models import kv_cache as kvc
-from eagle3_jax.models import shards
 from eagle3_jax.pallas.accept import accept_greedy, accept_sample, uniforms
 from eagle3_jax.pallas.kv_rewind import kv_rewind
 from eagle3_jax.pallas.tree_mask import tree_mask
@@ -36,59 +36,60 @@ from eagle3_jax.spec.state import DecodeState, Plan
 from eagle3_jax.spec.tree import draft_tree
 
 
-def sample(logits, key, temperature, greedy: bool):
+def sample(logits, key, temperature, greedy: bool, ctx: parallel.RunContext):
     """logits f32 [B, ..., V] -> int32 [B, ...]: argmax when greedy, else a draw from softmax(logits / T)
     by the Gumbel-max trick (jax.random.categorical's draw, bit for bit). Both through
-    `shards.vocab_argmax`, which exchanges only each device's best where a mesh splits V."""
+    `parallel.vocab_argmax`, which exchanges only each device's best where ctx's mesh splits V."""
     if greedy:
-        return shards.vocab_argmax(logits)
-    return shards.vocab_argmax(jax.random.gumbel(key, logits.shape, logits.dtype) + logits / temperature)
+        return parallel.vocab_argmax(ctx, logits)
+    return parallel.vocab_argmax(ctx, jax.random.gumbel(key, logits.shape, logits.dtype) + logits / temperature)
 
 
-def keys(s: DecodeState):
+def keys(state: DecodeState):
     """The step's PRNG keys: (the target's draws, the draft's draws)."""
-    key = jax.random.fold_in(s.key, s.steps + 1)
+    key = jax.random.fold_in(state.key, state.steps + 1)
     return key, jax.random.fold_in(key, 1)
 
 
-def propose(draft, s: DecodeState, plan: Plan):
+def propose(draft, state: DecodeState, plan: Plan, ctx: parallel.RunContext):
     """The tokens to verify: (tokens int32 [B, N] with tokens[:, 0] = root, parents int32 [B, N]
     (parents[:, 0] = -1), packed ancestor mask [B, N, ceil(N/32)] or None (the baseline's one token),
     positions int32 [B, N], q float32 [B, N, Vd] the draft distribution each node's children were
     drawn from (proposal "sample"; else None))."""
-    L = s.lengths
+    L = state.lengths
     if not plan.depth:
-        return s.root[:, None], jnp.full_like(s.root[:, None], -1), None, L[:, None], None
-    sample = (keys(s)[1], s.temperature) if plan.proposal == "sample" else None
-    tokens, parents, q = draft_tree(draft, s.draft_cache, L, s.root, s.h_root, depth=plan.depth, topk=plan.topk,
-                                    num_nodes=plan.num_nodes, sample=sample)
-    rows = shards.ROWS
-    bits, _, positions, _, _ = shards.local(tree_mask, (rows, rows), (rows,) * 5)(parents, L)
+        return state.root[:, None], jnp.full_like(state.root[:, None], -1), None, L[:, None], None
+    sample = (keys(state)[1], state.temperature) if plan.proposal == "sample" else None
+    tokens, parents, q = draft_tree(draft, state.draft_cache, L, state.root, state.h_root, depth=plan.depth,
+                                    topk=plan.topk, num_nodes=plan.num_nodes, sample=sample, ctx=ctx)
+    rows = parallel.BATCH
+    mask = functools.partial(tree_mask, policy=ctx.kernels)
+    bits, _, positions, _, _ = ctx.local(mask, (rows, rows), (rows,) * 5)(parents, L)
     return tokens, parents, bits, positions, q
 
 
-def verify(target, s: DecodeState, tokens, positions, mask, plan: Plan):
+def verify(target, state: DecodeState, tokens, positions, mask, plan: Plan, ctx: parallel.RunContext):
     """The target over the N nodes: (logits f32 [B, N, V], features [B, N, 3H] or None, target cache
     with the nodes' K/V at slots lengths .. lengths + N - 1)."""
-    return gpt_oss.step(target, s.target_cache, tokens, positions, s.lengths, mask, plan.feature_ids)
+    return gpt_oss.step(target, state.target_cache, tokens, positions, state.lengths, mask, plan.feature_ids, ctx=ctx)
 
 
-def choose(logits, key, temperature, plan: Plan):
+def choose(logits, key, temperature, plan: Plan, ctx: parallel.RunContext):
     """The target's pick at every node, int32 [B, N]: argmax, or one draw per node."""
     if not plan.depth:  # one draw over [B, V], as the baseline has always drawn
-        return sample(logits[:, 0], key, temperature, plan.greedy)[:, None]
-    return sample(logits, key, temperature, plan.greedy)
+        return sample(logits[:, 0], key, temperature, plan.greedy, ctx)[:, None]
+    return sample(logits, key, temperature, plan.greedy, ctx)
 
 
-def accept(tokens, parents, choice, plan: Plan):
+def accept(tokens, parents, choice, plan: Plan, ctx: parallel.RunContext):
     """(accepted drafts int32 [B], path int32 [B, depth + 1] of node indices from the root (entries
     past the accepted length point at node 0), bonus int32 [B])."""
     if not plan.depth:
         zero = jnp.zeros_like(choice[:, 0])
         return zero, zero[:, None], choice[:, 0]
-    rows = shards.ROWS
-    greedy = functools.partial(accept_greedy, max_depth=plan.depth)
-    acc, path, bonus = shards.local(greedy, (rows,) * 3, (rows,) * 3)(tokens, parents, choice)
+    rows = parallel.BATCH
+    greedy = functools.partial(accept_greedy, max_depth=plan.depth, policy=ctx.kernels)
+    acc, path, bonus = ctx.local(greedy, (rows,) * 3, (rows,) * 3)(tokens, parents, choice)
     return acc, jnp.maximum(path, 0), bonus  # entries past acc only feed scratch slots
 
 
@@ -100,25 +101,25 @@ def target_ids_q(draft, q):
     return jnp.zeros((B, N, draft.config.vocab_size), q.dtype).at[:, :, ids].set(q)
 
 
-def accept_sampled(draft, logits, tokens, parents, q, key, temperature, plan: Plan):
+def accept_sampled(draft, logits, tokens, parents, q, key, temperature, plan: Plan, ctx: parallel.RunContext):
     """Proposal "sample": recursive rejection of drafts drawn from q with the target's p =
     softmax(logits / T); outputs as `accept`."""
     p = jax.nn.softmax(logits / temperature, axis=-1)
     u = uniforms(key, *tokens.shape)  # the batch's draws; under a mesh each device takes its rows'
-    run = functools.partial(accept_sample, max_depth=plan.depth, proposal="sample")
-    rows = shards.ROWS
-    acc, path, bonus = shards.local(run, (rows,) * 5, (rows,) * 3)(tokens, parents, p, target_ids_q(draft, q), u)
+    run = functools.partial(accept_sample, max_depth=plan.depth, proposal="sample", policy=ctx.kernels)
+    rows = parallel.BATCH
+    acc, path, bonus = ctx.local(run, (rows,) * 5, (rows,) * 3)(tokens, parents, p, target_ids_q(draft, q), u)
     return acc, jnp.maximum(path, 0), bonus
 
 
-def rewind(cache: kvc.KVCache, lengths, path, acc, plan: Plan) -> kvc.KVCache:
+def rewind(cache: kvc.KVCache, lengths, path, acc, plan: Plan, ctx: parallel.RunContext) -> kvc.KVCache:
     """Moves the accepted nodes' K/V of the target's cache to slots lengths .. lengths + acc (a
-    chain's already are). Under a mesh (models/shards.py) each device moves its rows and heads."""
+    chain's already are). Under ctx's mesh each device moves its rows and heads."""
     if plan.topk == 1:
         return cache
-    heads, rows = shards.HEADS, shards.ROWS
-    k, v = shards.local(functools.partial(kv_rewind, rings=cache.rings), (heads, heads, rows, rows, rows),
-                        (heads, heads))(cache.k, cache.v, lengths, path, acc)
+    heads, rows = parallel.BATCH_HEADS, parallel.BATCH
+    move = functools.partial(kv_rewind, rings=cache.rings, policy=ctx.kernels)
+    k, v = ctx.local(move, (heads, heads, rows, rows, rows), (heads, heads))(cache.k, cache.v, lengths, path, acc)
     return cache.replace(k=tuple(k), v=tuple(v))
 
 
@@ -130,60 +131,61 @@ def path_tokens(tokens, path, acc, bonus):
     return jnp.where(j == acc[:, None], bonus[:, None], nxt)
 
 
-def extend(draft, s: DecodeState, nxt, feats, path, acc, plan: Plan):
+def extend(draft, state: DecodeState, nxt, feats, path, acc, plan: Plan, ctx: parallel.RunContext):
     """The draft over the accepted tokens with their target features (fixed width depth + 1, entries
     past acc write scratch): (draft cache, h at the new root [B, Hd])."""
-    W, L = plan.width, s.lengths
+    W, L = plan.width, state.lengths
     f = jnp.take_along_axis(feats, path[:, :, None], axis=1)  # [B, W, 3H]
     h, cache = eagle3.layer(draft, nxt, eagle3.project(draft, f), L[:, None] + jnp.arange(W)[None], L, None,
-                            s.draft_cache)
+                            state.draft_cache, ctx=ctx)
     return cache, jnp.take_along_axis(h, acc[:, None, None], axis=1)[:, 0]
 
 
-def commit(s: DecodeState, plan: Plan, *, target_cache, draft_cache, nxt, acc, h_root) -> DecodeState:
+def commit(state: DecodeState, plan: Plan, *, target_cache, draft_cache, nxt, acc, h_root) -> DecodeState:
     """Writes the step's tokens nxt[:, :acc + 1] to the output, cut at the first eos and at the token
     budget; marks slots done (eos, budget, or no room in the cache for another step); updates the
     counters. Slots already done keep their lengths, root, h_root and output."""
     B, W = nxt.shape
-    active = ~s.done
+    active = ~state.done
     j = jnp.arange(W)[None]
     count = acc + 1
-    is_eos = jnp.isin(nxt, s.eos_ids) & (j < count[:, None])
+    is_eos = jnp.isin(nxt, state.eos_ids) & (j < count[:, None])
     first_eos = jnp.min(jnp.where(is_eos, j, W), axis=1)
-    count = jnp.minimum(jnp.minimum(count, first_eos + 1), s.budget - s.n_out)
+    count = jnp.minimum(jnp.minimum(count, first_eos + 1), state.budget - state.n_out)
     count = jnp.where(active, count, 0)
-    cols = jnp.where(j < count[:, None], s.n_out[:, None] + j, plan.out_len)
-    out = s.out.at[jnp.arange(B)[:, None], cols].set(nxt, mode="drop")
-    n_out = s.n_out + count
-    lengths = s.lengths + acc + 1
+    cols = jnp.where(j < count[:, None], state.n_out[:, None] + j, plan.out_len)
+    out = state.out.at[jnp.arange(B)[:, None], cols].set(nxt, mode="drop")
+    n_out = state.n_out + count
+    lengths = state.lengths + acc + 1
     full = lengths + plan.slack > plan.cache_len
-    done = s.done | (active & ((first_eos < W) | (n_out >= s.budget) | full))
+    done = state.done | (active & ((first_eos < W) | (n_out >= state.budget) | full))
     keep = lambda new, old: None if old is None else jnp.where(  # noqa: E731
         active.reshape((B,) + (1,) * (old.ndim - 1)), new, old)
-    return s.replace(target_cache=target_cache, draft_cache=draft_cache, lengths=keep(lengths, s.lengths),
-                     root=keep(nxt[jnp.arange(B), acc], s.root), h_root=keep(h_root, s.h_root), out=out,
-                     n_out=n_out, done=done, steps=s.steps + 1, counters=s.counters.add(active, acc, count))
+    return state.replace(target_cache=target_cache, draft_cache=draft_cache, lengths=keep(lengths, state.lengths),
+                     root=keep(nxt[jnp.arange(B), acc], state.root), h_root=keep(h_root, state.h_root), out=out,
+                     n_out=n_out, done=done, steps=state.steps + 1, counters=state.counters.add(active, acc, count))
 
 
-def step(models, s: DecodeState, plan: Plan) -> DecodeState:
-    """One iteration over all slots; models = (target, draft), draft None when plan.depth is 0."""
+def step(models, state: DecodeState, plan: Plan, ctx: parallel.RunContext) -> DecodeState:
+    """One iteration over all slots; models = (target, draft), draft None when plan.depth is 0; ctx:
+    the run context (mesh, kernels)."""
     target, draft = models
-    key = keys(s)[0]
+    key = keys(state)[0]
     with jax.named_scope("draft"):
-        tokens, parents, mask, positions, q = propose(draft, s, plan)
+        tokens, parents, mask, positions, q = propose(draft, state, plan, ctx)
     with jax.named_scope("verify"):
-        logits, feats, target_cache = verify(target, s, tokens, positions, mask, plan)
+        logits, feats, target_cache = verify(target, state, tokens, positions, mask, plan, ctx)
     with jax.named_scope("accept"):
         if plan.proposal == "sample":
-            acc, path, bonus = accept_sampled(draft, logits, tokens, parents, q, key, s.temperature, plan)
+            acc, path, bonus = accept_sampled(draft, logits, tokens, parents, q, key, state.temperature, plan, ctx)
         else:
-            acc, path, bonus = accept(tokens, parents, choose(logits, key, s.temperature, plan), plan)
+            acc, path, bonus = accept(tokens, parents, choose(logits, key, state.temperature, plan, ctx), plan, ctx)
         nxt = path_tokens(tokens, path, acc, bonus)
     with jax.named_scope("rewind"):
-        target_cache = rewind(target_cache, s.lengths, path, acc, plan)
-    draft_cache, h_root = s.draft_cache, s.h_root
+        target_cache = rewind(target_cache, state.lengths, path, acc, plan, ctx)
+    draft_cache, h_root = state.draft_cache, state.h_root
     if plan.depth:
         with jax.named_scope("extend"):
-            draft_cache, h_root = extend(draft, s, nxt, feats, path, acc, plan)
+            draft_cache, h_root = extend(draft, state, nxt, feats, path, acc, plan, ctx)
     with jax.named_scope("commit"):
-        return commit(s, plan, target_cache=target_cache, draft_cache=draft_cache, nxt=nxt, acc=acc, h_root=h_root)
+        return commit(state, plan, target_cache=target_cache, draft_cache=draft_cache, nxt=nxt, acc=acc, h_root=h_root)

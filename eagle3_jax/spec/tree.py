@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax import parallel
 from eagle3_jax.formats.packed_mask import pack_mask
 from eagle3_jax.models import eagle3
 
@@ -34,10 +35,10 @@ def max_nodes(depth: int, topk: int) -> int:
     return 1 + topk + (depth - 1) * topk * topk
 
 
-def _children(draft, h, k: int, sample):
+def _children(draft, h, k: int, sample, ctx: parallel.RunContext):
     """k children of each node with draft hidden state h [..., H]: (their scores relative to the
     node's [..., k], target ids int32 [..., k], q [..., Vd] the draft distribution drawn from, or None)."""
-    logits = eagle3.logits(draft, h)
+    logits = eagle3.logits(draft, h, ctx)
     if sample is None:
         logp, tok = eagle3.top_k(draft, logits, k)
         return logp, tok, None
@@ -50,13 +51,14 @@ def _children(draft, h, k: int, sample):
     return score, eagle3.to_target_ids(draft, idx).astype(jnp.int32), q
 
 
-def draft_tree(draft, cache, lengths, root, h_root, *, depth: int, topk: int, num_nodes: int, sample=None):
+def draft_tree(draft, cache, lengths, root, h_root, *, depth: int, topk: int, num_nodes: int, sample=None,
+               ctx: parallel.RunContext = parallel.ONE_DEVICE):
     """Builds each sequence's draft tree.
 
     cache: the draft KV cache with committed prefix [0, lengths); root int32 [B] the last target
     token; h_root [B, H] the draft hidden at position lengths - 1 (its logits propose depth 1).
     sample: None (proposal "deterministic": top-k children) or (key, temperature) (proposal "sample":
-    i.i.d. draws from the draft at that temperature).
+    i.i.d. draws from the draft at that temperature). ctx: the run context (default one device).
     Returns (tokens int32 [B, N] target ids with tokens[:, 0] = root, parents int32 [B, N] with
     parents[:, 0] = -1 and parents[:, i] < i, q float32 [B, N, Vd] the draft distribution node i's
     children were drawn from, zero for nodes without children; None for "deterministic").
@@ -65,7 +67,7 @@ def draft_tree(draft, cache, lengths, root, h_root, *, depth: int, topk: int, nu
     k = topk
     P = (depth - 1) * k  # nodes the draft layer runs on (all frontiers but the last)
     step_sample = (lambda s: None) if sample is None else (lambda s: (jax.random.fold_in(sample[0], s), sample[1]))
-    score, tok, q = _children(draft, h_root, k, step_sample(0))  # [B, k]
+    score, tok, q = _children(draft, h_root, k, step_sample(0), ctx)  # [B, k]
     qs = None if q is None else [q[:, None]]  # q of each expanded node: the root, then each frontier
     cand_tok, cand_score, cand_parent = [tok], [score], [jnp.full((B, k), -1, jnp.int32)]
     f_tok, f_score, f_cand = tok, score, jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (B, k))
@@ -87,9 +89,9 @@ def draft_tree(draft, cache, lengths, root, h_root, *, depth: int, topk: int, nu
         rows = jnp.where((f_slot_parent >= 0)[:, :, None], parent_rows, False) | jax.nn.one_hot(slots, anc.shape[-1],
                                                                                                 dtype=bool)
         anc = anc.at[:, slots].set(rows)
-        h, _ = eagle3.layer(draft, p_tok, p_g, p_pos, lengths, pack_mask(anc), cache)
+        h, _ = eagle3.layer(draft, p_tok, p_g, p_pos, lengths, pack_mask(anc), cache, ctx=ctx)
         h_f = h[:, lo:lo + k]  # [B, k, H]
-        rel, tok, q = _children(draft, h_f, k, step_sample(s))  # [B, k(frontier), k(child)]
+        rel, tok, q = _children(draft, h_f, k, step_sample(s), ctx)  # [B, k(frontier), k(child)]
         if qs is not None:
             qs.append(q)
             expanded.append(f_cand)
