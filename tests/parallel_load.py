@@ -96,7 +96,7 @@ def check_reads(log, tensors, model, what, units=False):
     it fills (for q/k/v: of the fused wqkv / bqkv, whose row blocks a whole q, k or v may fit).
     units: the experts were placed split by their units as read (down's bias whole on every device)."""
     total = {}
-    for key, nbytes, whole, full in log:
+    for key, nbytes, _whole, full in log:
         total[key] = total.get(key, 0) + nbytes
         if units and key.endswith("down_proj_bias"):  # replicated under the units split: read whole
             assert nbytes == full, (what, key, nbytes, full)

@@ -658,14 +658,16 @@ def test_forward_and_layer_reject_bad_shapes(tmp_path):
     draft = load_eagle3(path, target.config, dtype=jnp.float32, **kw)
     tokens, feats = inputs(seed)
     V, H = TARGET.vocab_size, draft.config.hidden_size
-    for tok, f, msg in ((tokens, feats[:, :-1], r"features: shape \[2, 11, 192\], expected \[B, T, 3 \* target_hidden_size\]"),
+    for tok, f, msg in ((tokens, feats[:, :-1],
+                         r"features: shape \[2, 11, 192\], expected \[B, T, 3 \* target_hidden_size\]"),
                         (tokens, feats[0], r"features: shape \[12, 192\]"),
                         (tokens[0], feats[0], r"next_tokens: expected token ids of shape \[B, T\]"),
                         (tokens + V, feats, "next_tokens: token id .* outside the vocabulary"),
                         (tokens + 0.5, feats, "next_tokens: expected integer token ids")):
         with pytest.raises(ValueError, match=msg):
             eagle3.forward(draft, tok, f)
-    with pytest.raises(ValueError, match=r"features: shape \[2, 12, 128\], expected \[..., 3 \* target_hidden_size = 192\]"):
+    with pytest.raises(ValueError,
+                       match=r"features: shape \[2, 12, 128\], expected \[..., 3 \* target_hidden_size = 192\]"):
         eagle3.project(draft, feats[..., :128])
     tok = jnp.asarray(tokens, jnp.int32)
     g = jnp.zeros((B, T, H), jnp.float32)

@@ -62,7 +62,8 @@ def test_tree_kernels_lower(B, N):
     assert _triton_calls(tree_mask.tree_mask_pallas, parents, lengths) == 1
     assert _triton_calls(accept.accept_greedy_pallas, tokens, parents, _sds((B, N), i32)) == 1
     probs = _sds((B, N, 32000), f32)
-    assert _triton_calls(accept.accept_sample_pallas, tokens, parents, probs, probs, jax.random.key(0)) == 3  # walk, chunk sums, bonus
+    # walk, chunk sums, bonus
+    assert _triton_calls(accept.accept_sample_pallas, tokens, parents, probs, probs, jax.random.key(0)) == 3
     caches = tuple(_sds((B, Hkv, 4096, D), bf16) for _ in range(L))
     path, acc = _sds((B, 8), i32), _sds((B,), i32)
     assert _triton_calls(lambda k, v, *a: kv_rewind.kv_rewind_pallas(k, v, *a), caches, caches, lengths, path,

@@ -35,7 +35,8 @@ def _cached_logits(m, tokens, nxt, ctx=parallel.ONE_DEVICE):
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     step = jax.jit(lambda mm, c, t, p, n: gpt_oss.step(mm, c, t, p, n, ctx=ctx))
     lg, _, cache = step(m, cache, jnp.asarray(tokens, jnp.int32), pos, jnp.zeros((B,), jnp.int32))
-    lg2, _, _ = step(m, cache, jnp.asarray(nxt, jnp.int32), jnp.full((B, 1), T, jnp.int32), jnp.full((B,), T, jnp.int32))
+    lg2, _, _ = step(m, cache, jnp.asarray(nxt, jnp.int32), jnp.full((B, 1), T, jnp.int32),
+                     jnp.full((B,), T, jnp.int32))
     return np.asarray(lg, np.float64), np.asarray(lg2[:, 0], np.float64)
 
 

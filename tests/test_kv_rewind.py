@@ -63,7 +63,8 @@ def test_chain_moves_nothing():
 
 def test_dispatch_cpu_is_reference():
     k, v, lengths, path, acc = make(3, 1, 2, 2, 32, 16, 8, 5)
-    for a, b in zip(sum(kv_rewind(k, v, lengths, path, acc), ()), sum(kv_rewind_reference(k, v, lengths, path, acc), ())):
+    for a, b in zip(sum(kv_rewind(k, v, lengths, path, acc), ()),
+                    sum(kv_rewind_reference(k, v, lengths, path, acc), ())):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 

@@ -77,7 +77,8 @@ CPU_CASES = [
     ("tree_siblings_N40", 2, 40, 8, 2, 16, 200, "tree", None, dict(num_splits=2, block_k=32, block_new=16), None),
     ("window_tree_default_config", 3, 12, 8, 2, 16, 200, "tree", 8, {}, [0, 5, 170]),
     ("causal_chunk_window", 2, 37, 4, 2, 16, 120, "causal", 8, dict(block_rows=32, block_new=16, block_k=16), None),
-    ("causal_chunk_full_splitk", 1, 50, 2, 1, 16, 90, "causal", None, dict(block_rows=32, block_new=16, num_splits=2), [30]),
+    ("causal_chunk_full_splitk", 1, 50, 2, 1, 16, 90, "causal", None,
+     dict(block_rows=32, block_new=16, num_splits=2), [30]),
     ("random_mask_N33_D24_mha", 1, 33, 2, 2, 24, 64, "random_mask", None, dict(num_splits=3, block_k=16), None),
 ]
 

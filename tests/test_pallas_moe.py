@@ -272,7 +272,8 @@ def test_interpret_down_bias_flag(fma):
     np.testing.assert_array_equal(moe.mxfp4_moe_reference(*args, limit=LIMIT, alpha=ALPHA, down_bias_on=False), ref)
 
 
-@pytest.mark.parametrize("tiles", [dict(fma_block_i=16, fma_block_h=16), dict(fma_block_i=32, fma_block_h=32, fma_groups=4)])
+@pytest.mark.parametrize("tiles", [dict(fma_block_i=16, fma_block_h=16),
+                                   dict(fma_block_i=32, fma_block_h=32, fma_groups=4)])
 def test_interpret_fma_tiles(tiles):
     # other FMA tilings: 16 or 32 act columns a gate_up program (two or four 8-column blocks of the
     # pair layout), 16 or 32 outputs a down program; 9 tokens over 10 experts share them
@@ -367,10 +368,12 @@ def test_interpret_model_grouped_path_uses_kernel():
     assert np.isfinite(np.asarray(got)).all() and _rel(got, ref) < 2e-3
     # pairs with id -1 (experts held by another device) get no tile: as the same pairs with weight 0
     skip = jnp.asarray(rng.random(ids.shape) < 0.4)
-    got = nnx.jit(lambda m, *a: m._grouped(*a, select.KernelPolicy(interpret=True)))(layer, x, jnp.where(skip, -1, ids), w)
+    got = nnx.jit(lambda m, *a: m._grouped(*a, select.KernelPolicy(interpret=True)))(
+        layer, x, jnp.where(skip, -1, ids), w)
     ref = nnx.jit(lambda m, *a: m._gathered(*a))(layer, x, ids, jnp.where(skip, 0.0, w))
     assert np.isfinite(np.asarray(got)).all() and _rel(got, ref) < 2e-3
-    scan = nnx.jit(lambda m, *a: m._grouped(*a, select.KernelPolicy(moe_grouped="scan")))(layer, x, jnp.where(skip, -1, ids), w)
+    scan = nnx.jit(lambda m, *a: m._grouped(*a, select.KernelPolicy(moe_grouped="scan")))(
+        layer, x, jnp.where(skip, -1, ids), w)
     assert _rel(scan, ref) < 2e-3
 
 
@@ -449,7 +452,8 @@ def test_gpu_extreme_scales_and_tiles():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", ["fma_block_i=16/fma_block_h=16/fma_warps=2", "fma_block_i=32/fma_block_h=32/fma_groups=32"])
+@pytest.mark.parametrize("tiles", ["fma_block_i=16/fma_block_h=16/fma_warps=2",
+                                   "fma_block_i=32/fma_block_h=32/fma_groups=32"])
 @pytest.mark.parametrize("T", [3, 64])
 def test_gpu_fma_tiles(tiles, T):
     # the FMA path's other tilings, 16 experts (T=64: about 16 pairs an expert, each its own pass)

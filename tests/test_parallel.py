@@ -77,7 +77,8 @@ def test_tensor_expert_split(experts):
     model = nnx.eval_shape(lambda: gpt_oss.GptOss(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     for layer in model.layers:
         layer.mlp.expert_split = "tensor"
-    specs = {p.split("/")[-1]: parallel.param_partition(model, p) for p, _ in parallel.variables(model) if "/experts/" in p}
+    specs = {p.split("/")[-1]: parallel.param_partition(model, p)
+             for p, _ in parallel.variables(model) if "/experts/" in p}
     want = {"gate_up_bias": P(None, "model"), "down_bias": P()}
     want.update({"gate_up_blocks": P(None, "model"), "gate_up_scales": P(None, "model"),
                  "down_blocks": P(None, None, "model"), "down_scales": P(None, None, "model")} if experts == "mxfp4"

@@ -95,10 +95,13 @@ def test_rope_kernel_writes_the_ring(lengths, interpret):
     np.testing.assert_array_equal(np.asarray(vr2, np.float32), np.asarray(vr_ref, np.float32))
     for b, n in enumerate(lengths):  # the new tokens sit at their positions mod S, as in the dense cache
         for p in range(n, n + T):
-            np.testing.assert_array_equal(np.asarray(kr2[b, :, p % S], np.float32), np.asarray(kd2[b, :, p], np.float32))
+            np.testing.assert_array_equal(np.asarray(kr2[b, :, p % S], np.float32),
+                                          np.asarray(kd2[b, :, p], np.float32))
     with pytest.raises(ValueError, match="at most 4 new tokens a call, got 5"):
-        rope_attention(jnp.concatenate([qkv, qkv[:, :1]], 1), bias, *(jnp.concatenate([c, c[:, :1]], 1) for c in (cos, sin)),
-                       kr, vr, L, jnp.concatenate([pos, pos[:, -1:] + 1], 1), None, sinks, ring=True, interpret=True, **kw)
+        rope_attention(jnp.concatenate([qkv, qkv[:, :1]], 1), bias,
+                       *(jnp.concatenate([c, c[:, :1]], 1) for c in (cos, sin)),
+                       kr, vr, L, jnp.concatenate([pos, pos[:, -1:] + 1], 1), None, sinks, ring=True,
+                       interpret=True, **kw)
 
 
 @pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
@@ -111,7 +114,8 @@ def test_kv_rewind_on_rings_and_dense_layers(interpret):
     acc = jnp.asarray([3, 3, 2], jnp.int32)
     lengths = np.array([9, 20, 30])  # slots lengths + node wrap past S for the last two
     dense = [jnp.asarray(rng.normal(size=(B, H, Smax, D)), jnp.float32) for _ in range(2)]
-    ring = [jnp.asarray(to_ring(np.asarray(c), lengths + N, S, rng)) for c in dense]  # the nodes' K/V written at lengths .. + N - 1
+    # the nodes' K/V written at lengths .. + N - 1
+    ring = [jnp.asarray(to_ring(np.asarray(c), lengths + N, S, rng)) for c in dense]
     L = jnp.asarray(lengths, jnp.int32)
     dk, dv = kv_rewind_reference((dense[0],), (dense[1],), L, path, acc)
     rk, rv = kv_rewind_reference((ring[0],), (ring[1],), L, path, acc, rings=(True,))

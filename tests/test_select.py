@@ -79,7 +79,8 @@ def test_policy_overrides_every_question():
     assert select.norm(x, "gpu", policy=P(norm="reference")) == "reference"
     assert select.norm(x, "cpu", policy=P(norm="kernel")) == "kernel"
     for path in select.MOE_PATHS:
-        assert select.moe(_z((1, 2880)), num_experts=128, top_k=4, packed=True, platform="cpu", policy=P(moe=path)) == path
+        assert select.moe(_z((1, 2880)), num_experts=128, top_k=4, packed=True, platform="cpu",
+                          policy=P(moe=path)) == path
     assert select.moe_grouped(_z((300, 2880)), True, "gpu", policy=P(moe_grouped="scan")) == "scan"
     assert select.router_top_k(1, policy=P(router_top_k="sort")) == "sort"
     assert select.rows_matmul(_z((1, 2880)), _z((512, 2880)), "cpu", policy=P(rows_matmul="kernel")) == "kernel"

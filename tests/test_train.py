@@ -135,7 +135,8 @@ def test_ttt_steps_equal_decode_draft_steps():
     _, feats = forward(target, tokens, draft.config.aux_layer_ids)
     hs = nnx.jit(tdraft.ttt_hidden, static_argnums=3)(draft, tokens, feats, L)
     for t in (2, N - 1 - L):
-        cache = kv_cache.init((draft.config.sliding_window,), 2, 32, draft.config.num_key_value_heads, draft.config.head_dim, jnp.float32)
+        cache = kv_cache.init((draft.config.sliding_window,), 2, 32, draft.config.num_key_value_heads,
+                              draft.config.head_dim, jnp.float32)
         zero = jnp.zeros((2,), jnp.int32)
         pos = jnp.broadcast_to(jnp.arange(t + 1, dtype=jnp.int32), (2, t + 1))
         h0, cache = layer(draft, tokens[:, 1:t + 2], eagle3.project(draft, feats[:, :t + 1]), pos, zero, None, cache)
@@ -209,7 +210,8 @@ def test_train_misuse_raises():
     with pytest.raises(ValueError, match=r'batch\["tokens"\]: expected \[B, T \+ 1\]'):
         ttarget.lm_loss(target, {"tokens": tokens[0]})
     # adamw(lr, 1, 0) raised inside optax; warmup 0 now starts at the peak instead of spending a step at lr 0
-    for steps, warmup, msg in ((0, 0, "steps: must be an integer >= 1, got 0"), (5, -1, "warmup: must be an integer >= 0")):
+    for steps, warmup, msg in ((0, 0, "steps: must be an integer >= 1, got 0"),
+                               (5, -1, "warmup: must be an integer >= 0")):
         with pytest.raises(ValueError, match=msg):
             loop.adamw(1e-3, steps, warmup)
     for log_every, save_every, name in ((0, 1, "log_every"), (1, 0, "save_every")):

@@ -126,8 +126,9 @@ def restrict_head(draft: Eagle3, ids, source: str = "draft", target=None) -> Eag
     draft that already uses the target's head may omit it). That is meaningful only for a draft
     trained against the target's head (no lm_head of its own); for a draft with its own head whose
     rows differ from the target's it warns (UserWarning): its hidden state is made for its own rows,
-    and the result accepts almost nothing. The result has draft_vocab_size k, its own lm_head [k, H] and d2t[i] = ids[i] - i;
-    every other weight is the same array (an embedding shared with the target stays shared).
+    and the result accepts almost nothing. The result has draft_vocab_size k, its own lm_head [k, H]
+    and d2t[i] = ids[i] - i; every other weight is the same array (an embedding shared with the
+    target stays shared).
     """
     c = draft.config
     ids = _int_array(ids, "ids")

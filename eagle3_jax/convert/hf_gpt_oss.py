@@ -92,7 +92,8 @@ def entries(cfg: GptOssConfig) -> list[Entry]:
         out += [Entry(x + "gate_up_proj_bias", X + ("gate_up_bias",), (E, 2 * I), _same, _same),
                 Entry(x + "down_proj_bias", X + ("down_bias",), (E, H), _same, _same)]
         if cfg.experts_format == "mxfp4":
-            out += [Entry(x + "gate_up_proj_blocks", X + ("gate_up_blocks",), (E, 2 * I, H // 32, 16), _same, _same, "u"),
+            out += [Entry(x + "gate_up_proj_blocks", X + ("gate_up_blocks",), (E, 2 * I, H // 32, 16),
+                          _same, _same, "u"),
                     Entry(x + "gate_up_proj_scales", X + ("gate_up_scales",), (E, 2 * I, H // 32), _same, _same, "u"),
                     Entry(x + "down_proj_blocks", X + ("down_blocks",), (E, H, I // 32, 16), _same, _same, "u"),
                     Entry(x + "down_proj_scales", X + ("down_scales",), (E, H, I // 32), _same, _same, "u")]

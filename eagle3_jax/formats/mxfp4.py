@@ -86,7 +86,8 @@ def quantize(w, chunk_rows: int = 4096):
                 best_err, best = err, (e, q, mag)
             else:
                 take = err < best_err
-                best = tuple(np.where(take[..., None] if a.ndim == 3 else take, a, b) for a, b in zip((e, q, mag), best))
+                best = tuple(np.where(take[..., None] if a.ndim == 3 else take, a, b)
+                             for a, b in zip((e, q, mag), best))
         e, q, mag = best
         code = (mag + 8 * ((q < 0) & (mag > 0))).astype(np.uint8)
         blocks[r:r + chunk_rows] = code[..., 0::2] | (code[..., 1::2] << 4)

@@ -48,7 +48,8 @@ class Eagle3(nnx.Module):
 
     def __init__(self, config: Eagle3Config, *, dtype=jnp.bfloat16, rngs: nnx.Rngs, embed=None, lm_head=None):
         c = config
-        H, Ht, D, Hq, Hkv = c.hidden_size, c.target_hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        H, Ht, D, Hq, Hkv = (c.hidden_size, c.target_hidden_size, c.head_dim, c.num_attention_heads,
+                             c.num_key_value_heads)
         self.config, self.dtype = c, dtype
         if c.own_embed:
             self.embed = nnx.Param(normal(rngs, (c.vocab_size, H), 1.0, dtype))

@@ -450,8 +450,9 @@ class MoE(nnx.Module):
         `select.moe_grouped` says so under `policy` (packed MXFP4 experts, bf16 activations, a GPU or
         policy.interpret) through pallas.moe.mxfp4_moe_grouped: every tile at once, decoded in
         registers, on the tensor cores; otherwise ("scan") a scan over the tiles dequantizes each
-        tile's expert and skips empty tiles. No per-token copy of expert weights. Pairs with a negative id (expert parallel: an
-        expert held elsewhere) get no tile and add nothing. Returns f32 [N, H]."""
+        tile's expert and skips empty tiles. No per-token copy of expert weights. Pairs with a
+        negative id (expert parallel: an expert held elsewhere) get no tile and add nothing. Returns
+        f32 [N, H]."""
         N, H = x.shape
         E, P = self.num_held, ids.size
         ex = self.experts
@@ -582,7 +583,8 @@ def check_step_inputs(tokens, positions, lengths, mask, cache_batch: int | None,
     if cache_len is not None and T > cache_len:
         raise ValueError(f"{what}: {T} tokens do not fit a cache of {cache_len} slots")
     # np.asarray, not np.max: inside a trace, jnp ops on a concrete (closed-over) array return tracers
-    if cache_len is not None and not isinstance(lengths, jax.core.Tracer) and int(np.asarray(lengths).max()) + T > cache_len:
+    if (cache_len is not None and not isinstance(lengths, jax.core.Tracer)
+            and int(np.asarray(lengths).max()) + T > cache_len):
         raise ValueError(f"{what}: lengths {np.asarray(lengths).tolist()} + {T} tokens run past the cache's "
                          f"{cache_len} slots")
 

@@ -144,7 +144,7 @@ def attention_config(batch, nq, hq, hkv, head_dim, cache_len, window, *, num_sms
 
 def _f32_hex(x: float) -> str:
     """A float32 immediate in PTX hex syntax (1.0 -> 0f3F800000)."""
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
+    return f"0f{struct.unpack('<I', struct.pack('<f', x))[0]:08X}"
 
 
 def _exp2_affine(sc, c, m, interpret):
@@ -154,7 +154,7 @@ def _exp2_affine(sc, c, m, interpret):
     negm = jnp.broadcast_to(-m[:, None], sc.shape)
     if interpret:
         return jnp.exp2(sc * c + negm)
-    asm = "{ .reg .f32 a; fma.rn.f32 a, $1, %s, $2; ex2.approx.ftz.f32 $0, a; }" % _f32_hex(c)
+    asm = f"{{ .reg .f32 a; fma.rn.f32 a, $1, {_f32_hex(c)}, $2; ex2.approx.ftz.f32 $0, a; }}"
     (p,) = plgpu.elementwise_inline_asm(asm, args=[sc, negm], constraints="=r,r,r", pack=1,
                                         result_shape_dtypes=[jax.ShapeDtypeStruct(sc.shape, jnp.float32)])
     return p
@@ -534,7 +534,8 @@ def _launch(srcs, rope, k_cache, v_cache, lengths, positions, mask, sinks, *, B,
                      jax.ShapeDtypeStruct((B * Hkv, n_rb, NS, RB), f32))
     caches, aliases = (), {}
     if rope is not None:  # the caches (inputs 2 + len(srcs), + 1) are outputs 0 and 1, in place
-        caches = (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+        caches = (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                  jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
         aliases = {2 + len(srcs): 0, 3 + len(srcs): 1}
     res = pl.pallas_call(kern, out_shape=caches + out_shape, grid=(n_rb, NS, B * Hkv), compiler_params=params,
                          input_output_aliases=aliases, interpret=interpret, name="tree_attention")(

@@ -73,7 +73,8 @@ def _prefix_call(q, k_cache, v_cache, lengths, *, scale, splits, block_k, stages
 
     def body(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, scoped):
         (q_smem, k_smem, v_smem, o_smem, ml_smem), (k_bar, v_bar), q_bars, (k_free, v_free), sched = scoped
-        pingpong = rg == 2 and probe != "stream"  # both compute warpgroups on every block: take turns on the tensor cores
+        # both compute warpgroups on every block: take turns on the tensor cores
+        pingpong = rg == 2 and probe != "stream"
 
         def schedule():
             plgpu.barrier_arrive(sched)

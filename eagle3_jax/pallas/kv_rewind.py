@@ -8,9 +8,9 @@ depth d for d <= accept_len, -1 beyond). `kv_rewind` moves, for d = 1 .. accept_
 
 so the committed sequence is contiguous; the caller then sets lengths += accept_len + 1. Slots past
 lengths + accept_len keep whatever they held (scratch). On a ring (`rings[i]`: a sliding layer's
-buffer, models/kv_cache.py) both slots are taken mod its S; layers may differ in S. A chain (path[d] = d) moves nothing: rows with
-path[d] == d are masked off, so a chain costs one launch and no memory traffic; a caller that knows
-statically that its tree is a chain can skip the call.
+buffer, models/kv_cache.py) both slots are taken mod its S; layers may differ in S. A chain
+(path[d] = d) moves nothing: rows with path[d] == d are masked off, so a chain costs one launch and
+no memory traffic; a caller that knows statically that its tree is a chain can skip the call.
 
 Moves never conflict in the sense of a sequential in-order copy (path is strictly increasing and
 path[d] >= d, so no destination is a later source); the kernel still reads all moved rows of a

@@ -369,7 +369,8 @@ def _group_dots(words, xs, decoder, per_word=False):
                                  n_out, F32)
     out = []
     for xt in xs:
-        sums = [sum(_raw_f16(w, 3 - k) * _f16_half(xt[4 * k + q], False) + _raw_f16(w, 7 - k) * _f16_half(xt[4 * k + q], True)
+        sums = [sum(_raw_f16(w, 3 - k) * _f16_half(xt[4 * k + q], False)
+                    + _raw_f16(w, 7 - k) * _f16_half(xt[4 * k + q], True)
                     for k in range(4)) for q, w in enumerate(words)]
         out += sums if per_word else [sum(sums)]
     return out
@@ -796,7 +797,8 @@ def mxfp4_moe_grouped(x_tiles, tile_expert, num_live, row_weight, gate_up_blocks
     I = R1 // 2
     G2 = I // BLOCK
     if (G1 * BLOCK != H or I % BLOCK or gate_up_blocks.shape[-1] != 16 or tuple(down_blocks.shape) != (E, H, G2, 16)
-            or tuple(tile_expert.shape) != (n,) or tuple(row_weight.shape) != (n, TM) or TM < 16 or TM != util.pow2(TM)):
+            or tuple(tile_expert.shape) != (n,) or tuple(row_weight.shape) != (n, TM) or TM < 16
+            or TM != util.pow2(TM)):
         raise ValueError(f"mxfp4_moe_grouped: shapes x_tiles {x_tiles.shape} (tm a power of two >= 16), tile_expert "
                          f"{tile_expert.shape}, row_weight {row_weight.shape}, gate_up {gate_up_blocks.shape}, down "
                          f"{down_blocks.shape} do not fit together")

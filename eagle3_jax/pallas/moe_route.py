@@ -136,7 +136,8 @@ def _top_k_kernel(lg_ref, b_ref, ids_ref, w_ref, *, T, TT, E, k):
     m = r_ok[:, None] & (e_iota < E)
     lg = sum(util.load(lg_ref, (jnp.int32(s), pl.ds(c * TT, TT), pl.ds(0, Ep)), mask=m, other=0)
              for s in range(lg_ref.shape[0]))  # the K splits' partial sums
-    lg = lg + util.load(b_ref, pl.ds(0, Ep), mask=lax.broadcasted_iota(jnp.int32, (Ep,), 0) < E, other=0).astype(F32)[None, :]
+    lg = lg + util.load(b_ref, pl.ds(0, Ep), mask=lax.broadcasted_iota(jnp.int32, (Ep,), 0) < E,
+                        other=0).astype(F32)[None, :]
     free = e_iota < E
     ids = jnp.zeros((TT, kp), jnp.int32)
     top = jnp.zeros((TT, kp), F32)

@@ -205,10 +205,11 @@ def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: 
     prompts: list of token-id lists (any lengths). eos_ids: None takes the config's eos ids
     (`config.eos_token_ids`; [] for none); a slot stops at its first eos (included in its output) or
     after `max_new_tokens`. ctx: how the program runs (`parallel.RunContext`: mesh, kernel policy,
-    compiler options); None: `parallel.context_for(target)`, the parameters' mesh, automatic kernels. prefill_chunk: tokens a row per
-    prefill step (prompts are padded to a multiple of it); None: `prefill_chunk_for`. max_cache_len:
-    the most KV-cache slots a row (None: the prompt + budget rounded up to LENGTH_BUCKET). Wrong
-    types raise `ArgumentError` (a ValueError and a TypeError), wrong values ValueError.
+    compiler options); None: `parallel.context_for(target)`, the parameters' mesh, automatic kernels.
+    prefill_chunk: tokens a row per prefill step (prompts are padded to a multiple of it); None:
+    `prefill_chunk_for`. max_cache_len: the most KV-cache slots a row (None: the prompt + budget
+    rounded up to LENGTH_BUCKET). Wrong types raise `ArgumentError` (a ValueError and a TypeError),
+    wrong values ValueError.
     """
     if not isinstance(target, gpt_oss.GptOss):
         raise ArgumentError(f"target: expected a gpt_oss.GptOss, got {type(target).__name__}")
