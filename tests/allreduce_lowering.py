@@ -1,9 +1,9 @@
 """Run by tests/test_pallas_allreduce.py in a subprocess with 4 CPU devices: the target's decode-sized
 trunk on (data 1, model 2) and (data 2, model 2) meshes, with the fused all-reduce kernel chosen
-(select.tp_reduce and select.tp_pick forced: this machine has no GPU) and a Mailbox in context,
+(KernelPolicy's tp_reduce and tp_pick forced: this machine has no GPU) and a Mailbox in the run context,
 lowered for CUDA. There must be one kernel call for the embedding lookup and one a sublayer (two a
 layer), none reading XLA's collective metadata (device ids, peer refs: XLA would launch a barrier
-before each call); the greedy pick over the vocabulary split over "model" (`shards.vocab_argmax`)
+before each call); the greedy pick over the vocabulary split over "model" (`parallel.vocab_argmax`)
 one call and no collective. Each device's Mailbox must hold its index along "model" and its model
 group's inbox addresses in group order. Prints "ok"."""
 
@@ -13,16 +13,18 @@ import re
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from eagle3_jax import parallel  # noqa: E402
-from eagle3_jax.models import GptOssConfig, gpt_oss, shards  # noqa: E402
-from eagle3_jax.pallas import allreduce, select  # noqa: E402
-from eagle3_jax.spec import loop  # noqa: E402
+from eagle3_jax.models import GptOssConfig, gpt_oss  # noqa: E402
+from eagle3_jax.pallas import allreduce  # noqa: E402
+from eagle3_jax.pallas.select import KernelPolicy  # noqa: E402
+
+FUSED = KernelPolicy(tp_reduce="kernel", tp_pick="kernel")  # the one-shot kernel wherever a Mailbox is
 
 
 def check_table(mesh, mailbox):
@@ -42,8 +44,6 @@ def check_table(mesh, mailbox):
 
 
 def main():
-    select.tp_reduce = lambda x, rows, devices, mailbox, platform=None: "reference" if mailbox is None else "kernel"
-    select.tp_pick = lambda rows, devices, mailbox, platform=None: "reference" if mailbox is None else "kernel"
     cfg = GptOssConfig.preset("tiny")
     for data, model in ((1, 2), (2, 2)):
         mesh = parallel.make_mesh(model=model, data=data, devices=jax.devices()[:data * model])
@@ -52,25 +52,25 @@ def main():
         mailbox = allreduce.new_mailbox(mesh, cfg.hidden_size)
         check_table(mesh, mailbox)
 
-        def trunk(params, mailbox, tokens, lengths):
-            with loop.on_mesh(mesh), shards.mailbox_context(mailbox):
-                return gpt_oss.run_layers(nnx.merge(graphdef, params), tokens, tokens, lengths, None, None)[0]
+        def trunk(params, ctx, tokens, lengths):
+            return gpt_oss.run_layers(nnx.merge(graphdef, params), tokens, tokens, lengths, None, None, ctx=ctx)[0]
+
+        ctx = parallel.RunContext(mesh=mesh, kernels=FUSED, mailbox=mailbox)
 
         rows = NamedSharding(mesh, P("data"))
         tokens = jax.device_put(jnp.zeros((2 * data, 3), jnp.int32), rows)
         lengths = jax.device_put(jnp.zeros((2 * data,), jnp.int32), rows)
-        text = jax.jit(trunk).trace(params, mailbox, tokens, lengths).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(trunk).trace(params, ctx, tokens, lengths).lower(lowering_platforms=("cuda",)).as_text()
         uses = re.findall(r"uses_xla_collective_metadata = (\w+)", text)
         # the embedding lookup's sum, then two a layer
         assert uses == ["false"] * (2 * cfg.num_hidden_layers + 1), (data, model, uses)
 
-        def pick(mailbox, logits):
-            with loop.on_mesh(mesh), shards.mailbox_context(mailbox):
-                return shards.vocab_argmax(logits)
+        def pick(ctx, logits):
+            return parallel.vocab_argmax(ctx, logits)
 
         logits = jax.device_put(jnp.zeros((2 * data, 4, cfg.vocab_size), jnp.float32),
                                 NamedSharding(mesh, P("data", None, "model")))
-        text = jax.jit(pick).trace(mailbox, logits).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(pick).trace(ctx, logits).lower(lowering_platforms=("cuda",)).as_text()
         # the greedy pick exchanges each device's best through one kernel call, no XLA collective
         assert re.findall(r"uses_xla_collective_metadata = (\w+)", text) == ["false"], (data, model)
         assert not re.search(r"all_reduce|all_gather", text), (data, model)

@@ -13,7 +13,6 @@ reduction, caches and state) run on both, the MoE paths under one experts split 
 Prints one line per mesh and "ok" at the end; any mismatch is an AssertionError (exit status 1)."""
 
 import collections
-import contextlib
 import functools
 import os
 import re
@@ -26,13 +25,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
-from parallel_util import raises  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from parallel_util import raises  # noqa: E402
 
 from eagle3_jax import parallel  # noqa: E402
-from eagle3_jax.models import Eagle3Config, GptOssConfig, eagle3, gpt_oss, shards  # noqa: E402
-from eagle3_jax.pallas import allreduce, gemv, norm, select  # noqa: E402
+from eagle3_jax.models import Eagle3Config, GptOssConfig, eagle3, gpt_oss  # noqa: E402
+from eagle3_jax.pallas import allreduce  # noqa: E402
+from eagle3_jax.pallas.select import KernelPolicy  # noqa: E402
 from eagle3_jax.spec import decode, generate, loop, step  # noqa: E402
 from eagle3_jax.spec.decode import pad_prompts  # noqa: E402
 from eagle3_jax.spec.state import Plan  # noqa: E402
@@ -58,6 +58,16 @@ MESHES = {(2, 2): ("chain", "sampled tree"), (1, 4): ("chain",)}
 MOE_SPLITS = {(2, 2): "expert", (1, 4): "tensor"}
 KW = dict(eos_ids=(), prefill_chunk=8)
 NEW = 14
+# the GPU's glue kernels (the residual add + norm, tree_mask, accept, kv_rewind) in the Pallas interpreter
+GLUE_KERNELS = KernelPolicy(norm="kernel", spec_ops="kernel", interpret=True)
+# the GPU's path through a bf16 target layer: the fused rope_attention kernel on its heads' q|k|v columns,
+# the add + norm kernel, a device's q|k|v and o_proj through rows_matmul at every row count it takes
+ATTENTION_KERNELS = KernelPolicy(norm="kernel", target_attention="rope_kernel", rows_matmul="kernel", interpret=True)
+
+
+def count(pattern, jaxpr_text):
+    """Occurrences of `pattern` (a regex) in a jaxpr's text."""
+    return len(re.findall(pattern, jaxpr_text))
 
 
 def pair():
@@ -98,19 +108,20 @@ def check_params(t, d, data, model):
 
 
 def loop_inputs(t, d, prompts, topk, num_nodes):
-    """(mesh, a greedy depth-3 Plan of topk / num_nodes, graphdef, params, the loop's other arguments)."""
+    """(run context, a greedy depth-3 Plan of topk / num_nodes, graphdef, params, the loop's other arguments)."""
     toks, lengths = pad_prompts(prompts, 24)
     plan = Plan(cache_len=64, out_len=32, chunk=8, greedy=True, depth=3, topk=topk, num_nodes=num_nodes,
                 feature_ids=tuple(DRAFT.feature_layers))
     graphdef, params = nnx.split((t, d))
     args = (toks, lengths, np.int32(NEW), np.full(8, -1, np.int32), np.float32(1e-6), jax.random.key(0))
-    return parallel.mesh_of((t, d)), plan, graphdef, params, args
+    return parallel.context_for(t), plan, graphdef, params, args
 
 
 def check_state(t, d, prompts, data, model):
     """The caches and per-row state that the jitted prefill leaves: split as `loop.layout` says."""
-    mesh, plan, graphdef, params, args = loop_inputs(t, d, prompts, topk=1, num_nodes=4)
-    state = jax.jit(lambda p, *a: loop.init_state(nnx.merge(graphdef, p), *a, plan, mesh))(params, *args)
+    ctx, plan, graphdef, params, args = loop_inputs(t, d, prompts, topk=1, num_nodes=4)
+    mesh = ctx.mesh
+    state = jax.jit(lambda p, *a: loop.init_state(nnx.merge(graphdef, p), *a, plan, ctx))(params, *args)
     B = len(prompts)
     for k in state.target_cache.k + state.target_cache.v:
         assert k.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "model")), 4), k.sharding
@@ -123,50 +134,14 @@ def check_state(t, d, prompts, data, model):
 
 
 def check_local(t, d, prompts):
-    """Under the mesh the loop traces every layer's attention and MoE, the draft's attention and the
-    tree rewind as shard_maps (models/shards.py: the kernels' local shards)."""
-    mesh, plan, graphdef, params, args = loop_inputs(t, d, prompts, topk=4, num_nodes=8)
-    with loop.on_mesh(mesh):
-        text = str(jax.make_jaxpr(lambda p, *a: loop.run(nnx.merge(graphdef, p), *a, plan, mesh))(params, *args))
+    """On the run context's mesh the loop traces every layer's attention and MoE, the draft's attention
+    and the tree rewind as shard_maps (`RunContext.local`: the kernels' local shards)."""
+    ctx, plan, graphdef, params, args = loop_inputs(t, d, prompts, topk=4, num_nodes=8)
+    text = str(jax.make_jaxpr(lambda p, *a: loop.run(nnx.merge(graphdef, p), *a, plan, ctx))(params, *args))
     # prefill and step: 2 per target layer each; the draft's prefill, tree levels and extend; one rewind
     n = text.count("shard_map[")
     assert n >= 4 * CONFIG.num_hidden_layers + 4, n
     return n
-
-
-@contextlib.contextmanager
-def glue_kernels_interpreted():
-    """The GPU's glue kernels (the residual add + norm, tree_mask, accept) in the Pallas interpreter."""
-    saved = select.norm, norm.add_rms_norm, step.tree_mask, step.accept_greedy
-    select.norm = lambda x, platform=None: "kernel"
-    norm.add_rms_norm = functools.partial(saved[1], interpret=True)
-    step.tree_mask = functools.partial(saved[2], interpret=True)
-    step.accept_greedy = functools.partial(saved[3], interpret=True)
-    try:
-        yield
-    finally:
-        select.norm, norm.add_rms_norm, step.tree_mask, step.accept_greedy = saved
-
-
-@contextlib.contextmanager
-def attention_kernels_interpreted():
-    """The GPU's path through a bf16 target layer (the fused rope_attention kernel on its heads' q|k|v
-    columns, the add + norm kernel, a device's q|k|v and o_proj through rows_matmul at every row count
-    it takes, o's bias by its flag), in the Pallas interpreter."""
-    saved = (select.norm, norm.add_rms_norm, select.target_attention, gpt_oss.rope_attention, select.rows_matmul,
-             gemv.rows_matmul)
-    select.norm = lambda x, platform=None: "kernel"
-    norm.add_rms_norm = functools.partial(saved[1], interpret=True)
-    select.target_attention = lambda x, k_cache, platform=None: "rope_kernel" if k_cache.shape[2] else "plain"
-    gpt_oss.rope_attention = functools.partial(saved[3], interpret=True)
-    select.rows_matmul = lambda x, w, platform=None: "kernel" if x.shape[0] <= gemv.MAX_ROWS else "xla"
-    used = []  # one entry a traced rows_matmul call
-    gemv.rows_matmul = lambda *a, **kw: used.append(1) or saved[5](*a, interpret=True, **kw)
-    try:
-        yield used
-    finally:
-        (select.norm, norm.add_rms_norm, select.target_attention, gpt_oss.rope_attention, select.rows_matmul,
-         gemv.rows_matmul) = saved
 
 
 def check_kernel_step():
@@ -186,9 +161,10 @@ def check_kernel_step():
         noise = np.random.default_rng(3)
         cache = cache.replace(k=tuple(jnp.asarray(noise.normal(size=k.shape), k.dtype) for k in cache.k),
                               v=tuple(jnp.asarray(noise.normal(size=v.shape), v.dtype) for v in cache.v))
-        with attention_kernels_interpreted() as used, loop.on_mesh(mesh):
-            out = jax.jit(lambda m, c: gpt_oss.step(m, c, tokens, positions, lengths)[0])(model, cache)
-        return np.asarray(out, np.float32), len(used)
+        ctx = parallel.context(mesh, kernels=ATTENTION_KERNELS)
+        run = jax.jit(lambda m, c: gpt_oss.step(m, c, tokens, positions, lengths, ctx=ctx)[0])
+        used = count(r"= jit\[name=rows_matmul ", str(jax.make_jaxpr(run)(model, cache)))  # rows_matmul kernel calls
+        return np.asarray(run(model, cache), np.float32), used
 
     want, used = logits(gpt_oss.GptOss(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), None)
     assert used == 0  # one device: the projections stay whole
@@ -200,62 +176,57 @@ def check_kernel_step():
 
 def check_fused_reduction(mesh):
     """A verify-sized step on the mesh sums the embedding lookup and each sublayer through
-    `shards.reduce_add_norm` (one call for the lookup, two a layer: the fused structure; lax.psum
-    here, no GPU) and gives the step of the unfused structure (XLA's all-reduce, then the add and
-    the norm) and of one device, float32."""
+    `parallel.reduce_add_norm` (one call for the lookup, two a layer: the fused structure; lax.psum
+    here, no GPU) and gives the step of one device, float32; a prefill-sized step (more rows a device
+    than allreduce.MAX_ROWS) leaves its sums to XLA (no such call) and gives one device's too."""
     B, S, T = 2, 64, 4
     rng = np.random.default_rng(4)
     tokens = jnp.asarray(rng.integers(3, 256, (B, T)), jnp.int32)
     lengths = jnp.array([11, 30], jnp.int32)
-    positions = lengths[:, None] + jnp.arange(T)[None]
-    calls = []
+    # a prefill-sized step: more rows a device than the fused reduction takes
+    T_big = allreduce.MAX_ROWS // (B // mesh.shape["data"]) + 1
+    big = jnp.asarray(rng.integers(3, 256, (B, T_big)), jnp.int32)
 
-    def logits(model, mesh, fused=True):
-        cache = gpt_oss.init_cache(model, B, S, max_step_tokens=8)
+    def logits(model, mesh, toks):
+        cache = gpt_oss.init_cache(model, B, S + T_big, max_step_tokens=T_big)
         noise = np.random.default_rng(6)
         cache = cache.replace(k=tuple(jnp.asarray(noise.normal(size=k.shape), k.dtype) for k in cache.k),
                               v=tuple(jnp.asarray(noise.normal(size=v.shape), v.dtype) for v in cache.v))
-        real, reduce = shards.reduces_fused, shards.reduce_add_norm
-        shards.reduces_fused = lambda x: fused and real(x)
-        shards.reduce_add_norm = lambda *a: calls.append(1) or reduce(*a)
-        try:
-            with loop.on_mesh(mesh):
-                out = jax.jit(lambda m, c: gpt_oss.step(m, c, tokens, positions, lengths)[0])(model, cache)
-        finally:
-            shards.reduces_fused, shards.reduce_add_norm = real, reduce
-        return np.asarray(out)
+        ctx = parallel.context(mesh)
+        pos = lengths[:, None] + jnp.arange(toks.shape[1])[None]
+        run = jax.jit(lambda m, c: gpt_oss.step(m, c, toks, pos, lengths, ctx=ctx)[0])
+        # reduce_add_norm's shard_maps: the only ones taking each device's partial sums (PARTIALS) in
+        calls = count(r"in_specs=\(P\('model', 'data'\)", str(jax.make_jaxpr(run)(model, cache)))
+        return np.asarray(run(model, cache)), calls
 
-    want = logits(gpt_oss.GptOss(CONFIG, dtype=jnp.float32, rngs=nnx.Rngs(0)), None)
-    assert not calls
+    one = gpt_oss.GptOss(CONFIG, dtype=jnp.float32, rngs=nnx.Rngs(0))
     split = parallel.shard(gpt_oss.GptOss(CONFIG, dtype=jnp.float32, rngs=nnx.Rngs(0)), mesh)
-    fused = logits(split, mesh)
-    assert len(calls) == 2 * CONFIG.num_hidden_layers + 1, len(calls)  # two a layer and the embedding's
-    unfused = logits(split, mesh, fused=False)
-    assert len(calls) == 2 * CONFIG.num_hidden_layers + 1
-    np.testing.assert_allclose(fused, unfused, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(fused, want, rtol=1e-5, atol=1e-5)
+    for toks, fused_calls in ((tokens, 2 * CONFIG.num_hidden_layers + 1), (big, 0)):  # two a layer, the lookup's
+        want, none = logits(one, None, toks)
+        got, calls = logits(split, mesh, toks)
+        assert (none, calls) == (0, fused_calls), (toks.shape, none, calls)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def check_mailbox_plumbing(t, prompts, want):
-    """decode's program takes the mesh's Mailbox as an argument (made here as on GPUs: no kernel runs
-    on CPU, the psum path does) and gives the same tokens."""
-    made, real_mailbox = [], parallel.mailbox
-    parallel.mailbox = lambda mesh, hidden: made.append(hidden) or allreduce.new_mailbox(mesh, hidden)
-    try:
-        got = generate(t, prompts, NEW, **KW, max_cache_len=64).tokens
-    finally:
-        parallel.mailbox = real_mailbox
+    """generate's program takes the run context's Mailbox as an argument (made here as on GPUs: no
+    kernel runs on CPU, the psum path does) and gives the same tokens; CPUs get none by default."""
+    mesh = parallel.mesh_of(t)
+    assert parallel.context_for(t).mailbox is None
+    ctx = parallel.RunContext(mesh=mesh, mailbox=allreduce.new_mailbox(mesh, CONFIG.hidden_size))
+    assert len(jax.tree.leaves(ctx)) == 2  # the Mailbox's table and rank: the program's arguments
+    got = generate(t, prompts, NEW, **KW, max_cache_len=64, ctx=ctx).tokens
     assert got == want, (got, want)
-    assert made == [CONFIG.hidden_size], made
+    raises(lambda: generate(t, prompts, NEW, **KW, ctx=parallel.ONE_DEVICE), r"ctx: its mesh None is not the one")
 
 
 def check_kernel_collectives(t, d, prompts):
     """The Pallas glue kernels run on each device's rows: none of the compiled loop's collectives is
     inside one (outside shard_map XLA gathers a kernel's rows: a collective per norm)."""
-    mesh, plan, graphdef, params, args = loop_inputs(t, d, prompts, topk=4, num_nodes=8)
-    with glue_kernels_interpreted(), loop.on_mesh(mesh):
-        text = jax.jit(lambda p, *a: loop.run(nnx.merge(graphdef, p), *a, plan, mesh)).trace(
-            params, *args).lower().compile().as_text()
+    ctx, plan, graphdef, params, args = loop_inputs(t, d, prompts, topk=4, num_nodes=8)
+    ctx = parallel.context(ctx.mesh, kernels=GLUE_KERNELS)
+    text = jax.jit(lambda p, *a: loop.run(nnx.merge(graphdef, p), *a, plan, ctx)).trace(
+        params, *args).lower().compile().as_text()
     seen = collections.Counter()
     for line in text.splitlines():
         op = re.search(r"\s(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)(?:-start)?\(", line)
@@ -267,7 +238,7 @@ def check_kernel_collectives(t, d, prompts):
 
 
 def check_vocab_split(mesh):
-    """shards.vocab_rows / vocab_logits on the mesh equal the plain lookup and product, ids at every
+    """parallel.vocab_rows / vocab_logits on the mesh equal the plain lookup and product, ids at every
     shard's edges included; the logits come out split over "model" with no collective, the lookup's
     only collective is its all-reduce of rows (no gather of the table)."""
     M, V, H = mesh.shape["model"], 256, 64
@@ -276,11 +247,11 @@ def check_vocab_split(mesh):
     edges = sorted({0, V - 1} | {k * V // M for k in range(M)} | {k * V // M - 1 for k in range(1, M)})
     ids = jnp.asarray((edges * 8)[:8], jnp.int32).reshape(4, 2)
     h = jnp.asarray(rng.normal(size=(4, 2, H)), jnp.float32)
-    split = jax.device_put(table, NamedSharding(mesh, shards.VOCAB))
-    with loop.on_mesh(mesh):
-        rows = jax.jit(shards.vocab_rows).trace(split, ids).lower().compile()
-        parts = jax.jit(functools.partial(shards.vocab_rows, partial=True)).trace(split, ids).lower().compile()
-        head = jax.jit(shards.vocab_logits).trace(h, split).lower().compile()
+    split = jax.device_put(table, NamedSharding(mesh, parallel.VOCAB))
+    ctx = parallel.context(mesh)
+    rows = jax.jit(functools.partial(parallel.vocab_rows, ctx)).trace(split, ids).lower().compile()
+    parts = jax.jit(functools.partial(parallel.vocab_rows, ctx, partial=True)).trace(split, ids).lower().compile()
+    head = jax.jit(functools.partial(parallel.vocab_logits, ctx)).trace(h, split).lower().compile()
     want = np.asarray(table)[np.asarray(ids)]
     np.testing.assert_array_equal(np.asarray(rows(split, ids)), want)
     # not summed: each id's row on the device holding it, zeros on the others, in N = B * T rows
@@ -302,7 +273,7 @@ def check_vocab_split(mesh):
 
 
 def check_vocab_argmax(mesh):
-    """The step's pick on logits split over "model" (`shards.vocab_argmax`; `step.sample`'s greedy
+    """The step's pick on logits split over "model" (`parallel.vocab_argmax`; `step.sample`'s greedy
     pick and its draws) equals one device's np.argmax and jax.random.categorical: maxima tied within
     a shard and across shards (the first index wins), on a shard's edges, the last column, a row
     all -inf, a row all equal, NaNs (the first counts as the maximum); its only collective is the
@@ -319,9 +290,10 @@ def check_vocab_argmax(mesh):
     z[2, 0, [3, 5]] = 9.0
     logits = jax.device_put(z, NamedSharding(mesh, P("data", None, "model")))
     key, T = jax.random.key(5), 0.8
-    with loop.on_mesh(mesh):
-        pick = jax.jit(shards.vocab_argmax).trace(logits).lower().compile()
-        draw = jax.jit(lambda z, key: step.sample(z, key, T, False)).trace(logits, key).lower().compile()
+    ctx = parallel.context(mesh)
+    argmax = functools.partial(parallel.vocab_argmax, ctx)
+    pick = jax.jit(argmax).trace(logits).lower().compile()
+    draw = jax.jit(lambda z, key: step.sample(z, key, T, False, ctx)).trace(logits, key).lower().compile()
     want = np.argmax(z, -1)
     assert want[0].tolist() == [n - 1, V - 1, V - n - 1] and want[1].tolist() == [0, n + 1, 0], want
     np.testing.assert_array_equal(np.asarray(pick(logits)), want)
@@ -329,14 +301,14 @@ def check_vocab_argmax(mesh):
     for exe in (pick, draw):
         assert re.findall(r"\s(all-gather|all-reduce|collective-permute|all-to-all)(?:-start)?\(", exe.as_text()) == [
             "all-reduce"]
-    with loop.on_mesh(mesh):  # indices past 2^24 would not be exact in f32; 2^24 entries still are
-        assert jax.eval_shape(shards.vocab_argmax, jax.ShapeDtypeStruct((4, 1 << 24), jnp.float32)).shape == (4,)
-        raises(lambda: jax.eval_shape(shards.vocab_argmax, jax.ShapeDtypeStruct((4, (1 << 24) + M), jnp.float32)),
-               rf"vocab_argmax: a vocabulary of {(1 << 24) + M} entries; indices exchanged in f32 need V <= 2\^24")
+    # indices past 2^24 would not be exact in f32; 2^24 entries still are
+    assert jax.eval_shape(argmax, jax.ShapeDtypeStruct((4, 1 << 24), jnp.float32)).shape == (4,)
+    raises(lambda: jax.eval_shape(argmax, jax.ShapeDtypeStruct((4, (1 << 24) + M), jnp.float32)),
+           rf"vocab_argmax: a vocabulary of {(1 << 24) + M} entries; indices exchanged in f32 need V <= 2\^24")
 
 
 def check_moe_paths(mesh, split):
-    """Each MoE path, its experts split over the mesh (models/shards.py) as `split` says, equals the
+    """Each MoE path, its experts split over the mesh (`RunContext.local`) as `split` says, equals the
     one-device module: gathered (few pairs), dense and grouped (many), packed and dense experts. Split
     "tensor", on intermediate sizes the mesh does not divide (96 in 32-input groups, 65): padded."""
     rng = np.random.default_rng(5)
@@ -356,12 +328,12 @@ def check_moe_paths(mesh, split):
         want_local = (cfg.num_local_experts // M, 2 * units) if split == "expert" else (cfg.num_local_experts,
                                                                                         2 * units // M)
         assert split_moe.expert_split == split and local == want_local, (split, local, want_local)
+        ctx = parallel.context(mesh)
         for (path, rows), want in zip(paths, wants):
 
             @jax.jit
             def run(rows, path=path, moe=split_moe):
-                with loop.on_mesh(mesh):
-                    return moe(rows, path=path)
+                return moe(rows, path=path, ctx=ctx)
 
             got = np.asarray(run(jax.device_put(rows, NamedSharding(mesh, P("data")))))
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{split} {experts} {path}")

@@ -22,8 +22,14 @@ from hf_fixtures import dense_from_mxfp4, random_hf_weights, tiny_hf_config, wri
 from parallel_util import raises  # noqa: E402
 
 from eagle3_jax import parallel  # noqa: E402
-from eagle3_jax.convert import (load_eagle3, load_gpt_oss, random_gpt_oss, restore_checkpoint,  # noqa: E402
-                                save_checkpoint, save_gpt_oss)
+from eagle3_jax.convert import (  # noqa: E402
+    load_eagle3,
+    load_gpt_oss,
+    random_gpt_oss,
+    restore_checkpoint,
+    save_checkpoint,
+    save_gpt_oss,
+)
 from eagle3_jax.convert import safetensors_io as stio  # noqa: E402
 from eagle3_jax.models import GptOssConfig  # noqa: E402
 

@@ -15,12 +15,11 @@ jax.config.update("jax_num_cpu_devices", 2)
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import numpy as np  # noqa: E402
+from parallel_decode import KW, NEW, RUNS, pair  # noqa: E402
 
 from eagle3_jax import parallel  # noqa: E402
 from eagle3_jax.pallas import allreduce
 from eagle3_jax.spec import decode  # noqa: E402
-
-from parallel_decode import KW, NEW, RUNS, pair  # noqa: E402
 
 
 def tokens(t, d, prompts):

@@ -7,14 +7,20 @@
   and a sampled chain.
 """
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax
-import jax.numpy as jnp
-
-from eagle3_jax.pallas.accept import (accept_greedy, accept_greedy_pallas, accept_greedy_reference, accept_sample,
-                                      accept_sample_pallas, accept_sample_reference, uniforms)
+from eagle3_jax.pallas.accept import (
+    accept_greedy,
+    accept_greedy_pallas,
+    accept_greedy_reference,
+    accept_sample,
+    accept_sample_pallas,
+    accept_sample_reference,
+    uniforms,
+)
 
 
 def random_tree(rng, B, N, fan=3):

@@ -10,8 +10,7 @@ import pytest
 from flax import nnx
 from hf_fixtures import dense_from_mxfp4, random_hf_weights, tiny_hf_config, write_hf_checkpoint
 
-from eagle3_jax.convert import params
-from eagle3_jax.convert import load_gpt_oss, restore_checkpoint, save_checkpoint, save_gpt_oss
+from eagle3_jax.convert import load_gpt_oss, params, restore_checkpoint, save_checkpoint, save_gpt_oss
 from eagle3_jax.models import GptOssConfig, gpt_oss
 
 

@@ -14,18 +14,24 @@ import warnings
 import zipfile
 from types import SimpleNamespace
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from eagle3_reference_np import (bf16_round, random_draft_weights, reference_forward, tiny_draft_config,
-                                 to_target_ids, write_draft_checkpoint)
+from eagle3_reference_np import (
+    bf16_round,
+    random_draft_weights,
+    reference_forward,
+    tiny_draft_config,
+    to_target_ids,
+    write_draft_checkpoint,
+)
+from flax import nnx
 from hf_fixtures import read_safetensors, write_safetensors
 
-import jax.numpy as jnp
 from eagle3_jax.convert import frspec, load_eagle3, save_eagle3
 from eagle3_jax.convert.hf_eagle3 import config_from_hf
 from eagle3_jax.models import eagle3
 from eagle3_jax.models.config import PRESETS
-from flax import nnx
 
 TARGET = PRESETS["tiny"]  # vocab 256, hidden 64, 4 layers
 B, T, WINDOW = 2, 12, 5

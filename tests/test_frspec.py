@@ -2,16 +2,15 @@
 
 from types import SimpleNamespace
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from eagle3_reference_np import random_draft_weights, reference_forward, tiny_draft_config, write_draft_checkpoint
+from flax import nnx
 
-import jax.numpy as jnp
-from eagle3_jax.convert import (coverage, load_eagle3, restrict_head, save_eagle3, select_draft_vocab,
-                                token_frequencies)
+from eagle3_jax.convert import coverage, load_eagle3, restrict_head, save_eagle3, select_draft_vocab, token_frequencies
 from eagle3_jax.models import eagle3
 from eagle3_jax.models.config import PRESETS
-from flax import nnx
 
 TARGET = PRESETS["tiny"]  # vocab 256, hidden 64
 V = TARGET.vocab_size

@@ -6,8 +6,8 @@ import pytest
 from flax import nnx
 
 from eagle3_jax.models import GptOssConfig, gpt_oss
-from eagle3_jax.spec.decode import plan_lengths
 from eagle3_jax.spec import generate
+from eagle3_jax.spec.decode import plan_lengths
 
 
 @pytest.fixture(scope="module")

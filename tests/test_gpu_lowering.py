@@ -8,10 +8,9 @@ configurations the GPU really runs. Triton's own compile to PTX still needs a GP
 
 import functools
 
-import pytest
-
 import jax
 import jax.numpy as jnp
+import pytest
 
 from eagle3_jax.formats.packed_mask import mask_words
 from eagle3_jax.pallas import accept, attention, gemv, kv_rewind, moe, moe_route, norm, tree_mask

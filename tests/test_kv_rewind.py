@@ -1,10 +1,9 @@
 """kv_rewind (eagle3_jax/pallas/kv_rewind.py): kernel vs reference vs a numpy move, chains untouched."""
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from eagle3_jax.pallas.accept import accept_greedy_reference
 from eagle3_jax.pallas.kv_rewind import kv_rewind, kv_rewind_pallas, kv_rewind_reference

@@ -18,9 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from eagle3_jax import parallel
-from eagle3_jax.models import shards
 from eagle3_jax.pallas import allreduce, select
-from eagle3_jax.spec import loop as spec_loop
 
 EPS = 1e-5
 
@@ -234,7 +232,7 @@ def test_kernel_exact_in_a_loop_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,N", [(1, 1), (4, 4), (5, 4), (16, 4)])
 def test_vocab_argmax_through_the_kernel_gpu(B, N):
-    """`shards.vocab_argmax` over every GPU of the machine (2 or 4 as "model"): np.argmax's index at
+    """`parallel.vocab_argmax` over every GPU of the machine (2 or 4 as "model"): np.argmax's index at
     every row (ties within and across shards, a shard's first and last column, a row all -inf),
     through the kernel with no XLA collective where `select.tp_pick` takes it (rows x peers <= 64),
     else through XLA's all-reduce."""
@@ -252,14 +250,11 @@ def test_vocab_argmax_through_the_kernel_gpu(B, N):
         rows[2] = -np.inf
     logits = jax.device_put(z, NamedSharding(mesh, P("data", None, "model")))
 
-    def pick(mailbox, logits):
-        with spec_loop.on_mesh(mesh), shards.mailbox_context(mailbox):
-            return shards.vocab_argmax(logits)
-
-    exe = jax.jit(pick).lower(mailbox, logits).compile()
+    ctx = parallel.RunContext(mesh=mesh, mailbox=mailbox)
+    exe = jax.jit(parallel.vocab_argmax).lower(ctx, logits).compile()
     text = exe.as_text()
     assert "all-gather" not in text and ("all-reduce" in text) != kernel
-    np.testing.assert_array_equal(np.asarray(exe(mailbox, logits)), np.argmax(z, -1))
+    np.testing.assert_array_equal(np.asarray(exe(ctx, logits)), np.argmax(z, -1))
 
 
 @pytest.mark.gpu

@@ -8,17 +8,21 @@ values that would dominate the result if they were read. GPU (@pytest.mark.gpu):
 import functools
 import zlib
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from eagle3_jax.formats.packed_mask import mask_words
 from eagle3_jax.pallas import attention_mosaic as mosaic
 from eagle3_jax.pallas import select
-from eagle3_jax.pallas.attention import (attention, attention_pallas, attention_reference, rope_attention,
-                                          rope_attention_reference)
+from eagle3_jax.pallas.attention import (
+    attention,
+    attention_pallas,
+    attention_reference,
+    rope_attention,
+    rope_attention_reference,
+)
 from eagle3_jax.pallas.tree_mask import tree_mask_reference
 
 TOL = 1.5e-2

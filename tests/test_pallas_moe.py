@@ -5,15 +5,14 @@ CPU: the kernels run in interpret mode, which fills every output with NaN before
 a CUDA machine): the Triton kernels at the gpt-oss hidden sizes, every decoder.
 """
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from hf_fixtures import dequantize_mxfp4_np
 
 from eagle3_jax.formats import mxfp4
-from eagle3_jax.pallas import moe
+from eagle3_jax.pallas import moe, select
 
 LIMIT, ALPHA = 7.0, 1.702
 

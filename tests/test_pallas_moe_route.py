@@ -4,14 +4,12 @@ CPU: interpret mode, which poisons outputs before the grid runs (an element no p
 the comparison). GPU: the Triton kernels at gpt-oss-120b sizes and in the model's MoE layer.
 """
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax
-import jax.numpy as jnp
-
 from eagle3_jax.pallas import moe, moe_route
-
 
 # jitted, as the model runs it (one fusion): eager, its 32-way maximum and packing compile op by op
 # for every shape (about 1 s a call on CPU)

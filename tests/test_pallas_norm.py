@@ -1,10 +1,9 @@
 """Residual add + RMSNorm kernel (eagle3_jax/pallas/norm.py) against its jnp reference (CPU: interpret
 mode, outputs poisoned before the grid runs; GPU: the Triton kernel)."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jax.numpy as jnp
 
 from eagle3_jax.pallas import norm
 

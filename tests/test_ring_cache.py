@@ -11,8 +11,7 @@ from flax import nnx
 
 from eagle3_jax.formats.packed_mask import pack_mask
 from eagle3_jax.models import GptOssConfig, eagle3, gpt_oss
-from eagle3_jax.pallas.attention import (attention_pallas, attention_reference, rope_attention,
-                                         rope_attention_reference)
+from eagle3_jax.pallas.attention import attention_pallas, attention_reference, rope_attention, rope_attention_reference
 from eagle3_jax.pallas.kv_rewind import kv_rewind_pallas, kv_rewind_reference
 from eagle3_jax.spec import decode, generate
 

@@ -1,12 +1,11 @@
 """This library's GPT-OSS against transformers' GptOssForCausalLM (torch CPU, float32) on the same
 HF checkpoint: logits, aux features and cached greedy generation past the sliding window."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_fixtures import dense_from_mxfp4, random_hf_weights, tiny_hf_config, write_hf_checkpoint
-
-import jax.numpy as jnp
 from flax import nnx
+from hf_fixtures import dense_from_mxfp4, random_hf_weights, tiny_hf_config, write_hf_checkpoint
 
 from eagle3_jax.convert import load_gpt_oss
 from eagle3_jax.models import gpt_oss

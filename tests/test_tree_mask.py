@@ -1,11 +1,10 @@
 """tree_mask (eagle3_jax/pallas/tree_mask.py): kernel (interpret on CPU, compiled on GPU) vs reference,
 and the reference vs a brute-force numpy walk of the parent pointers."""
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from eagle3_jax.pallas.tree_mask import tree_mask, tree_mask_pallas, tree_mask_reference
 

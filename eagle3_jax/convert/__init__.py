@@ -2,8 +2,13 @@
 from eagle3_jax.convert import frspec
 from eagle3_jax.convert.frspec import coverage, restrict_head, select_draft_vocab, token_frequencies
 from eagle3_jax.convert.hf_eagle3 import load_eagle3, save_eagle3
-from eagle3_jax.convert.hf_gpt_oss import (load_gpt_oss, random_gpt_oss, restore_checkpoint, save_checkpoint,
-                                           save_gpt_oss)
+from eagle3_jax.convert.hf_gpt_oss import (
+    load_gpt_oss,
+    random_gpt_oss,
+    restore_checkpoint,
+    save_checkpoint,
+    save_gpt_oss,
+)
 from eagle3_jax.formats.tokenizer import load_tokenizer
 from eagle3_jax.models.eagle3 import random_eagle3
 

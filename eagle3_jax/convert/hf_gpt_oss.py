@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

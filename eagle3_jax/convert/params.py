@@ -5,7 +5,8 @@ mesh from blocks read out of the checkpoint (`place`, `Source`)."""
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import numpy as np

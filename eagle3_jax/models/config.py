@@ -144,18 +144,18 @@ class GptOssConfig:
         n = self.num_hidden_layers
         return (min(1, n - 1), max(n // 2 - 1, 0), max(n - 4, 0))
 
-    def replace(self, **kw) -> "GptOssConfig":
+    def replace(self, **kw) -> GptOssConfig:
         return dataclasses.replace(self, **kw)
 
     # -- presets and HF ------------------------------------------------------------------------
     @classmethod
-    def preset(cls, name: str) -> "GptOssConfig":
+    def preset(cls, name: str) -> GptOssConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
         return PRESETS[name]
 
     @classmethod
-    def from_hf(cls, config_json: str | os.PathLike | dict, experts_format: str | None = None) -> "GptOssConfig":
+    def from_hf(cls, config_json: str | os.PathLike | dict, experts_format: str | None = None) -> GptOssConfig:
         """Reads an HF GPT-OSS `config.json` (a path to the file or its folder, or the parsed dict).
 
         Accepts both `rope_scaling` and `rope_parameters` spellings. `experts_format` defaults to
@@ -379,7 +379,7 @@ class Eagle3Config:
         shift = 1 if self.aux_convention == "output" else 0
         return tuple(k + shift for k in self.aux_layer_ids)
 
-    def replace(self, **kw) -> "Eagle3Config":
+    def replace(self, **kw) -> Eagle3Config:
         return dataclasses.replace(self, **kw)
 
 

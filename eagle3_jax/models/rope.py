@@ -11,7 +11,7 @@ import numpy as np
 from eagle3_jax.models.config import RopeConfig
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def inv_freq_and_scale(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> tuple[np.ndarray, float]:
     """Inverse frequencies float32 [head_dim // 2] and the cos/sin scale (YaRN concentration, else 1)."""
     dim = head_dim

@@ -34,7 +34,6 @@ from jax.experimental.pallas import triton as plgpu
 from eagle3_jax.formats.packed_mask import MASK_WORD, mask_words, pack_mask
 from eagle3_jax.pallas import select, util
 
-
 # ----------------------------------------------------------------------------------------------
 # reference
 # ----------------------------------------------------------------------------------------------

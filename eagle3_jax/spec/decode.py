@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -157,15 +157,15 @@ def _prepare(cfg, prompts, max_new_tokens, temperature, eos_ids, seed, max_cache
     return prompts, args, dict(cache_len=cache_len, out_len=out_len, chunk=chunk, greedy=temperature == 0)
 
 
-def run_context(target, ctx: parallel.RunContext | None) -> parallel.RunContext:
-    """ctx, checked against the mesh the models' parameters are on, or `parallel.context_for(target)`
-    for None."""
+def run_context(models, ctx: parallel.RunContext | None) -> parallel.RunContext:
+    """ctx, checked against the mesh the parameters of models = (target, draft or None) are on (all on
+    one mesh or none: `parallel.mesh_of` raises otherwise), or `parallel.context_for(target)` for None."""
+    mesh = parallel.mesh_of(models)
     if ctx is None:
-        return parallel.context_for(target)
+        return parallel.context_for(models[0])
     if not isinstance(ctx, parallel.RunContext):
         raise ArgumentError(f"ctx: expected a parallel.RunContext (parallel.context_for(target, kernels=...)), "
                             f"got {type(ctx).__name__}")
-    mesh = parallel.mesh_of(target)
     mesh = None if mesh is None or mesh.size == 1 else mesh
     if ctx.mesh != mesh:
         raise ValueError(f"ctx: its mesh {ctx.mesh} is not the one the parameters are on ({mesh}); make it with "
@@ -215,7 +215,7 @@ def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: 
         raise ArgumentError(f"target: expected a gpt_oss.GptOss, got {type(target).__name__}")
     prompts, args, static = _prepare(target.config, prompts, max_new_tokens, temperature, eos_ids, seed,
                                      max_cache_len, prefill_chunk)
-    ctx = run_context(target, ctx)
+    ctx = run_context((target, None), ctx)
     toks, _, m = _run((target, None), prompts, args, Plan(**static), ctx)
     return Output(toks, m)
 
@@ -287,7 +287,7 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
                                      max_cache_len, prefill_chunk, slack)
     plan = Plan(**static, depth=num_spec_tokens, topk=topk, num_nodes=num_draft_tokens,
                 feature_ids=tuple(draft.config.feature_layers), proposal=proposal)
-    ctx = run_context(target, ctx)
+    ctx = run_context((target, draft), ctx)
     toks, counters, m = _run((target, draft), prompts, args, plan, ctx)
     m.update(metrics.acceptance(counters, num_spec_tokens, num_draft_tokens), num_spec_tokens=num_spec_tokens,
              topk=topk, num_draft_tokens=num_draft_tokens, proposal=proposal)

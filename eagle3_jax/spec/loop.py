@@ -6,6 +6,7 @@ and the loop state are laid out over it, `layout`). Executables are kept in a bo
 from __future__ import annotations
 
 import collections
+import functools
 import time
 
 import jax
@@ -85,7 +86,7 @@ def program(graphdef, ctx: parallel.RunContext, params, *args, plan: Plan):
     return results if ctx.mesh is None else parallel.constrain_replicated(results, ctx.mesh)
 
 
-_COMPILED: collections.OrderedDict = collections.OrderedDict()
+COMPILED: collections.OrderedDict = collections.OrderedDict()
 
 
 def compiled(plan: Plan, graphdef, ctx: parallel.RunContext, *args):
@@ -96,13 +97,16 @@ def compiled(plan: Plan, graphdef, ctx: parallel.RunContext, *args):
     spec = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a), getattr(a, "sharding", None)), (ctx, args))
     key = (graphdef, plan, ctx.mesh, ctx.kernels, ctx.compiler_options, str(jax.tree.structure((ctx, args))),
            str(spec))
-    if key in _COMPILED:
-        _COMPILED.move_to_end(key)
-        return _COMPILED[key], 0.0
+    if key in COMPILED:
+        COMPILED.move_to_end(key)
+        return COMPILED[key], 0.0
     t0 = time.perf_counter()
-    exe = jax.jit(program, static_argnums=0, static_argnames="plan").lower(
+    # a function object of its own: JAX's tracing and lowering caches, keyed weakly on it, drop this
+    # program's entries once the executable leaves COMPILED (keyed on `program`, they would stay)
+    fn = functools.partial(program)
+    exe = jax.jit(fn, static_argnums=0, static_argnames="plan").lower(
         graphdef, ctx, *args, plan=plan).compile(compiler_options=ctx.options)
-    _COMPILED[key] = exe
-    while len(_COMPILED) > COMPILED_MAX:
-        _COMPILED.popitem(last=False)
+    COMPILED[key] = exe
+    while len(COMPILED) > COMPILED_MAX:
+        COMPILED.popitem(last=False)
     return exe, time.perf_counter() - t0

@@ -17,11 +17,11 @@ class Counters:
     hist: jax.Array        # int32 [depth + 1]: slot-steps by number of accepted drafts
 
     @classmethod
-    def zeros(cls, depth: int) -> "Counters":
+    def zeros(cls, depth: int) -> Counters:
         z = jnp.zeros((), jnp.int32)
         return cls(slot_steps=z, committed=z, accepted=z, hist=jnp.zeros((depth + 1,), jnp.int32))
 
-    def add(self, active, accepted, committed) -> "Counters":
+    def add(self, active, accepted, committed) -> Counters:
         """One step: active bool [B], accepted drafts int32 [B], committed tokens int32 [B] (0 where
         inactive)."""
         on = active.astype(jnp.int32)
