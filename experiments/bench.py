@@ -95,23 +95,23 @@ def peak_text(memory):
     return text
 
 
-def measure(target, draft, bw, name, B, ctx, shape_name, base_cache):
+def measure(target, draft, bw, name, B, context, shape_name, base_cache):
     shape = parse_shape(shape_name)
-    if (B, ctx) not in base_cache:
+    if (B, context) not in base_cache:
         base_mem = {}
-        base_cache[(B, ctx)] = time_baseline(target, B, ctx, FLAGS.iters, memory=base_mem), base_mem
-    t_base, base_mem = base_cache[(B, ctx)]
-    r = time_step(target, draft, B, shape, ctx, FLAGS.iters, parts=FLAGS.parts)
+        base_cache[(B, context)] = time_baseline(target, B, context, FLAGS.iters, memory=base_mem), base_mem
+    t_base, base_mem = base_cache[(B, context)]
+    r = time_step(target, draft, B, shape, context, FLAGS.iters, parts=FLAGS.parts)
     sec = r["seconds"]
     split = dict(draft=sec["draft"], verify=sec["verify"], accept_rewind=sec["accept"] + sec.get("rewind", 0.0),
                  extend=sec["extend"]) if FLAGS.parts else {}
     per_device = mesh_axes(target)  # on a mesh: the bytes one device reads
-    sb = roofline.step_bytes(target.config, draft.config, B, ctx, shape["depth"], shape["num_nodes"], **per_device)
-    base_bytes = roofline.target_bytes(target.config, B, 1, ctx, **per_device)["total"]
+    sb = roofline.step_bytes(target.config, draft.config, B, context, shape["depth"], shape["num_nodes"], **per_device)
+    base_bytes = roofline.target_bytes(target.config, B, 1, context, **per_device)["total"]
     taus = list(roofline.PUBLISHED_TAU) + ([FLAGS.tau_trained] if FLAGS.tau_trained else [])
     memory = dict(baseline=base_mem, step=r["memory"]["step"],
                   parts={k: v for k, v in r["memory"].items() if k != "step"}, device=timing.memory_stats())
-    row = dict(name=name, batch=B, context=ctx, shape=shape_name, **shape,
+    row = dict(name=name, batch=B, context=context, shape=shape_name, **shape,
                baseline_seconds_per_token=t_base, step_seconds=dict(step=sec["step"], **split),
                bytes=dict(baseline=base_bytes, step=sb["total"], draft=sb["draft"], verify=sb["verify"],
                           extend=sb["extend"]),
@@ -122,15 +122,15 @@ def measure(target, draft, bw, name, B, ctx, shape_name, base_cache):
                collectives=dict(baseline=base_mem.get("collectives"), step=r["memory"]["step"].get("collectives")))
     if name in FLAGS.dense_rows:  # the same row with full-length sliding-layer caches
         dense_mem = {}
-        t_dense = time_baseline(target, B, ctx, FLAGS.iters, memory=dense_mem, sliding="dense")
-        rd = time_step(target, draft, B, shape, ctx, FLAGS.iters, parts=False, sliding="dense")
+        t_dense = time_baseline(target, B, context, FLAGS.iters, memory=dense_mem, sliding="dense")
+        rd = time_step(target, draft, B, shape, context, FLAGS.iters, parts=False, sliding="dense")
         row["dense_sliding"] = dict(baseline_seconds_per_token=t_dense, step_seconds=rd["seconds"]["step"],
                                     memory=dict(baseline=dense_mem, step=rd["memory"]["step"]))
         cli.write(f"{name:<12} dense sliding caches: base {t_dense * 1e3:7.2f} ms  step "
                   f"{rd['seconds']['step'] * 1e3:7.2f} ms  {peak_text(row['dense_sliding']['memory'])}")
     row["baseline_roofline_fraction"] = row["roofline_seconds"]["baseline"] / t_base
     row["step_roofline_fraction"] = row["roofline_seconds"]["step"] / sec["step"]
-    cli.write(f"{name:<12} B={B:<2} ctx={ctx:<6} {shape_name:<10} base {t_base * 1e3:7.2f} ms "
+    cli.write(f"{name:<12} B={B:<2} ctx={context:<6} {shape_name:<10} base {t_base * 1e3:7.2f} ms "
           f"({row['baseline_roofline_fraction']:.0%} of roofline)  step {sec['step'] * 1e3:7.2f} ms "
           f"({row['step_roofline_fraction']:.0%}) " + "".join(f" {k} {v * 1e3:.2f}" for k, v in split.items()) +
           f"  proj@3.22 {row['projected_speedup']['3.22']:.2f}x roof@3.22 {row['roofline_speedup']['3.22']:.2f}x"

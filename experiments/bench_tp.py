@@ -11,8 +11,8 @@ the ms a token each sequence sees) and the speculative step of --shape, each tim
 them (`step_timing.time_baseline`, `time_step`: a jitted loop, the call's own cost taken off), with
 the collectives each step makes (`timing.collectives`). With n > 1 each step is timed once for each
 of --reductions ("kernel": decode and verify sum over "model" through pallas/allreduce.py's fused
-kernel, where `parallel.mailbox` gives the mesh a Mailbox; "xla": XLA's all-reduce,
-`step_timing.xla_reduction`), and for each of --allreduce_rows the reduction alone: one XLA
+kernel, where `parallel.context` gives the mesh a Mailbox; "xla": XLA's all-reduce, a run context
+without one, `step_timing.run_context`), and for each of --allreduce_rows the reduction alone: one XLA
 all-reduce of a [rows, hidden] bf16 array (`timing.allreduce_seconds`), and the fused sum + add +
 RMSNorm through the kernel and through its reference, calls chained with nothing between them
 (`lib/reduce_timing.py`, feed "direct"). The
@@ -46,7 +46,6 @@ also "baseline_kernels_ms" and "baseline_launches"]: what tp n's kernels cost a 
 communication, to within those differences (docs/perf/multi_gpu.md).
 """
 
-import contextlib
 import dataclasses
 import gc
 
@@ -60,8 +59,7 @@ from eagle3_jax import parallel
 from eagle3_jax.models import GptOssConfig, gpt_oss
 from eagle3_jax.pallas import moe
 from lib import cli, reduce_timing, roofline, timing
-from lib.step_timing import (parse_shape, random_pair, time_baseline, time_step, validate_shape_flags,
-                              xla_reduction)
+from lib.step_timing import parse_shape, random_pair, run_context, time_baseline, time_step, validate_shape_flags
 
 flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
 flags.DEFINE_list("tp", ["1", "2", "4"], "tensor-parallel degrees (the mesh's model axis), in order")
@@ -121,8 +119,9 @@ def profile_fields(kernels: dict | None, devices: int) -> dict:
 def timed_batch(cfg, tp: int, B: int, shape, reduction, experts, target, draft, result, base_ms):
     """Times the baseline and the speculative step at batch B, appending a row to result["rows"]."""
     base_mem, kernels = {}, ({} if FLAGS.profile else None)
-    t_base = time_baseline(target, B, FLAGS.context, FLAGS.iters, memory=base_mem, kernels=kernels)
-    r = time_step(target, draft, B, shape, FLAGS.context, FLAGS.iters, parts=False)
+    ctx = run_context(target, reduction or "kernel")
+    t_base = time_baseline(target, B, FLAGS.context, FLAGS.iters, memory=base_mem, kernels=kernels, ctx=ctx)
+    r = time_step(target, draft, B, shape, FLAGS.context, FLAGS.iters, parts=False, ctx=ctx)
     t_step = r["seconds"]["step"]
     if tp == 1:
         base_ms[B] = t_base * 1e3
@@ -148,7 +147,7 @@ def timed_batch(cfg, tp: int, B: int, shape, reduction, experts, target, draft, 
 def degree(cfg, tp: int, batches, shape, result, base_ms):
     """Times every batch at one degree, appending to result["rows"] (and result["allreduce"])."""
     mesh = None if tp == 1 else parallel.make_mesh(model=tp, devices=jax.devices()[:tp])
-    mailbox = None if mesh is None else parallel.mailbox(mesh, cfg.hidden_size)
+    mailbox = parallel.context(mesh, hidden=cfg.hidden_size).mailbox
     modes = [None] if mesh is None else [m for m in FLAGS.reductions if m == "xla" or mailbox is not None]
     if mesh is not None:
         progs = None if mailbox is None else {k: reduce_timing.fused(mesh, k) for k in (True, False)}
@@ -167,8 +166,7 @@ def degree(cfg, tp: int, batches, shape, result, base_ms):
         target, draft = random_pair(cfg, mesh, experts)
         for B in batches:
             for reduction in modes:
-                with xla_reduction() if reduction == "xla" else contextlib.nullcontext():
-                    timed_batch(cfg, tp, B, shape, reduction, experts, target, draft, result, base_ms)
+                timed_batch(cfg, tp, B, shape, reduction, experts, target, draft, result, base_ms)
         del target, draft
         gc.collect()
         jax.clear_caches()

@@ -5,7 +5,7 @@
 
 Random packed weights of --preset and a random draft of the published EAGLE-3 shape
 (`lib.step_timing.random_pair`). For each context and mode ("baseline", or a draft shape such as
-chain3), a trial at batch B builds the decode state at that context (`step_timing.noisy_state`: its
+chain3), a trial at batch B builds the decode state at that context (`step_timing.noisy_states`: its
 caches as decode allocates them) and times a few iterations of the step (`time_baseline`, or
 `time_step` without its parts); a trial that runs out of device memory (an XLA RESOURCE_EXHAUSTED
 error) fails, and everything it held is freed before the next one. The search starts at a
@@ -21,8 +21,9 @@ memory is reported with that error (a row with "error") and the next cell runs.
 `--mesh model=M,data=D` (and the jax.distributed flags, as bench.py's): the target created split
 over the devices (`random_pair(cfg, mesh)`), the states laid out as decode's; batches are multiples
 of D, and memory is per device (each device's share of the state against the first local device's
-free memory). Steps sum over "model" with XLA's all-reduce, not the fused kernel
-(`step_timing.xla_reduction`: a trial that runs out of memory must fail, not hang).
+free memory). Steps sum over "model" with XLA's all-reduce, not the fused kernel (a run context without
+a Mailbox, `step_timing.run_context(target, "xla")`: a trial that runs out of memory must fail, not
+hang).
 
 JSON: device_info (command included), num_devices and mesh, the preset, the memory after the
 weights, and a row per
@@ -41,8 +42,8 @@ import jax
 
 from eagle3_jax.models import GptOssConfig
 from lib import cli, timing
-from lib.step_timing import (baseline_plan, parse_shape, random_pair, state_bytes, step_plan, time_baseline,
-                             time_step, xla_reduction)
+from lib.step_timing import (baseline_plan, parse_shape, random_pair, run_context, state_sizes, step_plan,
+                             time_baseline, time_step)
 
 flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
 flags.DEFINE_list("contexts", ["8192", "32768", "131072"], "committed tokens per sequence")
@@ -84,26 +85,26 @@ def free_device() -> None:
     gc.collect()
 
 
-def trial(target, draft, B, ctx, mode, plan, mesh=None):
+def trial(target, draft, B, context, mode, need):
     """One batch size: {batch, ok, seconds (per step), memory (loop_time's: program and device), left}
     or {batch, ok False, error (first line), left} when the device ran out of memory, or {batch, ok
-    False, error, ran False} without running when the state alone is larger than the device's free
-    memory (an allocation that cannot succeed would otherwise still compile the step first). left:
-    after the trial, the first device's bytes in use (None on CPU) and those live arrays hold. Other
-    errors propagate."""
+    False, error, ran False} without running when the state alone (`need` bytes a device) is larger
+    than the device's free memory (an allocation that cannot succeed would otherwise still compile the
+    step first). Steps sum over "model" through XLA's all-reduce (an out-of-memory trial must fail,
+    not hang in the fused kernel). left: after the trial, the first device's bytes in use (None on
+    CPU) and those live arrays hold. Other errors propagate."""
     mem = timing.memory_stats()
-    need = state_bytes(target, None if mode == "baseline" else draft, B, ctx, plan, mesh=mesh)
     if mem and "bytes_limit" in mem and need > mem["bytes_limit"] - mem["bytes_in_use"]:
         return dict(batch=B, ok=False, ran=False, error=f"state {timing.gib(need)} > "
                     f"{timing.gib(mem['bytes_limit'] - mem['bytes_in_use'])} free (not run)")
+    ctx = run_context(target, "xla")
     try:
-        with xla_reduction():  # an out-of-memory trial must fail, not hang in the fused kernel
-            if mode == "baseline":
-                memory = {}
-                seconds = time_baseline(target, B, ctx, FLAGS.iters, memory=memory)
-            else:
-                r = time_step(target, draft, B, parse_shape(mode), ctx, FLAGS.iters, parts=False)
-                seconds, memory = r["seconds"]["step"], r["memory"]["step"]
+        if mode == "baseline":
+            memory = {}
+            seconds = time_baseline(target, B, context, FLAGS.iters, memory=memory, ctx=ctx)
+        else:
+            r = time_step(target, draft, B, parse_shape(mode), context, FLAGS.iters, parts=False, ctx=ctx)
+            seconds, memory = r["seconds"]["step"], r["memory"]["step"]
         out = dict(batch=B, ok=True, seconds=seconds, memory=memory)
     except jax.errors.JaxRuntimeError as e:
         if not timing.is_oom(e):
@@ -163,16 +164,16 @@ def state_bound(fits, hi):
     return lo
 
 
-def cell(target, draft, ctx, mode, free_bytes, mesh=None):
+def cell(target, draft, context, mode, free_bytes, mesh=None):
     """One (context, mode) row. Where the device reports its free memory, the search's upper end is the
     largest batch whose state alone fits it (no trial above it could allocate its caches): reaching it
     ends the cell with note "state bound" and the next batch as failed_batch (not run). On a mesh
     (--mesh) batches are multiples of its data axis (the search counts in those units), and memory
     is per device: the first local device's free memory against each device's share of the state."""
-    plan = baseline_plan(ctx) if mode == "baseline" else step_plan(draft, parse_shape(mode), ctx)
-    dr = None if mode == "baseline" else draft
+    plan = baseline_plan(context) if mode == "baseline" else step_plan(draft, parse_shape(mode), context)
     unit = 1 if mesh is None else mesh.shape["data"]
-    state = lambda n: state_bytes(target, dr, n * unit, ctx, plan, mesh=mesh)  # noqa: E731  n units
+    sizes = state_sizes(target, None if mode == "baseline" else draft, plan, mesh=mesh)
+    state = lambda n: sizes(n * unit)  # noqa: E731  n units
     seq_bytes = state(1) / unit
     predicted = predict(free_bytes, state(1))
     start = predicted if predicted else -(-FLAGS.min_batch // unit)
@@ -183,15 +184,15 @@ def cell(target, draft, ctx, mode, free_bytes, mesh=None):
             hi = max(fit, lo)
             known_bad = hi + 1
             bound_error = f"state {timing.gib(state(known_bad))} > {timing.gib(free_bytes)} free (not run)"
-    best, bad, trials, note = search(lambda n: trial(target, draft, n * unit, ctx, mode, plan, mesh), start, lo, hi,
-                                     FLAGS.max_trials, known_bad)
+    best, bad, trials, note = search(lambda n: trial(target, draft, n * unit, context, mode, state(n)), start, lo,
+                                     hi, FLAGS.max_trials, known_bad)
     failed = next((t for t in trials if not t["ok"] and t["batch"] == (bad or 0) * unit), None)
     if bad is not None and bad == known_bad:
         failed = dict(error=bound_error)
         note = "state bound" if best == hi else note
     at_best = next((t for t in trials if t["ok"] and t["batch"] == best * unit), None)
     program = (at_best or {}).get("memory", {}).get("program") or {}
-    return dict(context=ctx, mode=mode, max_batch=best * unit, peak_bytes=program.get("peak"),
+    return dict(context=context, mode=mode, max_batch=best * unit, peak_bytes=program.get("peak"),
                 seconds_at_max=at_best["seconds"] if at_best else None,
                 failed_batch=None if bad is None else bad * unit, failed_error=failed["error"] if failed else None,
                 predicted_batch=None if predicted is None else predicted * unit, sequence_bytes=seq_bytes, note=note,
@@ -230,20 +231,20 @@ def main(argv):
               f"{timing.gib(free)} free")
     work = [(int(c), m) for c in FLAGS.contexts for m in FLAGS.modes]
     bar = cli.bar(work, "cells", unit="cell")
-    for ctx, mode in bar:
-        bar.set_postfix_str(f"ctx={ctx} {mode}")
+    for context, mode in bar:
+        bar.set_postfix_str(f"ctx={context} {mode}")
         try:
-            r = cell(target, draft, ctx, mode, free, mesh)
+            r = cell(target, draft, context, mode, free, mesh)
         except Exception as e:  # noqa: BLE001 -- a cell that cannot run at all is reported; the others still run
-            rows.append(dict(context=ctx, mode=mode, error=f"{type(e).__name__}: {timing.first_line(e)}"))
-            cli.write(f"ctx={ctx:<7} {mode:<9} error: {rows[-1]['error']}")
+            rows.append(dict(context=context, mode=mode, error=f"{type(e).__name__}: {timing.first_line(e)}"))
+            cli.write(f"ctx={context:<7} {mode:<9} error: {rows[-1]['error']}")
             timing.write_json(FLAGS.out, result)
             free_device()
             continue
         rows.append(r)
         tried = ",".join(f"{t['batch']}{'' if t['ok'] else 'x'}" for t in r["trials"])
         step = f"{r['seconds_at_max'] * 1e3:.2f} ms/step" if r["seconds_at_max"] is not None else "-"
-        cli.write(f"ctx={ctx:<7} {mode:<9} max B {r['max_batch']:<5} peak {timing.gib(r['peak_bytes'])}  {step}  "
+        cli.write(f"ctx={context:<7} {mode:<9} max B {r['max_batch']:<5} peak {timing.gib(r['peak_bytes'])}  {step}  "
                   f"failed {r['failed_batch'] if r['failed_batch'] is not None else '-'}  "
                   f"predicted {r['predicted_batch'] if r['predicted_batch'] is not None else '-'}  "
                   f"{r['note']}  trials {tried}"

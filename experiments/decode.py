@@ -54,12 +54,10 @@ cli.progress_flag()
 cli.mesh_flags()
 FLAGS = flags.FLAGS
 
-CPU_NOTE = ("note: on a CPU expect speculative decoding to gain little over generate (a 2-core CPU, "
-            "results/pair_eval_cpu.json: 0.88x at B=1, 1.64x at B=2, 0.83x at B=4): a CPU is compute-bound, so "
-            "verifying N tokens in one pass costs about as much as N one-token steps. On a GPU decoding is "
-            "memory-bound (a step reads every weight once, whatever the tokens), and this pair runs 1.6-2.2x "
-            "faster than generate at B=1 (2.16x on an H200 under JAX's default command buffers, 1.58x on an H100 "
-            "with loops as CUDA graphs, the library's default).")
+CPU_NOTE = ("note: a CPU is compute-bound: verifying N tokens in one pass costs about as much as N one-token "
+            "steps, so speculative decoding gains little over generate there. On a GPU decoding is memory-bound (a "
+            "step reads every weight once, whatever the tokens), which is where the draft pays off "
+            "(docs/perf/end_to_end.md).")
 
 
 def _say(msg):
@@ -111,10 +109,8 @@ def _repeat(run):
     return out
 
 
-def main(argv):
-    del argv
-    mesh = cli.setup_devices()
-    tok = _tokenizer(FLAGS.target)
+def _prompts(tok):
+    """The prompts as token-id lists: --prompt, else --prompts_file, else two held-out stdlib snippets."""
     if FLAGS.prompt:
         prompts = FLAGS.prompt
     elif FLAGS.prompts_file:
@@ -122,7 +118,29 @@ def main(argv):
             prompts = json.load(f)
     else:
         prompts = assets.eval_prompts()[:2]
-    prompts = [_encode(p, tok) for p in prompts]
+    return [_encode(p, tok) for p in prompts]
+
+
+def _compare(decoded, base, B, dtype):
+    """The throughput this run measured, decode's over generate's, and whether the outputs agree."""
+    same = base.tokens == decoded.tokens
+    speed = decoded.metrics["tokens_per_second"] / base.metrics["tokens_per_second"]
+    _say(f"speculative / baseline throughput {speed:.2f}x at B={B}; outputs identical: {same}")
+    if not same and FLAGS.temperature == 0:
+        first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                 for x, y in zip(base.tokens, decoded.tokens)]
+        _say(f"first differing generated token per prompt: {first}. In {dtype.name} the verify pass "
+             "rounds differently from one-token steps, so near-tied argmaxes can part; float32 "
+             "(--dtype float32) must match exactly.")
+    elif FLAGS.temperature > 0:
+        _say("(sampling: outputs are independent exact draws, not expected to match)")
+
+
+def main(argv):
+    del argv
+    mesh = cli.setup_devices()
+    tok = _tokenizer(FLAGS.target)
+    prompts = _prompts(tok)
     B = len(prompts)
     dtype = jnp.dtype(FLAGS.dtype) if FLAGS.dtype else assets.default_dtype()
     load = dict(dtype=dtype, progress=cli.load_progress(), mesh=mesh)  # with a mesh: each process reads its shards
@@ -134,8 +152,10 @@ def main(argv):
         draft = load_eagle3(FLAGS.draft, target=target, **load)
     if mesh is not None:
         _say(f"sharded over {dict(mesh.shape)} ({mesh.size} devices, {jax.process_count()} processes)")
-    kw = dict(temperature=FLAGS.temperature, seed=FLAGS.seed)
-    result = {}
+    # how both run: the parameters' mesh, the one-shot all-reduce's Mailbox where it has one (every process asks)
+    ctx = parallel.context_for(target)
+    kw = dict(temperature=FLAGS.temperature, seed=FLAGS.seed, ctx=ctx)
+    result, out = {}, None
     if draft is not None:
         _say(f"compiling and running decode, B={B} (one executable per batch, cache length and tree shape) ...")
         out = _repeat(lambda: decode(target, draft, prompts, FLAGS.max_new_tokens, num_spec_tokens=FLAGS.num_spec_tokens,
@@ -153,25 +173,14 @@ def main(argv):
         if draft is None:
             _show(prompts, base.tokens, tok)
         _say("generate: " + _rate(base.metrics))
-        if draft is not None:
-            same = base.tokens == result["decode"]["tokens"]
-            speed = result["decode"]["metrics"]["tokens_per_second"] / base.metrics["tokens_per_second"]
-            _say(f"speculative / baseline throughput {speed:.2f}x at B={B}; outputs identical: {same}")
-            if not same and FLAGS.temperature == 0:
-                first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
-                         for x, y in zip(base.tokens, result["decode"]["tokens"])]
-                _say(f"first differing generated token per prompt: {first}. In {dtype.name} the verify pass "
-                     "rounds differently from one-token steps, so near-tied argmaxes can part; float32 "
-                     "(--dtype float32) must match exactly.")
-            elif FLAGS.temperature > 0:
-                _say("(sampling: outputs are independent exact draws, not expected to match)")
-    if draft is not None and jax.default_backend() == "cpu" and jax.process_index() == 0:
-        print(textwrap.fill(CPU_NOTE, 100), flush=True)
-    # the one-shot kernel's route (bf16 sums, the pick), else XLA's collectives; every process asks
-    mailbox = mesh is not None and parallel.mailbox(mesh, target.config.hidden_size) is not None
+        if out is not None:
+            _compare(out, base, B, dtype)
+            if jax.default_backend() == "cpu" and jax.process_index() == 0:
+                print(textwrap.fill(CPU_NOTE, 100), flush=True)
     if FLAGS.json_out and jax.process_index() == 0:
         if mesh is not None:
-            result["mesh"] = dict(mesh.shape, processes=jax.process_count(), experts=FLAGS.experts, mailbox=mailbox)
+            result["mesh"] = dict(mesh.shape, processes=jax.process_count(), experts=FLAGS.experts,
+                                  mailbox=ctx.mailbox is not None)
         with open(FLAGS.json_out, "w") as f:
             json.dump(result, f, indent=1)
 

@@ -40,7 +40,8 @@ flags.DEFINE_list("speed_batches", ["1", "4"], "batch sizes of the throughput co
 cli.positive_ints("speed_batches", empty=True)
 flags.DEFINE_list("speed_shapes", ["chain3", "tree5x8n16"], "draft shapes of the throughput comparison")
 flags.DEFINE_integer("repeats", 3, "timed runs per throughput figure (median)", lower_bound=1)
-flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights / activations dtype")
+flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "weights / activations dtype (default: the library's, "
+                  "assets.default_dtype(): bfloat16 on GPUs, float32 on CPUs, where decode == generate bit for bit)")
 flags.DEFINE_list("exact_check", ["chain3", "tree3x4n8"], "shapes compared with generate in float32 (empty: skip)")
 flags.DEFINE_string("out", None, "JSON output path")
 cli.progress_flag()
@@ -67,7 +68,7 @@ def exact_check(prompts, n):
 
 def main(argv):
     del argv
-    dtype = jnp.dtype(FLAGS.dtype)
+    dtype = jnp.dtype(FLAGS.dtype) if FLAGS.dtype else assets.default_dtype()
     target = load_gpt_oss(FLAGS.target, dtype=dtype, progress=cli.load_progress())
     draft = load_eagle3(FLAGS.draft, target=target, dtype=dtype, progress=cli.load_progress())
     with open(FLAGS.prompts_file) as f:
@@ -75,7 +76,7 @@ def main(argv):
     n = FLAGS.max_new_tokens
     base = generate(target, prompts, n)
     res = dict(**device_info(), target=FLAGS.target, draft=FLAGS.draft, num_prompts=len(prompts),
-               prompt_lengths=sorted({len(p) for p in prompts}), max_new_tokens=n, dtype=FLAGS.dtype, acceptance=[],
+               prompt_lengths=sorted({len(p) for p in prompts}), max_new_tokens=n, dtype=dtype.name, acceptance=[],
                speed=[])
     for s in cli.bar(FLAGS.shapes, "acceptance", unit="shape"):
         out = decode(target, draft, prompts, n, **decode_kwargs(s))

@@ -65,7 +65,8 @@ flags.DEFINE_integer("batch", 1, "batch of the head and step timings", lower_bou
 flags.DEFINE_integer("context", 512, "committed tokens per sequence in the step timing", lower_bound=1)
 flags.DEFINE_integer("iters", 10, "steps per timed loop (step timing)", lower_bound=1)
 flags.DEFINE_integer("copy_bytes", 1 << 30, "buffer of the copy-bandwidth measurement (head roofline); 0 skips")
-flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights / activations dtype")
+flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "weights / activations dtype (default: the library's, "
+                  "assets.default_dtype(): bfloat16 on GPUs, float32 on CPUs)")
 flags.DEFINE_integer("seed", 0, "prompt sampling seed", lower_bound=0)
 flags.DEFINE_string("json_out", None, "JSON output path")
 flags.DEFINE_string("plot", None, "PNG output path (needs matplotlib)")
@@ -174,7 +175,7 @@ def main(argv):
     if FLAGS.plot_from:
         with open(FLAGS.plot_from) as f:
             return plot(json.load(f), FLAGS.plot)
-    dtype = jnp.dtype(FLAGS.dtype)
+    dtype = jnp.dtype(FLAGS.dtype) if FLAGS.dtype else assets.default_dtype()
     _say(f"loading target {os.path.abspath(FLAGS.target)} on {jax.devices()[0].device_kind}")
     load = dict(dtype=dtype, progress=cli.load_progress())
     target = load_gpt_oss(FLAGS.target, **load)
@@ -231,7 +232,7 @@ def main(argv):
              f"head {head * 1e6:.1f} us, step {step * 1e3:.3f} ms, projected speedup {row['projected_speedup']:.2f}")
 
     result = dict(timing.device_info(), target=os.path.abspath(FLAGS.target), draft=os.path.abspath(FLAGS.draft),
-                  vocab_size=V, draft_vocab_size=Vd, source=FLAGS.source, dtype=FLAGS.dtype, corpus=corpus,
+                  vocab_size=V, draft_vocab_size=Vd, source=FLAGS.source, dtype=dtype.name, corpus=corpus,
                   prompts=dict(prompt_info, count=len(prompts), lengths=[len(p) for p in prompts]),
                   num_spec_tokens=K, max_new_tokens=FLAGS.max_new_tokens, batch=FLAGS.batch, context=FLAGS.context,
                   iters=FLAGS.iters, copy_bandwidth=bw, baseline_tokens_per_second=base.metrics["tokens_per_second"],

@@ -37,7 +37,7 @@ def test_loop_time_takes_over_its_carry_and_copies_nothing():
     cache = jnp.zeros((4, 1 << 18), jnp.float32)  # 4 MiB
     carry = dict(cache=cache, a=zero, b=zero)
 
-    def fn(m, c, bias):
+    def fn(m, c, bias, ctx):  # a timed function takes the run context last, as spec/step.py's parts do
         return dict(cache=c["cache"] + bias, a=c["a"] + 1, b=c["b"])
 
     bias = jnp.ones((1 << 18,), jnp.float32)
@@ -71,13 +71,13 @@ def test_profile_runs_the_loop_without_loop_graphs(monkeypatch):
     monkeypatch.setattr(step_timing.timing, "kernel_records",
                         lambda thunk, repeats: [jax.block_until_ready(thunk()) is not None and ("fusion.1", 0, 4000)])
     graphdef, params = nnx.split(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
-    _, kernels = step_timing.loop_time(graphdef, params, lambda m, c: m(c), jnp.ones((2, 4)), 2, profile=True)
+    _, kernels = step_timing.loop_time(graphdef, params, lambda m, c, ctx: m(c), jnp.ones((2, 4)), 2, profile=True)
     k = seen.index(("compile", {}))
     assert seen[0] == ("compile", None) and k > 1 and seen[k:] == [("compile", {}), ("ran", {}), ("ran", {})]
     assert all(e == ("ran", None) for e in seen[1:k])  # every timed call: decode's options; warm + profile: XLA's
     assert kernels["launches"] == 0.5 and kernels[step_timing.timing.kernel_group("fusion.1")] == pytest.approx(2e-6)
     seen.clear()
-    step_timing.loop_time(graphdef, params, lambda m, c: m(c), jnp.ones((2, 4)), 2)
+    step_timing.loop_time(graphdef, params, lambda m, c, ctx: m(c), jnp.ones((2, 4)), 2)
     assert [e for e in seen if e[0] == "compile"] == [("compile", None)]  # no profile: one executable
 
 
@@ -86,9 +86,9 @@ def test_closed_over_array_is_refused():
     big = jnp.ones((1 << 19,), jnp.float32)  # 2 MiB, above MAX_CAPTURED_BYTES
 
     with pytest.raises(RuntimeError, match=r"closes over arrays float32\[524288\] \(2097152 bytes\): pass them"):
-        step_timing.loop_time(graphdef, params, lambda m, c: c + big[:4].sum(), jnp.zeros((4,)), 1)
+        step_timing.loop_time(graphdef, params, lambda m, c, ctx: c + big[:4].sum(), jnp.zeros((4,)), 1)
     x = jnp.zeros((4,))
-    step_timing.loop_time(graphdef, params, lambda m, c, big: c + big[:4].sum(), x, 1, args=(big,))  # as argument
+    step_timing.loop_time(graphdef, params, lambda m, c, big, ctx: c + big[:4].sum(), x, 1, args=(big,))  # as argument
     assert x.is_deleted() and not big.is_deleted()
 
 

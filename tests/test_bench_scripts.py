@@ -1,6 +1,7 @@
 """CPU smoke tests of the benchmark scripts (bench.py and gates.py, bench_tp.py, bench_step.py,
-bench_baseline.py, bench_kernels.py, bench_allreduce.py, bench_reduce_norm.py) and their shared
-modules in experiments/lib: flags parse, output and JSON schema written."""
+bench_baseline.py, the kernel benchmarks bench_moe.py, bench_gemv.py, bench_spec_ops.py and
+bench_attention.py, bench_allreduce.py, bench_reduce_norm.py) and their shared modules in
+experiments/lib: flags parse, output and JSON schema written."""
 
 import dataclasses
 import json
@@ -311,26 +312,52 @@ def test_gates_names_file_and_missing_key(tmp_path):
         gates.evaluate(dict(scenarios=[{"name": "stress"}, {"shape": "chain3"}]), "r.json")
 
 
-def test_bench_kernels_moe_grouped_writes_json(tmp_path):
-    # the prefill MoE section on the tiny preset (kernels interpreted on CPU): kernels agree with the scan
-    path = tmp_path / "g.json"
+@pytest.mark.slow
+def test_kernel_benches_write_json(tmp_path):
+    # each kernel family's script on CPU, the kernels interpreted at small shapes: flags parse, the JSON's
+    # sections and rows written, each kernel agreeing with its reference or the model's other path
+    path = tmp_path / "moe.json"
     # with --moe_units, one device's share of each expert under the units split (96 of the tiny 64: more);
-    # a 1 MB copy-bandwidth buffer (the default 256 MiB took most of this run on CPU). The same process
-    # runs the gemv section at a ragged shape: rows_matmul (interpreted) against XLA's dot.
-    run("bench_kernels.py", "--only", "moe_grouped,gemv", "--moe_preset", "tiny", "--moe_units", "96",
-        "--grouped_tokens", "80", "--gemv_shapes", "96x40", "--gemv_rows", "1,3", "--gemv_blocks", "8/64",
-        "--gemv_weights", "2", "--copy_bytes", "1000000", "--out", str(path))
+    # --moe_config reaches the model's kernel path through KernelPolicy(moe_config=...); a 1 MB
+    # copy-bandwidth buffer (the default 256 MiB took most of a run on CPU)
+    out = run("bench_moe.py", "--moe_preset", "tiny", "--moe_units", "96", "--moe_tokens", "1", "--moe_routings", "1",
+              "--moe_config", "fma_warps=1", "--grouped_tokens", "80", "--copy_bytes", "1000000", "--out", str(path))
     result = json.loads(path.read_text())
+    res = result["moe"]
+    (row,) = res["tokens"]
+    assert res["units"] == 96 and res["config"] == dataclasses.asdict(moe.MoeConfig(fma_warps=1))
+    assert res["rel_err_T5_vs_reference"] < 1e-3 and row["tokens"] == 1 and row["distinct_experts"] == 4
+    assert all(row[k] > 0 for k in ("kernel_us", "layer_kernel_us", "layer_jnp_gathered_us", "layer_jnp_grouped_us"))
+    assert "  T experts" in out and "fma_warps': 1" in out
     res = result["moe_grouped"]
     (row,) = res["rows"]
     assert res["units"] == 96 and row["tokens"] == 80 and row["live_tiles"] >= 1
     assert row["rel_err_kernel_vs_scan"] < 1e-3
-    rows = result["gemv"]["rows"]
+    # gemv at a ragged shape: rows_matmul (interpreted) against XLA's dot
+    run("bench_gemv.py", "--gemv_shapes", "96x40", "--gemv_rows", "1,3", "--gemv_blocks", "8/64", "--gemv_weights",
+        "2", "--copy_bytes", "1000000", "--out", str(path))
+    rows = json.loads(path.read_text())["gemv"]["rows"]
     assert [(r["rows"], r["impl"], r["block_n"]) for r in rows] == [(1, "xla", None), (1, "rows_matmul", 8),
                                                                      (3, "xla", None), (3, "rows_matmul", 8)]
     assert all(r["K"] == 96 and r["N"] == 40 and r["seconds"] > 0 and r["max_diff"] < 1e-5 for r in rows), rows
-    err = fails("bench_kernels.py", "--only", "moe_grouped", "--moe_preset", "tiny", "--moe_units", "80")
+    # tree_mask, accept and kv_rewind: the kernels against the references, each through its dispatcher
+    out = run("bench_spec_ops.py", "--sets", "2", "--out", str(path))
+    result = json.loads(path.read_text())
+    assert [len(result[k]["rows"]) for k in ("tree_mask", "accept", "kv_rewind")] == [2, 3, 1], result
+    assert all(r["matches_reference"] and r["seconds"] > 0 for k in ("tree_mask", "accept", "kv_rewind")
+               for r in result[k]["rows"])
+    assert "kv_rewind 4 layers K+V" in out
+    # attention: the Pallas kernel against the reference at a full and a sliding layer
+    run("bench_attention.py", "--attn_nqs", "4", "--attn_stream", "2", "--attn_lengths", "128", "--copy_bytes",
+        "1000000", "--out", str(path))
+    rows = json.loads(path.read_text())["attention"]["rows"]
+    assert [(r["L"], r["Nq"], r["window"]) for r in rows] == [(128, 4, None), (128, 1, 128)]
+    assert all(r["rel_err"] < 1e-2 and r["kernel_seconds"] > 0 for r in rows), rows
+    # bad input: one line, before anything runs
+    err = fails("bench_moe.py", "--only", "moe_grouped", "--moe_preset", "tiny", "--moe_units", "80")
     assert "moe_units=80: intermediate_size: 80 must be a multiple of 32 for MXFP4 experts" in err
     assert "Traceback" not in err
-    err = fails("bench_kernels.py", "--only", "gemv", "--gemv_blocks", "6/64")
+    err = fails("bench_gemv.py", "--gemv_blocks", "6/64")
     assert "--gemv_blocks: block_n/block_k, powers of two" in err and "Traceback" not in err
+    err = fails("bench_spec_ops.py", "--only", "attention")
+    assert err.strip() == "error: --only: unknown sections ['attention']; known: ['accept', 'kv_rewind', 'tree_mask']"

@@ -4,6 +4,7 @@ parse, output and JSON schema written. The benchmark scripts: tests/test_bench_s
 
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -21,10 +22,12 @@ def test_decode_main_job_on_embedded_default(tmp_path):
     # each prompt from the start of a line, under a header; tau named; the batch in the speed line
     assert "--- prompt 1 (" in out and " tokens) ---\ndef f(x):\n    return\n--- output (5 tokens) ---\n" in out
     assert "--- prompt 2 (" in out and "decode: tau " in out and "accept rate" in out
-    assert "throughput" in out and "x at B=2; outputs identical: True" in out
-    words = " ".join(out.split())  # the note is wrapped at 100 columns
-    assert "note: on a CPU" in words and "2.16x on an H200" in words  # the CPU's expected speedup, and why
     r = json.loads(path.read_text())
+    # the speed line states what this run measured, and the note after it why a CPU gains little (no figures)
+    speed = r["decode"]["metrics"]["tokens_per_second"] / r["baseline"]["metrics"]["tokens_per_second"]
+    assert f"speculative / baseline throughput {speed:.2f}x at B=2; outputs identical: True" in out
+    note = " ".join(out[out.index("note: "):].split())  # wrapped at 100 columns
+    assert "compute-bound" in note and "memory-bound" in note and not re.search(r"\d", note), note
     assert r["decode"]["tokens"] == r["baseline"]["tokens"] and all(len(t) == 5 for t in r["decode"]["tokens"])
     assert r["decode"]["metrics"]["mean_accept_length"] >= 1.0
     # over the first 4 of 6 (fake CPU) devices: the same tokens
