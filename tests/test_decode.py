@@ -47,6 +47,7 @@ def prompts():
     return [rng.integers(3, 256, n).tolist() for n in (5, 13, 20)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("regime", ["random", "right", "sometimes"])
 def test_greedy_decode_is_lossless(regime, prompts):
     t, d = pair(regime, prompts)

@@ -130,6 +130,7 @@ def test_array_prompts(tiny):
         generate(tiny, np.array([[1.5, 2.0]]), 3)
 
 
+@pytest.mark.slow
 def test_max_cache_len_caps_the_cache(tiny):
     # the cache is exactly max_cache_len slots where that is below the bucketed length; the automatic
     # chunk shrinks so the padded prompt fits; the tokens are those of the uncapped run

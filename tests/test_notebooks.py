@@ -50,6 +50,7 @@ def kernel_env(monkeypatch):
     monkeypatch.delenv("MPLBACKEND", raising=False)
 
 
+@pytest.mark.slow
 def test_quickstart_notebook():
     got, cells = run_notebook("quickstart.ipynb", "MAX_NEW_TOKENS = 16",
                               "dict(n=[len(t) for t in base.tokens], same=chain.tokens == tree.tokens == base.tokens, "
@@ -59,6 +60,7 @@ def test_quickstart_notebook():
     assert "decode == generate, token for token" in stdout_of(cells, "decode")
 
 
+@pytest.mark.slow
 def test_fr_spec_notebook():
     got, cells = run_notebook(
         "fr_spec.ipynb", "KS = [64, 2048]\nNUM_PROMPTS = 2\nMAX_NEW_TOKENS = 16\nCORPUS_FILES = 20",

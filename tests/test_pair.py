@@ -32,6 +32,7 @@ def test_shipped_pair_layout_and_size():
     assert total <= 24 << 20, total
 
 
+@pytest.mark.slow
 def test_shipped_target_matches_transformers():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -53,6 +54,7 @@ def test_tokenizer_round_trip():
     assert tok.token_to_id(data.EOS_TOKEN) == GptOssConfig.from_hf(TARGET).eos_token_ids[0]
 
 
+@pytest.mark.slow
 def test_trained_draft_is_accepted():
     # a regression anywhere in the pipeline (model, converter, draft, decode) shows up as a low tau
     target = load_gpt_oss(TARGET, dtype=jnp.float32)

@@ -27,6 +27,7 @@ def abstract(data, model):
     return AbstractMesh((data, model), ("data", "model"))
 
 
+@pytest.mark.slow
 def test_sharded_generate_and_decode_match_one_device():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, os.path.join(HERE, "parallel_decode.py")], capture_output=True, text=True,
@@ -36,6 +37,7 @@ def test_sharded_generate_and_decode_match_one_device():
     assert "mesh data=1 model=4: tokens equal (chain, generate)" in r.stdout, r.stdout
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_device():
     port = local_processes.free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -19,6 +19,7 @@ from eagle3_jax.convert import safetensors_io as stio
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.mark.slow
 def test_sharded_loads_match_shard_of_one_device_load():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, os.path.join(HERE, "parallel_load.py")], capture_output=True, text=True,

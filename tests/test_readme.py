@@ -38,6 +38,7 @@ def test_python_blocks_are_found():
     assert not any("/path/to/" in code for _, _, code in blocks), "a block that names /path/to/ is not fenced no-run"
 
 
+@pytest.mark.slow
 def test_readme_python_blocks_run(tmp_path, monkeypatch):
     with open(README) as f:
         blocks = python_blocks(f.read())

@@ -204,6 +204,7 @@ def test_step_longer_than_the_ring_raises(tiny):
         gpt_oss.step(tiny, cache, t, jnp.arange(5)[None] + 20, jnp.asarray([20]))
 
 
+@pytest.mark.slow
 def test_decode_with_windowed_draft_and_rings_is_lossless(tiny):
     """Greedy decode (a windowed draft: its cache a ring too) equals generate over long outputs that
     wrap every ring several times; a tree and a chain."""

@@ -41,6 +41,7 @@ def exact_law(t, prompt, temperature):
     return lsm(l1)[:, None] * lsm(l2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(num_spec_tokens=3), dict(num_spec_tokens=2, topk=3, num_draft_tokens=4)],
                          ids=["chain", "tree"])
 def test_sampled_drafts_follow_target_two_token_law(pair, kw):
