@@ -18,15 +18,14 @@ prefix, stream and compute time the prefix kernel alone through `attention_mosai
 
 import math
 
-import numpy as np
-from absl import flags
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+from absl import flags
+from lib import cli, timing
 
 from eagle3_jax.pallas import attention_mosaic as mosaic
 from eagle3_jax.pallas.attention import attention_reference
-from lib import cli, timing
 
 flags.DEFINE_integer("length", 32768, "committed keys a sequence", lower_bound=1)
 flags.DEFINE_list("batches", ["1", "4"], "batch sizes B")

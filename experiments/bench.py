@@ -12,8 +12,8 @@ projected speedup tau * T_base / T_step for the published gpt-oss-120b tau (2.29
 draft tokens) and, with --tau_trained, a measured one.
 
 Scenarios: single (B=1, 1K), gates (B=1 32K and B=4 16K, chain3: what gates.py reads), batch (B in
---batch_sizes, default 4, at 1K), large (B=1 at --large_contexts), sweep (B=1 at --sweep_context over chains 1..5 and trees),
-stress (decode() end to end, B=16 ragged prompts, early eos).
+--batch_sizes, default 4, at 1K), large (B=1 at --large_contexts), sweep (B=1 at --sweep_context over
+chains 1..5 and trees), stress (decode() end to end, B=16 ragged prompts, early eos).
 
 On a mesh (--mesh): each row's "collectives" counts the collective operations of one baseline step
 and one speculative step by kind (`timing.collectives`), and the JSON's "allreduce_seconds" gives
@@ -30,17 +30,16 @@ parentheses the device's peak in use so far (not on CPU).
 
 import json
 
+import jax
 import numpy as np
 from absl import flags
-
-import jax
 from flax import nnx
+from lib import cli, roofline, timing
+from lib.step_timing import parse_shape, random_pair, time_baseline, time_step, validate_shape_flags
 
 from eagle3_jax import parallel
 from eagle3_jax.models import GptOssConfig, gpt_oss
 from eagle3_jax.spec import decode
-from lib import cli, roofline, timing
-from lib.step_timing import parse_shape, random_pair, time_baseline, time_step, validate_shape_flags
 
 flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
 SCENARIOS = ["single", "gates", "batch", "large", "sweep", "stress"]

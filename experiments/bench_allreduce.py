@@ -25,7 +25,6 @@ import subprocess
 import sys
 
 from absl import flags
-
 from lib import cli, timing
 
 ROUTES = {
@@ -41,7 +40,8 @@ flags.DEFINE_integer("timeout", 300, "seconds each route's process may take", lo
 flags.DEFINE_string("out", None, "JSON output path")
 flags.DEFINE_string("child", None, "internal: run one route's measurements in this process and print them")
 FLAGS = flags.FLAGS
-flags.register_validator("routes", lambda rs: len(rs) > 0 and set(rs) <= set(ROUTES), "expected names of " + ",".join(ROUTES))
+flags.register_validator("routes", lambda rs: len(rs) > 0 and set(rs) <= set(ROUTES),
+                         "expected names of " + ",".join(ROUTES))
 
 
 def measure() -> list[dict]:
@@ -105,7 +105,8 @@ def main(argv):
         if r["error"]:
             cli.write(f"{name:<10} error: {r['error']}")
         else:
-            cli.write(f"{name:<10} " + "  ".join(f"tp{x['tp']} {x['rows']} rows {x['us']:.1f} us" for x in r["results"]))
+            cli.write(f"{name:<10} " + "  ".join(f"tp{x['tp']} {x['rows']} rows {x['us']:.1f} us"
+                                                 for x in r["results"]))
     timing.write_json(FLAGS.out, result)
 
 

@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
+from lib import cli, kernel_bench, torch_attention
+from lib.kernel_bench import copy_bw, guard, on_gpu, policy, safe_profile
 
 from eagle3_jax.pallas import attention_mosaic
 from eagle3_jax.pallas.attention import attention, attention_config, attention_pallas
 from eagle3_jax.pallas.tree_mask import tree_mask_reference
-from lib import cli, kernel_bench, torch_attention
-from lib.kernel_bench import copy_bw, guard, on_gpu, policy, safe_profile
 
 flags.DEFINE_bool("attn_torch", True, "torch flex_attention / SDPA side by side (GPU only)")
 flags.DEFINE_bool("attn_sweep", True, "sweep launch configs at the 32K, Nq in {1, 16} shapes")
@@ -126,7 +126,8 @@ def _mosaic(x: Inputs, bw):
 
 def _table_line(best):
     c, m, nan = best["config"], best.get("mosaic", {}), float("nan")
-    return (f"{best['L']:>7} {best['B']:>2} {best['Nq']:>3} {str(best['window']):>4} {best['kernel_seconds'] * 1e6:8.1f} "
+    return (f"{best['L']:>7} {best['B']:>2} {best['Nq']:>3} {str(best['window']):>4} "
+            f"{best['kernel_seconds'] * 1e6:8.1f} "
             f"{100 * best['kernel_roofline_fraction']:6.1f} {best['seconds'] * 1e6:8.1f} "
             f"{best.get('sdpa_s', nan) * 1e6:8.1f} {best.get('flex_s', nan) * 1e6:8.1f} "
             f"{best.get('rel_err', nan):8.1e} {m.get('kernel_seconds', nan) * 1e6:8.1f} "
@@ -182,14 +183,15 @@ def bench_attention():
     table = [f"attention on {jax.devices()[0].device_kind}: us; roof% = K/V bytes / copy bandwidth "
              f"({bw / 1e12:.2f} TB/s) / time",
              "pallas = device kernel time per call (profiler, split-K merge included); stream = wall time per "
-             f"call of {FLAGS.attn_stream} calls in one program (launch gaps included); sdpa/flex: CUDA events, 20 calls; "
-             "mosaic: attention_mosaic.py (full layers), device kernel time, its roof% and relerr",
+             f"call of {FLAGS.attn_stream} calls in one program (launch gaps included); sdpa/flex: CUDA events, "
+             "20 calls; mosaic: attention_mosaic.py (full layers), device kernel time, its roof% and relerr",
              f"{'L':>7} {'B':>2} {'Nq':>3} {'win':>4} {'pallas':>8} {'roof%':>6} {'stream':>8} {'sdpa':>8} "
              f"{'flex':>8} {'relerr':>8} {'mosaic':>8} {'roof%':>6} {'relerr':>8}  config"]
     for L in prefixes:
         for B in batches:
             for Nq in nqs:
-                one_shape(B, Nq, L, None, bw, rows, table, _sweep(B, Nq, L), torch_side=L == 32768 and Nq in (1, 16, 64))
+                one_shape(B, Nq, L, None, bw, rows, table, _sweep(B, Nq, L),
+                          torch_side=L == 32768 and Nq in (1, 16, 64))
         for B in batches:  # sliding layers (window 128): time independent of the prefix
             for Nq in [1] if quick else [1, 16]:
                 one_shape(B, Nq, L, 128, bw, rows, table)

@@ -12,15 +12,14 @@ keeps its best; a difference that noise makes <= 0 raises rather than being repo
 import json
 import time
 
+import jax
 import numpy as np
 from absl import flags
-
-import jax
+from lib import cli, timing
 
 from eagle3_jax.models import GptOssConfig, gpt_oss
 from eagle3_jax.pallas import select
 from eagle3_jax.spec import generate
-from lib import cli, timing
 
 flags.DEFINE_string("preset", "gpt-oss-120b", "GptOssConfig preset")
 flags.DEFINE_integer("batch", 1, "sequences", lower_bound=1)
@@ -78,7 +77,8 @@ def main(argv):
         seconds_per_generated_token=per_token, generated_tokens_per_second=FLAGS.batch / per_token,
         paths=(f"GPU: Pallas attention kernel (rope_attention); Pallas norm, routing and MXFP4 expert kernels for "
                f"<= {select.MOE_KERNEL_MAX_TOKENS} tokens per call (decode); in prefill, tokens grouped into expert "
-               "tiles through the Pallas grouped MXFP4 kernels" if jax.default_backend() == "gpu" else "CPU: jnp reference attention and jnp MoE"),
+               "tiles through the Pallas grouped MXFP4 kernels" if jax.default_backend() == "gpu"
+               else "CPU: jnp reference attention and jnp MoE"),
     )
     print(json.dumps(result, indent=1))
     timing.write_json(FLAGS.out, result)

@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
+from lib import cli, kernel_bench, timing
+from lib.kernel_bench import copy_bw, guard, on_gpu, safe_profile
 
 from eagle3_jax.models import layers
 from eagle3_jax.pallas import gemv
-from lib import cli, kernel_bench, timing
-from lib.kernel_bench import copy_bw, guard, on_gpu, safe_profile
 
 flags.DEFINE_list("gemv_shapes", ["1024x2880", "2880x1280", "2048x2880", "2880x2560"], "products KxN, "
                   "x [R, K] @ w.T with w [N, K] (gpt-oss-120b's o and q|k|v shares at 4 and at 2 devices)")
@@ -69,7 +69,7 @@ def bench_gemv():
         ws = [jax.random.normal(jax.random.fold_in(key, i), (N, K), jnp.bfloat16) * K ** -0.5 for i in range(L)]
         for R in map(int, FLAGS.gemv_rows):
             xs = [jax.random.normal(jax.random.fold_in(key, L + i), (R, K), jnp.bfloat16) for i in range(L)]
-            want, sets = None, list(zip(xs, ws))
+            want, sets = None, list(zip(xs, ws, strict=True))
             for name, blocks, fn in _impls():
                 out = np.asarray(jax.jit(fn)(*sets[0]), np.float64)
                 want = out if want is None else want

@@ -32,13 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 from flax import nnx
+from lib import cli, kernel_bench, step_timing, timing
+from lib.kernel_bench import copy_bw, guard, jit_seconds, on_gpu, policy, safe_profile
 
 from eagle3_jax import parallel
 from eagle3_jax.models import GptOssConfig, gpt_oss
 from eagle3_jax.pallas import moe as mk
 from eagle3_jax.pallas import select
-from lib import cli, kernel_bench, step_timing, timing
-from lib.kernel_bench import copy_bw, guard, jit_seconds, on_gpu, policy, safe_profile
 
 flags.DEFINE_list("moe_tokens", ["1", "4", "8", "16", "32", "64"], "token counts T (top-4 routing)")
 flags.DEFINE_list("moe_sweep", [], "MoeConfig variants to time at --moe_sweep_tokens before the main table, "
@@ -116,7 +116,7 @@ class Layer:
         """R routings of T tokens through the layer's random router (realistic top-k sets):
         (x [R, T, H], ids [R, T, k], weights [R, T, k])."""
         xs = jax.random.normal(jax.random.key(seed), (R, T, self.cfg.hidden_size), jnp.bfloat16)
-        ids, ws = zip(*[self._route(self.module, xs[r]) for r in range(R)])
+        ids, ws = zip(*[self._route(self.module, xs[r]) for r in range(R)], strict=True)
         return xs, jnp.stack(ids), jnp.stack(ws)
 
     def kernel(self, config):
@@ -319,7 +319,8 @@ def e2e(bw, config):
     rest = per_tok - t_moe - t_head
     out["parts_seconds_per_token"] = dict(moe_layers=t_moe, lm_head_and_pick=t_head, rest=rest)
     out["parts_roofline_fraction"] = dict(
-        moe_layers=(nbytes["experts"] + nbytes["routers"]) / bw / t_moe, lm_head_and_pick=nbytes["lm_head"] / bw / t_head,
+        moe_layers=(nbytes["experts"] + nbytes["routers"]) / bw / t_moe,
+        lm_head_and_pick=nbytes["lm_head"] / bw / t_head,
         rest=(nbytes["attention_weights"] + nbytes["kv_cache"]) / bw / max(rest, 1e-9))
     out["kernels_by_family"] = dict(step=step_kernels, moe_layers=moe_kernels, lm_head_and_pick=head_kernels)
     out["notes"] = e2e_notes(cfg, P, iters)
@@ -344,14 +345,15 @@ def e2e_notes(cfg, P, iters):
 def _grouped_row(layer, N, bw):
     """moe_grouped's row at N tokens: the grouped path's tiles through the kernels and the scan."""
     cfg = layer.cfg
-    H, I, E, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok
+    H, units, E, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok
     x = jax.random.normal(jax.random.key(N), (N, H), jnp.bfloat16)
     ids, _ = layer.module.route(x)
     counts = np.bincount(np.asarray(ids).ravel(), minlength=E)
     tm = gpt_oss.group_tile(N * k, E, kernel=True)
-    row = dict(tokens=N, tile_rows=tm, live_tiles=int(np.sum(-(-counts // tm))), distinct_experts=int((counts > 0).sum()))
+    row = dict(tokens=N, tile_rows=tm, live_tiles=int(np.sum(-(-counts // tm))),
+               distinct_experts=int((counts > 0).sum()))
     row["roofline_s"] = row["distinct_experts"] * layer.per_expert / bw
-    flops = N * k * 2 * (2 * I * H + H * I)
+    flops = N * k * 2 * (2 * units * H + H * units)
     out = {}
     for name in ("kernel", "scan") if FLAGS.grouped_scan else ("kernel",):
         ctx = parallel.RunContext(kernels=policy(moe_grouped=name))

@@ -11,23 +11,22 @@ reference's (max difference) and whether every device holds the same bits; then 
 loop iteration, each feeding the next (--feed: "direct", y is the next partial, nothing between two
 calls; "scaled", y times a per-device factor, a multiply kernel between them), in a jitted
 fori_loop compiled as decode's programs are, per call (`reduce_timing.per_call`), for both; the
-kernel once for each of --parts (blocks a row is sent from; "auto": `allreduce.parts_for`). With --profile, also the device time of each kernel family
-per call and device (`timing.kernel_records` of one run of a copy of the loop compiled with XLA's
-defaults, whose kernels the profiler sees: the fused kernel's own time, its spin included, against
-what the launches around it add). Rows {"tp", "rows", "parts", "kernel_us", "reference_us",
-"s_max_diff", "same_on_devices", "kernel_device_us", "reference_device_us"}. Needs GPUs (the
-kernel has no CPU path); the JSON is written after each row.
+kernel once for each of --parts (blocks a row is sent from; "auto": `allreduce.parts_for`). With
+--profile, also the device time of each kernel family per call and device (`timing.kernel_records`
+of one run of a copy of the loop compiled with XLA's defaults, whose kernels the profiler sees: the
+fused kernel's own time, its spin included, against what the launches around it add). Rows {"tp",
+"rows", "parts", "kernel_us", "reference_us", "s_max_diff", "same_on_devices", "kernel_device_us",
+"reference_device_us"}. Needs GPUs (the kernel has no CPU path); the JSON is written after each row.
 """
-
-from absl import flags
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
+from lib import cli, reduce_timing, timing
 
 from eagle3_jax import parallel
 from eagle3_jax.pallas import allreduce
-from lib import cli, reduce_timing, timing
 
 cli.message_flags()
 flags.DEFINE_integer("chain", 8, "calls a loop iteration", lower_bound=1)

@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
+from lib import cli, kernel_bench
+from lib.kernel_bench import guard, on_gpu, policy, random_trees, safe_profile, same
 
 from eagle3_jax.pallas.accept import accept_greedy, accept_greedy_reference, accept_sample
 from eagle3_jax.pallas.kv_rewind import kv_rewind
 from eagle3_jax.pallas.tree_mask import tree_mask
-from lib import cli, kernel_bench
-from lib.kernel_bench import guard, on_gpu, policy, random_trees, safe_profile, same
 
 flags.DEFINE_bool("kernels_quick", False, "small shapes (CPU runs always take them)")
 flags.DEFINE_integer("sets", None, "distinct inputs a timed program cycles through (default: 32 trees for "
@@ -64,8 +64,8 @@ def bench_tree_mask():
     for B, N in [(1, 8), (4, 64)]:
         lengths = jnp.full((B,), 1000, jnp.int32)
         sets = [(p,) for p in random_trees(rng, B, N, _sets(32))]
-        t, tr, dev, match, _ = _compare(lambda p: tree_mask(p, lengths, policy=KERNEL),
-                                        lambda p: tree_mask(p, lengths, policy=REFERENCE), sets)
+        t, tr, dev, match, _ = _compare(functools.partial(tree_mask, lengths=lengths, policy=KERNEL),
+                                        functools.partial(tree_mask, lengths=lengths, policy=REFERENCE), sets)
         rows.append(dict(B=B, N=N, seconds=t, reference_seconds=tr, matches_reference=match, device=dev))
         table.append(f"B={B} N={N}: {_line(dev, t, tr)}; match={match}")
     return dict(rows=rows, table=table)
@@ -150,7 +150,8 @@ def bench_kv_rewind():
                device=dev, moved_rows_per_head_first_tree=moved,
                bytes_moved_first_tree=2 * moved * 2 * layers * Hkv * D * 2)
     return dict(rows=[row], table=[f"kv_rewind {layers} layers K+V, B={B} Hkv={Hkv} N={N}: "
-                                   f"{dev.get('kernel_seconds', float('nan')) * 1e6:.1f} us on device, {t * 1e6:.1f} us "
+                                   f"{dev.get('kernel_seconds', float('nan')) * 1e6:.1f} us on device, "
+                                   f"{t * 1e6:.1f} us "
                                    f"per call (in place, {len(paths)} in one program; {moved} moved rows/head/layer "
                                    f"in tree 0); match={match}"])
 

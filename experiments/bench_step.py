@@ -17,11 +17,11 @@ import json
 
 import numpy as np
 from absl import flags
+from lib import cli, timing
+from lib.step_timing import parse_shape, random_pair, time_step, validate_shape_flags
 
 from eagle3_jax.models import GptOssConfig
 from eagle3_jax.spec import decode
-from lib import cli, timing
-from lib.step_timing import parse_shape, random_pair, time_step, validate_shape_flags
 
 flags.DEFINE_integer("layers", 8, "target layers", lower_bound=1)
 flags.DEFINE_integer("experts", 32, "target experts (top-4)", lower_bound=1)

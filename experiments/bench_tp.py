@@ -49,17 +49,16 @@ communication, to within those differences (docs/perf/multi_gpu.md).
 import dataclasses
 import gc
 
+import jax
 import numpy as np
 from absl import flags
 from jax.sharding import AbstractMesh
-
-import jax
+from lib import cli, reduce_timing, roofline, timing
+from lib.step_timing import parse_shape, random_pair, run_context, time_baseline, time_step, validate_shape_flags
 
 from eagle3_jax import parallel
 from eagle3_jax.models import GptOssConfig, gpt_oss
 from eagle3_jax.pallas import moe
-from lib import cli, reduce_timing, roofline, timing
-from lib.step_timing import parse_shape, random_pair, run_context, time_baseline, time_step, validate_shape_flags
 
 flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
 flags.DEFINE_list("tp", ["1", "2", "4"], "tensor-parallel degrees (the mesh's model axis), in order")
@@ -183,7 +182,10 @@ def share_config(cfg: GptOssConfig, n: int) -> GptOssConfig:
     except ValueError as e:
         raise ValueError(f"--shares: {n}: {e}") from None
     V = cfg.vocab_size // n
-    ids = lambda i: None if i is None else i % V
+
+    def ids(i):
+        return None if i is None else i % V
+
     return cfg.replace(num_attention_heads=cfg.num_attention_heads // n,
                        num_key_value_heads=cfg.num_key_value_heads // n,
                        intermediate_size=parallel.expert_units(cfg, mesh, "tensor") // n, vocab_size=V,

@@ -36,14 +36,21 @@ ok, seconds per step, memory or error).
 
 import gc
 
-from absl import flags
-
 import jax
+from absl import flags
+from lib import cli, timing
+from lib.step_timing import (
+    baseline_plan,
+    parse_shape,
+    random_pair,
+    run_context,
+    state_sizes,
+    step_plan,
+    time_baseline,
+    time_step,
+)
 
 from eagle3_jax.models import GptOssConfig
-from lib import cli, timing
-from lib.step_timing import (baseline_plan, parse_shape, random_pair, run_context, state_sizes, step_plan,
-                             time_baseline, time_step)
 
 flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
 flags.DEFINE_list("contexts", ["8192", "32768", "131072"], "committed tokens per sequence")

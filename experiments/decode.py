@@ -19,15 +19,14 @@ import os
 import textwrap
 import time
 
-from absl import flags
-
 import jax
 import jax.numpy as jnp
+from absl import flags
+from lib import cli
 
 from eagle3_jax import assets, parallel
 from eagle3_jax.convert import load_eagle3, load_gpt_oss
 from eagle3_jax.spec import decode, generate
-from lib import cli
 
 flags.DEFINE_string("target", assets.TARGET_DIR, "HF GPT-OSS checkpoint folder")
 flags.DEFINE_string("draft", assets.DRAFT_DIR, "HF EAGLE-3 draft folder, or 'none'")
@@ -85,7 +84,7 @@ def _show(prompts, outputs, tok):
     """Each prompt and its continuation, each from the start of its own lines (process 0 only)."""
     if jax.process_index():
         return
-    for i, (p, t) in enumerate(zip(prompts, outputs)):
+    for i, (p, t) in enumerate(zip(prompts, outputs, strict=True)):
         print(f"--- prompt {i + 1} ({len(p)} tokens) ---")
         print(tok.decode(p) if tok else ",".join(map(str, p)))
         print(f"--- output ({len(t)} tokens) ---")
@@ -127,8 +126,8 @@ def _compare(decoded, base, B, dtype):
     speed = decoded.metrics["tokens_per_second"] / base.metrics["tokens_per_second"]
     _say(f"speculative / baseline throughput {speed:.2f}x at B={B}; outputs identical: {same}")
     if not same and FLAGS.temperature == 0:
-        first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
-                 for x, y in zip(base.tokens, decoded.tokens)]
+        first = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), None)
+                 for x, y in zip(base.tokens, decoded.tokens, strict=True)]
         _say(f"first differing generated token per prompt: {first}. In {dtype.name} the verify pass "
              "rounds differently from one-token steps, so near-tied argmaxes can part; float32 "
              "(--dtype float32) must match exactly.")
@@ -158,9 +157,9 @@ def main(argv):
     result, out = {}, None
     if draft is not None:
         _say(f"compiling and running decode, B={B} (one executable per batch, cache length and tree shape) ...")
-        out = _repeat(lambda: decode(target, draft, prompts, FLAGS.max_new_tokens, num_spec_tokens=FLAGS.num_spec_tokens,
-                                     topk=FLAGS.topk, num_draft_tokens=FLAGS.num_draft_tokens,
-                                     proposal=FLAGS.proposal, **kw))
+        out = _repeat(lambda: decode(target, draft, prompts, FLAGS.max_new_tokens,
+                                     num_spec_tokens=FLAGS.num_spec_tokens, topk=FLAGS.topk,
+                                     num_draft_tokens=FLAGS.num_draft_tokens, proposal=FLAGS.proposal, **kw))
         result["decode"] = dict(tokens=out.tokens, metrics=out.metrics)
         _show(prompts, out.tokens, tok)
         m = out.metrics

@@ -17,17 +17,16 @@ the outputs must be identical.
 import json
 import os
 
-from absl import flags
-
 import jax
 import jax.numpy as jnp
+from absl import flags
+from lib import cli
+from lib.step_timing import decode_kwargs, median_seconds, validate_shape_flags
+from lib.timing import device_info, write_json
 
 from eagle3_jax import assets
 from eagle3_jax.convert import load_eagle3, load_gpt_oss
 from eagle3_jax.spec import decode, generate
-from lib import cli
-from lib.step_timing import decode_kwargs, median_seconds, validate_shape_flags
-from lib.timing import device_info, write_json
 
 flags.DEFINE_string("target", assets.TARGET_DIR, "HF GPT-OSS checkpoint folder")
 flags.DEFINE_string("draft", assets.DRAFT_DIR, "HF EAGLE-3 draft folder")
@@ -52,8 +51,9 @@ validate_shape_flags("speed_shapes", "exact_check", empty=True)
 
 def first_differences(a, b):
     """Per sequence pair: the first index where they differ (None when identical)."""
-    return [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None if len(x) == len(y) else min(len(x), len(y)))
-            for x, y in zip(a, b)]
+    return [next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v),
+                 None if len(x) == len(y) else min(len(x), len(y)))
+            for x, y in zip(a, b, strict=True)]
 
 
 def exact_check(prompts, n):
@@ -92,13 +92,13 @@ def main(argv):
     for b in map(int, FLAGS.speed_batches):
         ps = prompts[:b]
         bar.set_postfix_str(f"B={b} generate")
-        t_base = median_seconds(lambda: generate(target, ps, n), FLAGS.repeats)
+        t_base = median_seconds(lambda ps=ps: generate(target, ps, n), FLAGS.repeats)
         bar.update()
         for s in FLAGS.speed_shapes:
             bar.set_postfix_str(f"B={b} {s}")
             kw = decode_kwargs(s)
             last = decode(target, draft, ps, n, **kw)
-            t_spec = median_seconds(lambda: decode(target, draft, ps, n, **kw), FLAGS.repeats)
+            t_spec = median_seconds(lambda ps=ps, kw=kw: decode(target, draft, ps, n, **kw), FLAGS.repeats)
             row = dict(batch=b, shape=s, baseline_seconds=t_base, decode_seconds=t_spec, speedup=t_base / t_spec,
                        tau=last.metrics["mean_accept_length"], tokens=sum(map(len, last.tokens)))
             res["speed"].append(row)

@@ -15,16 +15,15 @@ import json
 import math
 import os
 
-from absl import flags
-
 import jax.numpy as jnp
+from absl import flags
+from lib import cli
+from lib.step_timing import decode_kwargs, median_seconds, validate_shape_flags
+from lib.timing import device_info, write_json
 
 from eagle3_jax import assets
 from eagle3_jax.convert import load_eagle3, load_gpt_oss
 from eagle3_jax.spec import decode, generate
-from lib import cli
-from lib.step_timing import decode_kwargs, median_seconds, validate_shape_flags
-from lib.timing import device_info, write_json
 
 flags.DEFINE_string("target", assets.TARGET_DIR, "HF GPT-OSS checkpoint folder")
 flags.DEFINE_string("draft", assets.DRAFT_DIR, "HF EAGLE-3 draft folder")
@@ -82,9 +81,9 @@ def main(argv):
         for b in batches:
             if (b, t) not in base_s:
                 base_s[b, t] = median_seconds(
-                    lambda: generate(target, prompts[:b], n, temperature=t, seed=FLAGS.seed), FLAGS.repeats)
+                    lambda b=b, t=t: generate(target, prompts[:b], n, temperature=t, seed=FLAGS.seed), FLAGS.repeats)
             decode(target, draft, prompts[:b], n, **kw)  # compile
-            d = median_seconds(lambda: decode(target, draft, prompts[:b], n, **kw), FLAGS.repeats)
+            d = median_seconds(lambda b=b, kw=kw: decode(target, draft, prompts[:b], n, **kw), FLAGS.repeats)
             row["speed"].append(dict(batch=b, generate_seconds=base_s[b, t], decode_seconds=d,
                                      speedup=base_s[b, t] / d))
         res["rows"].append(row)

@@ -31,21 +31,19 @@ import json
 import os
 import time
 
-import numpy as np
-from absl import flags
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+from absl import flags
 from flax import nnx
+from lib import cli, timing
+from lib.step_timing import time_baseline, time_step
 
 from eagle3_jax import assets
 from eagle3_jax.convert import frspec, load_eagle3, load_gpt_oss
 from eagle3_jax.models import eagle3
 from eagle3_jax.spec import decode, generate
 from eagle3_jax.train import data
-
-from lib import cli, timing
-from lib.step_timing import time_baseline, time_step
 
 flags.DEFINE_string("target", assets.TARGET_DIR, "HF GPT-OSS checkpoint folder")
 flags.DEFINE_string("draft", assets.DRAFT_DIR, "HF EAGLE-3 draft folder")
@@ -92,7 +90,8 @@ def load_prompts(vocab_size):
         return prompts, dict(source="prompts_file", path=os.path.abspath(FLAGS.prompts_file))
     if FLAGS.eval_data:
         tokens = np.load(FLAGS.eval_data, mmap_mode="r")
-        return (data.eval_prompts(np.asarray(tokens).reshape(-1), FLAGS.num_prompts, FLAGS.prompt_len, FLAGS.eval_eos_id, FLAGS.seed),
+        return (data.eval_prompts(np.asarray(tokens).reshape(-1), FLAGS.num_prompts, FLAGS.prompt_len,
+                                  FLAGS.eval_eos_id, FLAGS.seed),
                 dict(source="eval_data", path=os.path.abspath(FLAGS.eval_data), eos_id=FLAGS.eval_eos_id,
                      seed=FLAGS.seed))
     rng = np.random.default_rng(FLAGS.seed)
@@ -228,7 +227,8 @@ def main(argv):
                    head_roofline_fraction=head_bytes / bw / head if bw else None,
                    step_seconds=step, projected_speedup=m["mean_accept_length"] * base_step / step)
         rows.append(row)
-        _say(f"k={name}: tau {row['tau']:.3f}, accept rate {row['accept_rate']:.3f}, identical to generate {row['identical']}, "
+        _say(f"k={name}: tau {row['tau']:.3f}, accept rate {row['accept_rate']:.3f}, identical to generate "
+             f"{row['identical']}, "
              f"head {head * 1e6:.1f} us, step {step * 1e3:.3f} ms, projected speedup {row['projected_speedup']:.2f}")
 
     result = dict(timing.device_info(), target=os.path.abspath(FLAGS.target), draft=os.path.abspath(FLAGS.draft),

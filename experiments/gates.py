@@ -13,7 +13,6 @@ import json
 import sys
 
 from absl import flags
-
 from lib import cli
 
 flags.DEFINE_string("results", None, "bench.py JSON", required=True)

@@ -9,9 +9,9 @@ prints files, tokens and bytes per token of each split.
 import time
 
 from absl import flags
+from lib import cli
 
 from eagle3_jax.train.data import build_dataset
-from lib import cli
 
 flags.DEFINE_string("out_dir", "data/stdlib", "output directory")
 flags.DEFINE_integer("vocab_size", 4096, "BPE vocabulary size, eos and the 256 bytes included", lower_bound=257)

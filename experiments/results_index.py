@@ -134,7 +134,8 @@ def row_for(name: str, data) -> str:
     if not isinstance(data, dict):
         return f"| {link} | - | - | - | - | - | - |"
     command = _command(data)
-    shown = "-" if command is None else "`" + _truncate(" ".join(command.split()).replace("`", "'"), COMMAND_WIDTH) + "`"
+    shown = "-" if command is None else \
+        "`" + _truncate(" ".join(command.split()).replace("`", "'"), COMMAND_WIDTH) + "`"
     jax_version = data.get("jax_version")
     cells = [
         link,
@@ -149,7 +150,8 @@ def row_for(name: str, data) -> str:
 
 
 def _json_names(results_dir: str) -> list[str]:
-    return sorted(n for n in os.listdir(results_dir) if n.endswith(".json") and os.path.isfile(os.path.join(results_dir, n)))
+    return sorted(n for n in os.listdir(results_dir)
+                  if n.endswith(".json") and os.path.isfile(os.path.join(results_dir, n)))
 
 
 def render(results_dir: str = RESULTS_DIR) -> str:

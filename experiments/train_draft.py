@@ -14,19 +14,18 @@ import json
 import os
 import time
 
-import numpy as np
-from absl import flags, logging
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+from absl import flags, logging
+from lib import cli, train_flags
+from lib.timing import device_info
 
 from eagle3_jax.convert import frspec, load_gpt_oss, save_eagle3
 from eagle3_jax.spec import generate
 from eagle3_jax.train import data, loop
 from eagle3_jax.train import draft as tdraft
 from eagle3_jax.train import target as ttarget
-from lib import cli, train_flags
-from lib.timing import device_info
 
 train_flags.define("runs/draft", steps=6000, batch=32)
 

@@ -15,18 +15,17 @@ import os
 import shutil
 import time
 
-import numpy as np
-from absl import flags, logging
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+from absl import flags, logging
+from lib import cli, train_flags
+from lib.timing import device_info
 
 from eagle3_jax.convert import save_gpt_oss
 from eagle3_jax.models import gpt_oss
 from eagle3_jax.train import data, loop
 from eagle3_jax.train import target as ttarget
-from lib import cli, train_flags
-from lib.timing import device_info
 
 train_flags.define("runs/target", steps=2500, batch=64)
 

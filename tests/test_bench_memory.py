@@ -18,8 +18,9 @@ from flax import nnx
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
-from eagle3_jax.models import GptOssConfig
 from lib import step_timing
+
+from eagle3_jax.models import GptOssConfig
 
 
 def script(name, *args, env=()):

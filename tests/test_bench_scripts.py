@@ -173,7 +173,7 @@ def test_bench_allreduce_routes(tmp_path):
               env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     r = json.loads(path.read_text())
     assert r["num_devices"] == 2 and list(r["routes"]) == ["xla", "nccl_ll"]
-    for name, route in r["routes"].items():
+    for route in r["routes"].values():
         assert route["error"] is None and [(x["tp"], x["rows"]) for x in route["results"]] == [(2, 1), (2, 4)], route
         assert all(x["us"] > 0 for x in route["results"])
     assert r["routes"]["nccl_ll"]["env"] == {"NCCL_PROTO": "LL"} and "nccl_ll    tp2 1 rows " in out

@@ -112,7 +112,7 @@ def test_fr_spec_writes_json(tmp_path):
     assert [x["k"] for x in r["rows"]] == [64, "full"]
     assert [x["draft_vocab_size"] for x in r["rows"]] == [64, 2048]  # the embedded pair's draft vocab
     cov = [x["coverage"] for x in r["rows"]]
-    assert all(a <= b for a, b in zip(cov, cov[1:])) and cov[0] < 1.0
+    assert all(a <= b for a, b in zip(cov, cov[1:], strict=False)) and cov[0] < 1.0
     for x in r["rows"]:
         assert x["identical"] is True and x["tau"] >= 1.0 and 0.0 <= x["accept_rate"] <= 1.0
         assert len(x["accept_rate_per_position"]) == 3

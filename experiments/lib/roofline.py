@@ -30,10 +30,10 @@ PUBLISHED_TAU = (2.29, 2.68, 3.22)
 
 def expert_bytes(c: GptOssConfig) -> float:
     """Packed MXFP4 bytes of one expert: nibbles + scales + bf16 biases (dense: bf16 weights)."""
-    H, I = c.hidden_size, c.intermediate_size
-    n = 2 * I * H + H * I
+    H, units = c.hidden_size, c.intermediate_size
+    n = 2 * units * H + H * units
     per_weight = 0.5 + 1 / 32 if c.experts_format == "mxfp4" else BF16
-    return n * per_weight + (2 * I + H) * BF16
+    return n * per_weight + (2 * units + H) * BF16
 
 
 def expected_distinct(c: GptOssConfig, tokens: int) -> float:
@@ -94,8 +94,8 @@ def target_bytes(c: GptOssConfig, batch: int, tokens: int, context: int, distinc
 def draft_bytes(d: Eagle3Config, batch: int, context: int, *, data: int = 1) -> float:
     """Bytes of one draft forward (any few tokens): weights once plus the layer's K/V (on a mesh: one
     device's; the draft's weights are whole on each)."""
-    H, D, Hq, Hkv, I = d.hidden_size, d.head_dim, d.num_attention_heads, d.num_key_value_heads, d.intermediate_size
-    w = (3 * d.target_hidden_size * H + 2 * H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I
+    H, D, Hq, Hkv, mlp = d.hidden_size, d.head_dim, d.num_attention_heads, d.num_key_value_heads, d.intermediate_size
+    w = (3 * d.target_hidden_size * H + 2 * H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * mlp
          + (d.draft_vocab_size * H if d.own_lm_head else d.vocab_size * H)) * BF16
     kv = batch / data * min(context, d.sliding_window or context) * 2 * Hkv * D * BF16
     return w + kv

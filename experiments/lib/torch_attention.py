@@ -38,6 +38,13 @@ def times(B, Nq, L, parents, Hq, Hkv, D, n_sets=4, flex=True) -> dict:
     (torch has no sinks, so torch does slightly less work), CUDA events over 20 calls rotating n_sets
     inputs. flex False: flex_attention is not run (it did not compile at Nq=64)."""
     import torch  # an optional dependency: only where torch is compared
+
+    res = _times(torch, B, Nq, L, parents, Hq, Hkv, D, n_sets, flex)
+    torch.cuda.empty_cache()  # the inputs are gone with _times's frame
+    return res
+
+
+def _times(torch, B, Nq, L, parents, Hq, Hkv, D, n_sets, flex):
     import torch.nn.functional as F
 
     dev, S, scale = "cuda", L + Nq, D ** -0.5
@@ -55,13 +62,11 @@ def times(B, Nq, L, parents, Hq, Hkv, D, n_sets=4, flex=True) -> dict:
         res["sdpa_error"] = repr(e)[:300]
     if not flex:
         res["flex_error"] = "not run (flex_attention did not compile at Nq=64 in the issue's measurement)"
-    else:
-        try:
-            res["flex_s"] = _flex_seconds(torch, qs, sets, anc, B, Nq, L, S, scale, n_sets)
-        except Exception as e:  # noqa: BLE001
-            res["flex_error"] = repr(e)[:300]
-    del sets, qs
-    torch.cuda.empty_cache()
+        return res
+    try:
+        res["flex_s"] = _flex_seconds(torch, qs, sets, anc, B, Nq, L, S, scale, n_sets)
+    except Exception as e:  # noqa: BLE001
+        res["flex_error"] = repr(e)[:300]
     return res
 
 
