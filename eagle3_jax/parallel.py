@@ -43,9 +43,8 @@ from eagle3_jax.checks import ArgumentError, int_arg
 from eagle3_jax.formats import mxfp4
 from eagle3_jax.models.config import Eagle3Config, GptOssConfig
 from eagle3_jax.pallas import allreduce, select
-from eagle3_jax.pallas.select import KernelPolicy
 
-__all__ = ["RunContext", "KernelPolicy", "context", "context_for", "make_mesh", "shard", "mesh_of", "check_mesh"]
+KernelPolicy = select.KernelPolicy  # here too: a RunContext's kernels, `parallel.KernelPolicy(attention=...)`
 
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
