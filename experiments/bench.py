@@ -34,14 +34,14 @@ import jax
 import numpy as np
 from absl import flags
 from flax import nnx
-from lib import cli, roofline, timing
+from lib import cli, roofline, step_timing, timing
 from lib.step_timing import parse_shape, random_pair, time_baseline, time_step, validate_shape_flags
 
 from eagle3_jax import parallel
-from eagle3_jax.models import GptOssConfig, gpt_oss
+from eagle3_jax.models import gpt_oss
 from eagle3_jax.spec import decode
 
-flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
+step_timing.target_flags()
 SCENARIOS = ["single", "gates", "batch", "large", "sweep", "stress"]
 flags.DEFINE_list("scenarios", SCENARIOS, "which to run, of " + ",".join(SCENARIOS))
 flags.DEFINE_list("large_contexts", ["16384", "32768", "131072"], "contexts of the large scenario")
@@ -139,9 +139,12 @@ def measure(target, draft, bw, name, B, context, shape_name, base_cache):
 
 
 def mesh_axes(target) -> dict:
-    """{"data": D, "model": M} of the target's mesh (parallel.mesh_of), {} on one device."""
+    """{"data": D, "model": M, "experts": the split of its experts} of the target's mesh
+    (parallel.mesh_of), {} on one device: what `roofline` needs for the bytes one device reads."""
     mesh = parallel.mesh_of(nnx.state(target))
-    return {} if mesh is None else dict(data=mesh.shape["data"], model=mesh.shape["model"])
+    if mesh is None:
+        return {}
+    return dict(data=mesh.shape["data"], model=mesh.shape["model"], experts=target.layers[0].mlp.expert_split)
 
 
 def kv_bytes_per_token(target):
@@ -215,12 +218,13 @@ def main(argv):
     if uneven:  # before the weights are made: the timed state's rows are split over "data"
         raise ValueError(f"--scenarios: rows {', '.join(uneven)} have a batch that is not a multiple of the "
                          f"mesh's data axis ({data}); choose scenarios or --batch_sizes that it divides")
-    cfg = GptOssConfig.preset(FLAGS.preset)
+    cfg = step_timing.target_config()
     target, draft = random_pair(cfg, mesh, FLAGS.experts)
     bw = timing.copy_bandwidth(FLAGS.copy_bytes)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, base_cache = [], {}
-    result = dict(timing.device_info(), preset=FLAGS.preset, copy_bandwidth=bw, iters=FLAGS.iters,
+    result = dict(timing.device_info(), preset=FLAGS.preset, layers=cfg.num_hidden_layers, copy_bandwidth=bw,
+                  iters=FLAGS.iters,
                   kv_bytes_per_token=kv_bytes_per_token(target), num_devices=1 if mesh is None else mesh.size,
                   mesh=None if mesh is None else dict(mesh.shape, experts=FLAGS.experts),
                   num_processes=jax.process_count(),

@@ -15,13 +15,13 @@ import time
 import jax
 import numpy as np
 from absl import flags
-from lib import cli, timing
+from lib import cli, step_timing, timing
 
-from eagle3_jax.models import GptOssConfig, gpt_oss
+from eagle3_jax.models import gpt_oss
 from eagle3_jax.pallas import select
 from eagle3_jax.spec import generate
 
-flags.DEFINE_string("preset", "gpt-oss-120b", "GptOssConfig preset")
+step_timing.target_flags()
 flags.DEFINE_integer("batch", 1, "sequences", lower_bound=1)
 flags.DEFINE_integer("prompt_len", 2048, "prompt tokens per sequence", lower_bound=1)
 flags.DEFINE_integer("new_tokens", 32, "generated tokens timed", lower_bound=1)
@@ -50,7 +50,7 @@ def _best(fns, repeats):
 
 def main(argv):
     del argv
-    cfg = GptOssConfig.preset(FLAGS.preset)
+    cfg = step_timing.target_config()
     t0 = time.perf_counter()
     model = gpt_oss.random_gpt_oss(cfg, seed=0)
     jax.block_until_ready(jax.tree.leaves(model))
@@ -69,7 +69,7 @@ def main(argv):
         raise RuntimeError(f"timing noise: {1 + FLAGS.new_tokens} tokens took {t_total:.6f} s, 1 token "
                            f"{t_prefill:.6f} s; raise --new_tokens or --repeats")
     result = dict(
-        **timing.device_info(), preset=FLAGS.preset,
+        **timing.device_info(), preset=FLAGS.preset, layers=cfg.num_hidden_layers,
         batch=FLAGS.batch, prompt_len=FLAGS.prompt_len, new_tokens=FLAGS.new_tokens,
         prefill_chunk=FLAGS.prefill_chunk, param_bytes=gpt_oss.param_bytes(model), build_seconds=build_s,
         compile_seconds=first.metrics["compile_seconds"], memory_after_build=mem_model, memory_after_run=_memory(),

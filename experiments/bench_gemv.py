@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
-from lib import cli, kernel_bench, timing
+from lib import cli, kernel_bench
 from lib.kernel_bench import copy_bw, guard, on_gpu, safe_profile
 
 from eagle3_jax.models import layers
@@ -71,10 +71,11 @@ def bench_gemv():
             xs = [jax.random.normal(jax.random.fold_in(key, L + i), (R, K), jnp.bfloat16) for i in range(L)]
             want, sets = None, list(zip(xs, ws, strict=True))
             for name, blocks, fn in _impls():
-                out = np.asarray(jax.jit(fn)(*sets[0]), np.float64)
+                t, out = kernel_bench.stream(fn, sets, repeats=3)
+                out = np.asarray(out, np.float64)
                 want = out if want is None else want
                 prof = safe_profile(fn, sets)
-                t = prof.get("kernel_seconds") or timing.time_calls(fn, sets, repeats=3)
+                t = prof.get("kernel_seconds") or t
                 row = {"K": K, "N": N, "rows": R, "impl": name, "block_n": blocks and blocks[0],
                        "block_k": blocks and blocks[1], "seconds": t, "bytes_fraction": K * N * 2 / bw / t,
                        "max_diff": float(np.abs(out - want).max()), "kernels": prof.get("kernels")}

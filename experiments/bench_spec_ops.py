@@ -49,12 +49,10 @@ def _line(dev, t, tr):
 
 
 def _compare(kern, ref, sets):
-    """(kernel seconds a call, reference seconds a call, device profile, kernel == reference, the
-    kernel's outputs on the first set) of two functions over `sets`."""
-    t, tr = kernel_bench.time_calls(kern, sets), kernel_bench.time_calls(ref, sets)
-    dev = safe_profile(kern, sets) if on_gpu() else {}
-    out = jax.jit(kern)(*sets[0])
-    return t, tr, dev, same(out, jax.jit(ref)(*sets[0])), out
+    """(kernel seconds a call, reference seconds a call, device profile, kernel == reference on the
+    first set, the kernel's outputs there) of two functions over `sets`."""
+    (t, out), (tr, want) = kernel_bench.stream(kern, sets), kernel_bench.stream(ref, sets)
+    return t, tr, safe_profile(kern, sets), same(out, want), out
 
 
 @guard

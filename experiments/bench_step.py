@@ -18,12 +18,12 @@ import json
 import numpy as np
 from absl import flags
 from lib import cli, timing
-from lib.step_timing import parse_shape, random_pair, time_step, validate_shape_flags
+from lib.step_timing import parse_shape, preset_config, random_pair, time_step, validate_shape_flags
 
 from eagle3_jax.models import GptOssConfig
 from eagle3_jax.spec import decode
 
-flags.DEFINE_integer("layers", 8, "target layers", lower_bound=1)
+flags.DEFINE_integer("layers", 8, "target layers (with --preset: the preset's unless given)", lower_bound=1)
 flags.DEFINE_integer("experts", 32, "target experts (top-4)", lower_bound=1)
 flags.DEFINE_list("batch", ["1", "4"], "batch sizes")
 cli.positive_ints("batch")
@@ -44,7 +44,7 @@ flags.register_validator("proposals", lambda ps: len(ps) > 0 and set(ps) <= {"de
 
 def models():
     if FLAGS.preset:
-        tcfg = GptOssConfig.preset(FLAGS.preset)
+        tcfg = preset_config(FLAGS.preset, FLAGS.layers if FLAGS["layers"].present else None)
     else:
         tcfg = GptOssConfig.preset("gpt-oss-120b").replace(
             num_hidden_layers=FLAGS.layers, layer_types=(), num_local_experts=FLAGS.experts)

@@ -53,14 +53,14 @@ import jax
 import numpy as np
 from absl import flags
 from jax.sharding import AbstractMesh
-from lib import cli, reduce_timing, roofline, timing
+from lib import cli, reduce_timing, roofline, step_timing, timing
 from lib.step_timing import parse_shape, random_pair, run_context, time_baseline, time_step, validate_shape_flags
 
 from eagle3_jax import parallel
 from eagle3_jax.models import GptOssConfig, gpt_oss
 from eagle3_jax.pallas import moe
 
-flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
+step_timing.target_flags()
 flags.DEFINE_list("tp", ["1", "2", "4"], "tensor-parallel degrees (the mesh's model axis), in order")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "batches timed at each degree")
 flags.DEFINE_integer("context", 2048, "committed tokens per sequence", lower_bound=1)
@@ -221,14 +221,15 @@ def share_rows(cfg, n: int, batches, result, base_ms):
 def main(argv):
     del argv
     tps, batches = [int(t) for t in FLAGS.tp], [int(b) for b in FLAGS.batch_sizes]
-    cfg = GptOssConfig.preset(FLAGS.preset)
+    cfg = step_timing.target_config()
     for tp in tps:  # every degree checked before any model is made
         if tp > jax.device_count():
             raise ValueError(f"--tp: {tp} devices, but {jax.device_count()} available")
         parallel.check_mesh(cfg, parallel.make_mesh(model=tp, devices=jax.devices()[:tp]))
     for n in map(int, FLAGS.shares):
         share_config(cfg, n)
-    result = dict(timing.device_info(), preset=FLAGS.preset, num_devices=jax.device_count(), context=FLAGS.context,
+    result = dict(timing.device_info(), preset=FLAGS.preset, layers=cfg.num_hidden_layers,
+                  num_devices=jax.device_count(), context=FLAGS.context,
                   shape=FLAGS.shape, iters=FLAGS.iters, tau_published=roofline.PUBLISHED_TAU,
                   copy_bandwidth=timing.copy_bandwidth(FLAGS.copy_bytes), rows=[], allreduce=[], share_rows=[])
     cli.write(f"copy bandwidth {result['copy_bandwidth'] / 1e12:.2f} TB/s")

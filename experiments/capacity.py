@@ -38,7 +38,7 @@ import gc
 
 import jax
 from absl import flags
-from lib import cli, timing
+from lib import cli, step_timing, timing
 from lib.step_timing import (
     baseline_plan,
     parse_shape,
@@ -50,9 +50,7 @@ from lib.step_timing import (
     time_step,
 )
 
-from eagle3_jax.models import GptOssConfig
-
-flags.DEFINE_string("preset", "gpt-oss-120b", "target GptOssConfig preset")
+step_timing.target_flags()
 flags.DEFINE_list("contexts", ["8192", "32768", "131072"], "committed tokens per sequence")
 flags.DEFINE_list("modes", ["baseline", "chain3"], "baseline, or draft shapes (chainK, treeDxKnN)")
 flags.DEFINE_integer("max_trials", 6, "trials per (context, mode) cell")
@@ -224,14 +222,14 @@ def main(argv):
     if FLAGS.max_batch < FLAGS.min_batch:
         raise ValueError(f"--max_batch {FLAGS.max_batch} is below --min_batch {FLAGS.min_batch}")
     mesh = cli.setup_devices()
-    target, draft = random_pair(GptOssConfig.preset(FLAGS.preset), mesh, FLAGS.experts)
+    target, draft = random_pair(step_timing.target_config(), mesh, FLAGS.experts)
     jax.block_until_ready((jax.tree.leaves(target), jax.tree.leaves(draft)))
     mem = timing.memory_stats()
     free = mem["bytes_limit"] - mem["bytes_in_use"] if mem and "bytes_limit" in mem else None
     rows = []
     result = dict(timing.device_info(), num_devices=1 if mesh is None else mesh.size,
                   mesh=None if mesh is None else dict(mesh.shape, experts=FLAGS.experts),
-                  preset=FLAGS.preset, iters=FLAGS.iters, margin=FLAGS.margin,
+                  preset=FLAGS.preset, layers=target.config.num_hidden_layers, iters=FLAGS.iters, margin=FLAGS.margin,
                   min_batch=FLAGS.min_batch, max_batch_bound=FLAGS.max_batch, max_trials=FLAGS.max_trials,
                   memory_after_weights=mem, free_bytes=free, rows=rows)
     cli.write(f"{FLAGS.preset}: {timing.gib(mem['bytes_in_use']) if mem else '-'} in use after the weights, "

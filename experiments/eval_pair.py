@@ -56,11 +56,13 @@ def first_differences(a, b):
             for x, y in zip(a, b, strict=True)]
 
 
-def exact_check(prompts, n):
-    """decode vs generate in float32 with full-precision matmuls, for --exact_check shapes."""
+def exact_check(prompts, n, target, draft):
+    """decode vs generate in float32 with full-precision matmuls, for --exact_check shapes: the run's
+    own models where they are float32 already (a CPU's default), else the pair loaded again in float32."""
     with jax.default_matmul_precision("highest"):
-        target = load_gpt_oss(FLAGS.target, dtype=jnp.float32, progress=cli.load_progress())
-        draft = load_eagle3(FLAGS.draft, target=target, dtype=jnp.float32, progress=cli.load_progress())
+        if jnp.dtype(target.dtype) != jnp.float32:
+            target = load_gpt_oss(FLAGS.target, dtype=jnp.float32, progress=cli.load_progress())
+            draft = load_eagle3(FLAGS.draft, target=target, dtype=jnp.float32, progress=cli.load_progress())
         base = generate(target, prompts, n).tokens
         return {s: decode(target, draft, prompts, n, **decode_kwargs(s)).tokens == base
                 for s in cli.bar(FLAGS.exact_check, "float32 check", unit="shape")}
@@ -108,7 +110,7 @@ def main(argv):
                       f"speedup {row['speedup']:.2f}x  (tau {row['tau']:.2f})")
     bar.close()
     if FLAGS.exact_check:
-        res["identical_float32"] = exact_check(prompts, n)
+        res["identical_float32"] = exact_check(prompts, n, target, draft)
         print(f"float32, full-precision matmuls, identical to generate: {res['identical_float32']}", flush=True)
     write_json(FLAGS.out, res)
 

@@ -7,9 +7,11 @@ and stderr to files and stdin from /dev/null; its exit status is the script's (a
 exception: its traceback on stderr, status 1).
 
 `run` (stdout of a run that must exit 0) and `fails` (stderr of one that must exit with `code`) run
-experiments/<script> on CPU; `execute` runs any script path and returns a CompletedProcess. JAX reads
-its environment variables (JAX_*) when it is imported: a run whose JAX_* variables differ from the
-server's (those of the first run) gets a process of its own, started as usual.
+experiments/<script> on CPU (`CPU_ENV`: also the matmul precision conftest.py gives the tests' own
+process, so that scripts and tests compile the same programs); `execute` runs any script path and
+returns a CompletedProcess. JAX reads its environment variables (JAX_*) when it is imported: the
+server imports it with this process's JAX_* variables and CPU_ENV, and a run whose JAX_* variables
+differ from those gets a process of its own, started as usual.
 Server side: `python experiment_runner.py` reads one JSON job a line and answers one JSON line."""
 
 import atexit
@@ -20,8 +22,8 @@ import sys
 import tempfile
 
 EXPERIMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
+CPU_ENV = {"JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
 _server = None
-_server_jax_env = None
 
 
 def _server_main():
@@ -87,39 +89,51 @@ def _stop():
         _server = None
 
 
+def cpu_env(env=()):
+    """This process's environment, CPU_ENV and `env` on top; XLA_FLAGS in `env` are added to this process's
+    (conftest.py's CPU compile settings stay)."""
+    env = dict(env)
+    out = {**os.environ, **CPU_ENV, **env}
+    if "XLA_FLAGS" in env and os.environ.get("XLA_FLAGS"):
+        out["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {env['XLA_FLAGS']}"
+    return out
+
+
 def run(script, *args, env=(), cwd=None, timeout=600):
     """stdout of `python experiments/<script> args` on CPU (from `cwd` with `script` relative to it, if
-    given), which must exit 0; `env`: variables set on top of this process's environment."""
+    given), which must exit 0; `env`: variables set on top of this process's environment (`cpu_env`)."""
     r = execute(script if cwd else os.path.join(EXPERIMENTS, script), *args, cwd=cwd, timeout=timeout,
-                env={**os.environ, "JAX_PLATFORMS": "cpu", **dict(env)})
+                env=cpu_env(env))
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
 
 def fails(script, *args, code=1, env=(), timeout=120):
     """stderr of `python experiments/<script> args` on CPU, which must exit with `code`."""
-    r = execute(os.path.join(EXPERIMENTS, script), *args, timeout=timeout,
-                env={**os.environ, "JAX_PLATFORMS": "cpu", **dict(env)})
+    r = execute(os.path.join(EXPERIMENTS, script), *args, timeout=timeout, env=cpu_env(env))
     assert r.returncode == code, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     return r.stderr
 
 
+def _jax_env(env):
+    return {k: v for k, v in env.items() if k.startswith("JAX_")}
+
+
 def execute(path, *args, env=None, cwd=None, timeout=600):
-    """`python path *args` in a child of the server (started on first use, with `env`); a
-    CompletedProcess. At `timeout` seconds the server and the run are killed. A run whose JAX_*
-    variables differ from the server's (which JAX read when the server imported it) runs in a
-    process of its own, started as usual."""
-    global _server, _server_jax_env
+    """`python path *args` in a child of the server (started on first use, JAX imported with this
+    process's JAX_* variables and CPU_ENV); a CompletedProcess. At `timeout` seconds the server and the
+    run are killed. A run whose JAX_* variables differ from the server's (which JAX read when the
+    server imported it) runs in a process of its own, started as usual."""
+    global _server
     env = dict(os.environ if env is None else env)
-    jax_env = {k: v for k, v in env.items() if k.startswith("JAX_")}
-    if _server is None or _server.poll() is not None:
-        _server = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
-        _server_jax_env = jax_env
-        atexit.register(_stop)
-    if jax_env != _server_jax_env:
+    if _jax_env(env) != _jax_env({**os.environ, **CPU_ENV}):
         return subprocess.run([sys.executable, path, *map(str, args)], capture_output=True, text=True, env=env,
                               cwd=cwd, timeout=timeout)
+    if _server is None or _server.poll() is not None:
+        _server = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True, env={**os.environ, **CPU_ENV},
+                                   start_new_session=True)
+        atexit.register(_stop)
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         job = dict(argv=[str(path), *map(str, args)], env=env, cwd=os.path.abspath(cwd or os.getcwd()),

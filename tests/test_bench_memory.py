@@ -5,7 +5,6 @@ reports memory (bench.py's per-row "memory": tests/test_bench_scripts.py::test_b
 import json
 import math
 import os
-import subprocess
 import sys
 import types
 
@@ -19,8 +18,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 from lib import step_timing
-
-from eagle3_jax.models import GptOssConfig
 
 
 def script(name, *args, env=()):
@@ -93,9 +90,12 @@ def test_closed_over_array_is_refused():
     assert x.is_deleted() and not big.is_deleted()
 
 
-def test_capacity_search_doubles_then_bisects():
-    # the search alone (capacity.py imported in its own process: its flags would clash with other scripts')
-    code = """
+def test_capacity_search_doubles_then_bisects(tmp_path):
+    # the search alone (capacity.py imported in a script process of its own: its flags would clash with
+    # other scripts')
+    code = f"""
+import sys
+sys.path.insert(0, {os.path.join(ROOT, "experiments")!r})
 import capacity
 fits = lambda B: dict(batch=B, ok=B <= 37)
 for start in (1, 30, 100):
@@ -112,8 +112,9 @@ print(capacity.held_after(trials, weights))
 print(capacity.held_after([dict(left=dict(bytes_in_use=35 * G, live_array_bytes=32 * G))], weights),
       capacity.held_after([dict(left=dict(bytes_in_use=None, live_array_bytes=1))], None))
 """
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
-                         cwd=os.path.join(ROOT, "experiments"), env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    path = tmp_path / "search.py"
+    path.write_text(code)
+    out = experiment_runner.execute(str(path), env={**os.environ, **experiment_runner.CPU_ENV}, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == [
         "37 38 [1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37] exact",
@@ -129,18 +130,22 @@ print(capacity.held_after([dict(left=dict(bytes_in_use=35 * G, live_array_bytes=
     ]
 
 
+@pytest.mark.slow
 def test_capacity_writes_rows(tmp_path):
+    # four fake CPU devices, data=2: batches 2 and 4 (multiples of the data axis; the search itself:
+    # test_capacity_search_doubles_then_bisects), both modes in one run, memory per device
     path = tmp_path / "cap.json"
-    # batches 1 and 2 (the search itself: test_capacity_search_doubles_then_bisects)
-    out = script("capacity.py", "--preset", "tiny", "--contexts", "64", "--modes", "baseline,chain3", "--max_batch",
-                 "2", "--max_trials", "3", "--out", str(path), "--noprogress")
+    out = script("capacity.py", "--preset", "tiny", "--layers", "2", "--contexts", "64", "--modes", "baseline,chain3",
+                 "--mesh", "model=2,data=2", "--max_batch", "4", "--max_trials", "3", "--out", str(path),
+                 "--noprogress", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
     r = json.loads(path.read_text())
     for k in ("command", "device", "jax_version", "date", "preset", "memory_after_weights", "rows"):
         assert k in r
+    assert r["num_devices"] == 4 and r["mesh"] == {"data": 2, "model": 2, "experts": "tensor"}
     assert [(x["context"], x["mode"]) for x in r["rows"]] == [(64, "baseline"), (64, "chain3")]
     for x in r["rows"]:  # no out-of-memory on CPU: the cap ends the search
-        assert (x["max_batch"], x["note"], x["failed_batch"], x["failed_error"]) == (2, "cap reached", None, None)
-        assert [t["batch"] for t in x["trials"]] == [1, 2] and all(t["ok"] for t in x["trials"])
+        assert (x["max_batch"], x["note"], x["failed_batch"], x["failed_error"]) == (4, "cap reached", None, None)
+        assert [t["batch"] for t in x["trials"]] == [2, 4] and all(t["ok"] for t in x["trials"])
         assert x["peak_bytes"] == x["trials"][-1]["memory"]["program"]["peak"] > x["sequence_bytes"] * 2
         assert all(math.isfinite(t["seconds"]) for t in x["trials"])
         # after each trial only the models stay: the same live bytes, whatever the batch (none in use on CPU)
@@ -148,23 +153,10 @@ def test_capacity_writes_rows(tmp_path):
         assert all(a == {"bytes_in_use": None, "live_array_bytes": left[0]["live_array_bytes"]} for a in left), left
         assert left[0]["live_array_bytes"] > 0
     assert x["sequence_bytes"] > r["rows"][0]["sequence_bytes"]  # chain3 adds the draft's cache
-    assert out.count("max B 2 ") == 2 and "cap reached" in out
-
-
-def test_capacity_on_a_mesh(tmp_path):
-    # four fake CPU devices, data=2: batches in multiples of 2, the state's bytes per device
-    path = tmp_path / "cap.json"
-    script("capacity.py", "--preset", "tiny", "--contexts", "64", "--modes", "chain3", "--mesh", "model=2,data=2",
-           "--max_batch", "4", "--max_trials", "3", "--out", str(path), "--noprogress",
-           env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
-    out = json.loads(path.read_text())
-    assert out["num_devices"] == 4 and out["mesh"] == {"data": 2, "model": 2, "experts": "tensor"}
-    (row,) = out["rows"]
-    assert (row["max_batch"], row["note"]) == (4, "cap reached")
-    assert [t["batch"] for t in row["trials"]] == [2, 4] and all(t["ok"] for t in row["trials"])
+    assert out.count("max B 4 ") == 2 and "cap reached" in out
     # a device's share: the target's caches over 4 devices, the draft's and the rows' over 2
-    t, d = step_timing.random_pair(GptOssConfig.preset("tiny"))
+    t, d = step_timing.random_pair(step_timing.preset_config("tiny", 2))
     plan = step_timing.step_plan(d, step_timing.parse_shape("chain3"), 64)
     whole = step_timing.state_bytes(t, d, 2, 64, plan)
     per = step_timing.state_bytes(t, d, 2, 64, plan, mesh=types.SimpleNamespace(shape={"data": 2, "model": 2}))
-    assert row["sequence_bytes"] == per / 2 and whole / 4 < per < whole / 2
+    assert x["sequence_bytes"] == per / 2 and whole / 4 < per < whole / 2

@@ -4,9 +4,9 @@ The script runs here fail before anything is compiled: a few seconds each on 2 C
 
 import logging
 import os
-import subprocess
 import sys
 
+import experiment_runner
 import jax.numpy as jnp
 import pytest
 
@@ -22,11 +22,12 @@ from lib import cli  # noqa: E402
 
 
 def script(name, *args, jax_platforms="cpu", cwd=None):
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    """`python experiments/<name> args` (tests/experiment_runner.py: a fork of its server on CPU, a process
+    of its own where JAX's variables differ, e.g. JAX_PLATFORMS unset: jax_platforms None)."""
+    env = {k: v for k, v in {**os.environ, **experiment_runner.CPU_ENV}.items() if k != "JAX_PLATFORMS"}
     if jax_platforms is not None:
         env["JAX_PLATFORMS"] = jax_platforms
-    return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", name), *args], capture_output=True,
-                          text=True, timeout=120, env=env, cwd=cwd)
+    return experiment_runner.execute(os.path.join(ROOT, "experiments", name), *args, timeout=120, env=env, cwd=cwd)
 
 
 def test_nonexistent_target_is_one_line_without_the_tpu_probe(tmp_path):

@@ -8,12 +8,14 @@ import re
 import sys
 
 import numpy as np
+import pytest
 from experiment_runner import fails, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))  # the scripts, and their shared modules in experiments/lib
 
 
+@pytest.mark.slow
 def test_decode_main_job_on_embedded_default(tmp_path):
     path = tmp_path / "d.json"
     # the embedded trained pair, text in and out (float32 on CPU: decode == generate exactly)
@@ -93,6 +95,7 @@ def test_numeric_flags_state_their_range():
     assert "flag --iters=0: 0 is not a positive integer" in err, err
 
 
+@pytest.mark.slow
 def test_fr_spec_writes_json(tmp_path):
     # two ks keep it near 30 s on 2 CPU cores: each k compiles its own decode and step (~7 s each)
     rng = np.random.default_rng(0)
@@ -103,10 +106,11 @@ def test_fr_spec_writes_json(tmp_path):
     path, png = tmp_path / "fr.json", tmp_path / "fr.png"
     out = run("fr_spec.py", "--ks", "64,full", "--corpus", str(corpus), "--eval_data", str(evald),
               "--num_prompts", "2", "--prompt_len", "8", "--max_new_tokens", "6", "--context", "16", "--iters", "2",
-              "--copy_bytes", "1000000", "--dtype", "float32", "--json_out", str(path), "--plot", str(png))
+              "--copy_bytes", "1000000", "--json_out", str(path), "--plot", str(png))
     r = json.loads(path.read_text())
     for k in ("command", "device", "jax_version", "date", "corpus", "prompts", "baseline_step_seconds", "rows"):
         assert k in r
+    assert r["dtype"] == "float32"  # the default on a CPU (assets.default_dtype)
     assert r["corpus"]["source"] == "corpus" and r["corpus"]["tokens"] == 5000
     assert r["prompts"]["source"] == "eval_data" and r["prompts"]["lengths"] == [8, 8]
     assert [x["k"] for x in r["rows"]] == [64, "full"]
@@ -120,6 +124,7 @@ def test_fr_spec_writes_json(tmp_path):
     assert png.exists() or "matplotlib is not installed" in out
 
 
+@pytest.mark.slow
 def test_make_data_train_and_eval_pair(tmp_path):
     # the whole recipe of the shipped pair at toy size: corpus -> tokenizer -> target -> draft -> eval
     root = tmp_path / "lib"
@@ -136,7 +141,7 @@ def test_make_data_train_and_eval_pair(tmp_path):
     assert json.loads((t / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
     # train_target ran with its progress bar (the default); here --noprogress prints the logged records
     out = run("train_draft.py", "--target", str(t), "--out_dir", str(dr), "--draft_vocab", "128", "--ttt_length",
-              "2", "--regenerate", "3", "--prompt_len", "8", "--regenerate_batch", "2", "--eval_batches", "1",
+              "2", "--regenerate", "4", "--prompt_len", "8", "--regenerate_batch", "2", "--eval_batches", "1",
               "--noprogress", *common)
     assert "{'step': 3, 'loss': " in out
     assert [r["step"] for r in json.loads((dr / "train_log.json").read_text())["history"]] == [1, 2, 3]
@@ -145,12 +150,13 @@ def test_make_data_train_and_eval_pair(tmp_path):
     prompts.write_text(json.dumps([[5, 6, 7, 8], [9, 10, 11]]))
     out = tmp_path / "e.json"
     # speed at B=2, both prompts: the acceptance pass's executables (generate, decode chain2) run again; and
-    # so do the float32 check's (full-precision matmuls): the whole run at that precision, as on CPU anyway
+    # so do the float32 check's (full-precision matmuls): the scripts run at that precision (experiment_runner's
+    # CPU_ENV) and in float32, the default dtype on a CPU
     run("eval_pair.py", "--target", str(t), "--draft", str(dr), "--prompts_file", str(prompts), "--max_new_tokens",
         "6", "--shapes", "chain2", "--speed_batches", "2", "--speed_shapes", "chain2", "--repeats", "1",
-        "--dtype", "float32", "--exact_check", "chain2", "--out", str(out),
-        env={"JAX_DEFAULT_MATMUL_PRECISION": "highest"})
+        "--exact_check", "chain2", "--out", str(out))
     r = json.loads(out.read_text())
+    assert r["dtype"] == "float32"
     assert [a["shape"] for a in r["acceptance"]] == ["chain2"]
     assert all(a["identical"] and a["tau"] >= 1 for a in r["acceptance"]) and r["identical_float32"] == {"chain2": True}
     assert r["speed"][0]["speedup"] > 0

@@ -2,7 +2,7 @@
 bench_gemv.py): their common flags, the run over a script's sections (`main`), a section's failure
 recorded in its own dict (`guard`), device profiles that may fail (`safe_profile`,
 `profile_program`), the copy bandwidth measured once (`copy_bw`), timing a jitted function
-(`jit_seconds`, `time_calls`), random trees and whether outputs agree (`same`).
+(`jit_seconds`, `stream`), random trees and whether outputs agree (`same`).
 
 A script defines its sections, `{name: function returning a dict}`, and calls `define_flags` and then
 `cli.run(main(sections))`: `--only` picks sections (default: all), `--out` writes the JSON
@@ -71,12 +71,14 @@ def jit_seconds(fn, *args, calls=3, repeats=5) -> float:
     return timing.time_fn(jax.jit(fn), *args, calls=calls, repeats=repeats)
 
 
-def time_calls(fn, sets, repeats=5) -> float:
-    """`timing.time_calls(fn, sets)`: seconds a call in a stream of the sets' calls; off a GPU one
+def stream(fn, sets, repeats=5):
+    """(seconds a call of fn in a stream of the sets' calls, as `timing.time_calls` times it: one jitted
+    program calling fn on every set; fn's outputs on the first set, from that program). Off a GPU one
     repeat after one warm-up program (a smoke run)."""
-    if not on_gpu():
-        return timing.time_calls(fn, sets, repeats=1, warmup=1)
-    return timing.time_calls(fn, sets, repeats=repeats)
+    many = jax.jit(lambda sets: [fn(*a) for a in sets])
+    sets = list(sets)
+    warm, repeats = (2, repeats) if on_gpu() else (1, 1)
+    return timing.time_fn(many, sets, calls=3, repeats=repeats, warmup=warm) / len(sets), many(sets)[0]
 
 
 def guard(fn):
@@ -94,7 +96,10 @@ def guard(fn):
 
 
 def safe_profile(fn, sets) -> dict:
-    """`timing.profile_calls(fn, sets)`, or {"profile_error": ...} where profiling fails."""
+    """`timing.profile_calls(fn, sets)`, or {"profile_error": ...} where profiling fails; {} off a GPU
+    (no device records to read)."""
+    if not on_gpu():
+        return {}
     try:
         return timing.profile_calls(fn, sets)
     except Exception as e:  # noqa: BLE001

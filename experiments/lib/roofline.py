@@ -102,8 +102,10 @@ def draft_bytes(d: Eagle3Config, batch: int, context: int, *, data: int = 1) -> 
 
 
 def step_bytes(c: GptOssConfig, d: Eagle3Config, batch: int, context: int, depth: int, num_nodes: int,
-               distinct_experts=None, *, data: int = 1, model: int = 1) -> dict:
-    """One speculative step: `depth` draft forwards, the verify of num_nodes tokens, one extend."""
-    verify = target_bytes(c, batch, num_nodes, context, distinct_experts, data=data, model=model)["total"]
+               distinct_experts=None, *, data: int = 1, model: int = 1, experts: str | None = None) -> dict:
+    """One speculative step: `depth` draft forwards, the verify of num_nodes tokens, one extend
+    (experts: as in `target_bytes`)."""
+    verify = target_bytes(c, batch, num_nodes, context, distinct_experts, data=data, model=model,
+                          experts=experts)["total"]
     one = draft_bytes(d, batch, context, data=data)
     return dict(draft=depth * one, verify=verify, extend=one, total=(depth + 1) * one + verify)

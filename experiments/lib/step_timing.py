@@ -21,6 +21,7 @@ closed-over array, which XLA would copy into the program as a constant). `loop_t
 state's size without building it.
 """
 
+import collections
 import dataclasses
 import functools
 import re
@@ -30,10 +31,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 from flax import nnx
 
 from eagle3_jax import convert, parallel
-from eagle3_jax.models import Eagle3Config, eagle3, gpt_oss
+from eagle3_jax.models import Eagle3Config, GptOssConfig, eagle3, gpt_oss
 from eagle3_jax.spec import loop as spec_loop
 from eagle3_jax.spec import step as spec_step
 from eagle3_jax.spec.state import Plan
@@ -142,7 +144,8 @@ def distinct_leaves(tree):
     return jax.tree.map(one, tree)
 
 
-def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3, *, args=(), memory=None, ctx=None):
+def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3, *, args=(), memory=None, ctx=None,
+              runner=None):
     """Seconds per iteration of `carry = fn(models, carry, *args, ctx)` run in one jitted fori_loop
     (parameters, `args` and the run context `ctx` passed as arguments; None: the parameters' mesh, no
     Mailbox), without the call's own cost: (best time of a call of n iterations - best time of a
@@ -167,7 +170,8 @@ def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3, *, a
     The profile runs the same loop compiled with XLA's default options where ctx has others: the
     profiler does not see the kernels inside a loop's CUDA graph, so the families are those of the
     loop launched under JAX's defaults, whose times per kernel may differ (a reduction waits on its
-    peers longer)."""
+    peers longer). With `runner` (a dict), its "run" becomes the timed executable as a function
+    (carry, n) -> carry after n iterations (the carry donated), for work that needs the loop's states."""
     ctx = _default_context(params) if ctx is None else ctx
 
     def run(ctx, params, c, n, a):
@@ -184,6 +188,8 @@ def loop_time(graphdef, params, fn, carry, iters, profile=False, repeats=3, *, a
         return box[0]
 
     jax.block_until_ready(call(iters))  # warm
+    if runner is not None:
+        runner["run"] = lambda c, n: compiled(ctx, params, distinct_leaves(c), jnp.int32(n), args)
     if memory is not None:
         memory.update(program=timing.program_memory(compiled), device=timing.memory_stats(),
                       collectives=timing.collectives(compiled))
@@ -246,14 +252,28 @@ BUDGET = 2 ** 30  # the timed state's token budget: no step ends a slot
 EOS_SLOTS = 8  # eos ids of the timed state, all -1: none ends a slot
 
 
+_SHAPES: collections.OrderedDict = collections.OrderedDict()  # `state_shapes` of the last few models and plans
+
+
 def state_shapes(target, draft, B, plan, sliding="ring", ctx=parallel.ONE_DEVICE):
     """The `DecodeState` that `spec.loop.init_state` makes for B rows under `plan` in `ctx`, as
     jax.ShapeDtypeStructs (traced, not run: nothing is compiled or allocated). sliding "ring": the
     caches decode builds (rings of window + plan.step_tokens slots on sliding layers); "dense":
-    sliding layers with full-length buffers too, for comparison."""
+    sliding layers with full-length buffers too, for comparison. Kept for the last few (configs,
+    dtypes, B, plan, sliding): the shapes depend on nothing else (not on the layout)."""
     if sliding not in SLIDING:
         raise ValueError(f"sliding: {sliding!r}, expected one of {SLIDING}")
     models = (target, draft if plan.depth else None)
+    key = tuple((m.config, jnp.dtype(m.dtype)) for m in models if m is not None) + (B, plan, sliding)
+    if key not in _SHAPES:
+        _SHAPES[key] = _state_shapes(models, B, plan, sliding, ctx)
+        while len(_SHAPES) > 32:
+            _SHAPES.popitem(last=False)
+    return _SHAPES[key]
+
+
+def _state_shapes(models, B, plan, sliding, ctx):
+    target, draft = models
 
     def init(tokens, lengths):
         return spec_loop.init_state(models, tokens, lengths, jnp.int32(BUDGET), jnp.full((EOS_SLOTS,), -1, jnp.int32),
@@ -377,12 +397,12 @@ class _Timings:
     kernels: dict = dataclasses.field(default_factory=dict)
     memory: dict = dataclasses.field(default_factory=dict)
 
-    def timed(self, name, fn, carry, *args):
+    def timed(self, name, fn, carry, *args, runner=None):
         """`loop_time` of fn over `carry`, recorded under `name`."""
         self.memory[name] = {}
         self.seconds[name], self.kernels[name] = loop_time(self.graphdef, self.params, fn, carry, self.iters,
                                                            self.profile, args=args, memory=self.memory[name],
-                                                           ctx=self.ctx)
+                                                           ctx=self.ctx, runner=runner)
 
     def once(self, fn, *args, donate=()):
         return once(self.graphdef, self.params, fn, *args, donate=donate, ctx=self.ctx)
@@ -405,20 +425,21 @@ def time_step(target, draft, B, shape, context, iters=10, parts=True, profile=Fa
     plan = step_plan(draft, shape, context, proposal)
     t = _Timings(*nnx.split((target, draft)), plan, ctx, noisy_states(target, draft, B, context, plan, sliding, ctx),
                  iters, profile)
-    t.timed("step", decode_step(plan), t.fresh())
+    step = {}
+    t.timed("step", decode_step(plan), t.fresh(), runner=step)
     out = dict(batch=B, context=context, **shape, proposal=proposal, seconds=t.seconds, memory=t.memory)
     if profile:
         out["kernels"] = t.kernels
     if parts:
-        _time_parts(t, B)
+        _time_parts(t, B, step["run"])
         total = sum(v for k, v in t.seconds.items() if k != "step")
         out.update(sum_of_parts=total, step_over_parts=t.seconds["step"] / total)
     return out
 
 
-def _time_parts(t: _Timings, B):
+def _time_parts(t: _Timings, B, run_step):
     """Times the step's parts alone into `t`: draft, verify, accept, rewind (trees) and extend, each on
-    what the part before it made."""
+    what the part before it made. run_step: the timed step loop (`loop_time`'s runner)."""
     plan = t.plan
 
     def part_draft(m, st, ctx):
@@ -427,7 +448,7 @@ def _time_parts(t: _Timings, B):
         return st.replace(root=used + (0 if q is None else (q[:, 0, 0] > 2).astype(jnp.int32)))
 
     t.timed("draft", part_draft, t.fresh())
-    tokens, parents, mask, positions, q = _time_verify(t, B, _step_trees(t))
+    tokens, parents, mask, positions, q = _time_verify(t, B, _step_trees(t, run_step))
 
     def verify_once(m, st, tokens, positions, mask, ctx):
         logits, feats, tc = spec_step.verify(m[0], st, tokens, positions, mask, plan, ctx)
@@ -451,18 +472,23 @@ def _time_parts(t: _Timings, B):
     t.timed("extend", part_extend, t.fresh(), nxt, feats, path, acc)
 
 
-def _step_trees(t: _Timings):
+def _step_trees(t: _Timings, run_step):
     """What `iters` steps from a fresh state propose in turn: (tokens, parents, mask, positions, q),
-    each [iters, B, ...] (q None but for proposal "sample")."""
-    plan, step = t.plan, decode_step(t.plan)
+    each [iters, B, ...] (q None but for proposal "sample"). The steps run in the timed step loop's
+    executable (`run_step`, one iteration a call), the proposals in a program of `propose` alone."""
+    plan = t.plan
 
-    def trees(m, st, ctx):
-        def body(c, _):
-            return step(m, c, ctx), spec_step.propose(m[1], c, plan, ctx)
+    def propose(ctx, params, state):
+        return spec_step.propose(nnx.merge(t.graphdef, params)[1], state, plan, ctx)
 
-        return jax.lax.scan(body, st, None, length=t.iters)  # (the state, donated and dropped; the trees)
-
-    return t.once(trees, t.fresh(), donate=(0,))[1]
+    state = t.fresh()
+    propose = compile_call(propose, t.ctx, t.params, state)
+    trees = []
+    for _ in range(t.iters):
+        trees.append(propose(t.ctx, t.params, state))
+        state = run_step(state, 1)
+    del state
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
 def _time_verify(t: _Timings, B, trees):
@@ -523,6 +549,30 @@ def time_baseline(target, B, context, iters=10, memory=None, sliding="ring", ker
     if kernels is not None:
         kernels.update(groups)
     return t
+
+
+def preset_config(name: str, layers: int | None = None) -> GptOssConfig:
+    """GptOssConfig.preset(name), with `layers` layers where given: a smaller model of the preset's
+    widths, its sliding and full layers in the preset's pattern (ValueError for an unknown preset)."""
+    cfg = GptOssConfig.preset(name)
+    return cfg if layers is None else cfg.replace(num_hidden_layers=layers, layer_types=())
+
+
+def target_flags(default: str = "gpt-oss-120b") -> None:
+    """Defines --preset and --layers, the target a benchmark builds (`target_config`), both checked when
+    flags are parsed; idempotent."""
+    if "preset" in flags.FLAGS:
+        return
+    flags.DEFINE_string("preset", default, "target GptOssConfig preset")
+    flags.DEFINE_integer("layers", None, "target layers (default: the preset's): fewer make a smaller model of the "
+                         "preset's widths, its sliding and full layers in the preset's pattern (e.g. a quick CPU run)",
+                         lower_bound=1)
+    cli.check_with(["preset", "layers"], lambda v: preset_config(v["preset"], v["layers"]))
+
+
+def target_config() -> GptOssConfig:
+    """The target of --preset and --layers (`target_flags`)."""
+    return preset_config(flags.FLAGS.preset, flags.FLAGS.layers)
 
 
 def random_pair(tcfg, mesh=None, experts: str | None = None):
