@@ -24,8 +24,15 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import flags
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from lib import cli, timing
+
+from eagle3_jax import parallel
 
 ROUTES = {
     "xla": {},
@@ -47,14 +54,6 @@ flags.register_validator("routes", lambda rs: len(rs) > 0 and set(rs) <= set(ROU
 def measure() -> list[dict]:
     """In this process: [{tp, rows, us}] for every --tp the devices hold and every --rows, each sum
     checked (device i contributes i + 1: the psum must be n (n + 1) / 2 everywhere)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from eagle3_jax import parallel
-
     out = []
     for n in (int(t) for t in FLAGS.tp):
         if n > jax.device_count():
@@ -96,8 +95,6 @@ def main(argv):
     if FLAGS.child:
         print(json.dumps(measure()), flush=True)
         return
-    import jax
-
     result = dict(timing.device_info(), num_devices=jax.device_count(), hidden=FLAGS.hidden, routes={})
     for name in FLAGS.routes:
         r = result["routes"][name] = run_route(name)

@@ -169,6 +169,45 @@ def plot(result, path):
     _say(f"plot written to {path}")
 
 
+def corpus_counts(base_tokens, V):
+    """(token counts [V] of --corpus, else of the target's greedy outputs `base_tokens`; the JSON's
+    "corpus" record)."""
+    if FLAGS.corpus:
+        counts = frspec.token_frequencies(np.load(FLAGS.corpus, mmap_mode="r"), V)
+        corpus = dict(source="corpus", path=os.path.abspath(FLAGS.corpus))
+    else:
+        counts = frspec.token_frequencies(base_tokens, V)
+        corpus = dict(source="target_greedy_generations",
+                      note="counted from the target's greedy outputs on the study's own prompts (optimistic)")
+    return counts, dict(corpus, tokens=int(counts.sum()), distinct_ids=int((counts > 0).sum()))
+
+
+def k_row(name, d, ids, as_is, target, prompts, counts, base, base_step, bw):
+    """One draft vocabulary's row: coverage, decode's acceptance against greedy `base`, the head's and
+    the speculative step's time."""
+    K = FLAGS.num_spec_tokens
+    cov = frspec.coverage(counts, ids)
+    _say(f"k={name}: draft vocab {d.config.draft_vocab_size}, coverage {cov:.4f}; decode ...")
+    out = decode(target, d, prompts, FLAGS.max_new_tokens, num_spec_tokens=K)
+    m = out.metrics
+    head = head_seconds(d, FLAGS.batch)
+    head_bytes = d.config.draft_vocab_size * d.config.hidden_size * jnp.dtype(d.dtype).itemsize
+    shape = dict(depth=K, topk=1, num_nodes=K + 1)
+    step = time_step(target, d, FLAGS.batch, shape, FLAGS.context, FLAGS.iters, parts=False)["seconds"]["step"]
+    row = dict(k=name, draft_vocab_size=d.config.draft_vocab_size, as_is=as_is, coverage=cov,
+               tau=m["mean_accept_length"], accept_rate=m["accept_rate"],
+               accept_rate_per_position=m["accept_rate_per_position"],
+               accept_length_histogram=m["accept_length_histogram"],
+               identical=out.tokens == base.tokens, decode_tokens_per_second=m["tokens_per_second"],
+               decode_compile_seconds=m["compile_seconds"], head_seconds=head, head_bytes=int(head_bytes),
+               head_roofline_fraction=head_bytes / bw / head if bw else None,
+               step_seconds=step, projected_speedup=m["mean_accept_length"] * base_step / step)
+    _say(f"k={name}: tau {row['tau']:.3f}, accept rate {row['accept_rate']:.3f}, identical to generate "
+         f"{row['identical']}, head {head * 1e6:.1f} us, step {step * 1e3:.3f} ms, projected speedup "
+         f"{row['projected_speedup']:.2f}")
+    return row
+
+
 def main(argv):
     del argv
     if FLAGS.plot_from:
@@ -181,62 +220,31 @@ def main(argv):
     _say(f"loading draft {os.path.abspath(FLAGS.draft)}")
     draft = load_eagle3(FLAGS.draft, target=target, **load)
     V, Vd = target.config.vocab_size, draft.config.draft_vocab_size
-    ks = parse_ks(FLAGS.ks, Vd)
     prompts, prompt_info = load_prompts(V)
-    K = FLAGS.num_spec_tokens
-
     _say("greedy generate (the reference output) ...")
     base = generate(target, prompts, FLAGS.max_new_tokens)
-    if FLAGS.corpus:
-        counts = frspec.token_frequencies(np.load(FLAGS.corpus, mmap_mode="r"), V)
-        corpus = dict(source="corpus", path=os.path.abspath(FLAGS.corpus))
-    else:
-        counts = frspec.token_frequencies(base.tokens, V)
-        corpus = dict(source="target_greedy_generations",
-                      note="counted from the target's greedy outputs on the study's own prompts (optimistic)")
-    corpus["tokens"] = int(counts.sum())
-    corpus["distinct_ids"] = int((counts > 0).sum())
+    counts, corpus = corpus_counts(base.tokens, V)
     # the draft's current vocabulary; with --source draft only those ids can be kept
     own_ids = np.arange(Vd) + np.asarray(draft.d2t[...]).astype(np.int64)
     pool = np.sort(own_ids) if FLAGS.source == "draft" else np.arange(V)  # ascending: ties go to the lower id
-
     bw = timing.copy_bandwidth(FLAGS.copy_bytes) if FLAGS.copy_bytes else None
-    shape = dict(depth=K, topk=1, num_nodes=K + 1)
     _say(f"baseline decode step, batch {FLAGS.batch}, context {FLAGS.context} ...")
     base_step = time_baseline(target, FLAGS.batch, FLAGS.context, FLAGS.iters)
     rows = []
-    for name, k in cli.bar(ks, "draft vocabularies", unit="k"):
+    for name, k in cli.bar(parse_ks(FLAGS.ks, Vd), "draft vocabularies", unit="k"):
         if name == "full" or (k >= Vd and FLAGS.source == "draft"):
             d, ids, as_is = draft, own_ids, True
         else:  # --source target may also grow the head past the draft's vocabulary, up to the target's
             ids = pool[frspec.select_draft_vocab(counts[pool], min(k, pool.size))]
             d, as_is = frspec.restrict_head(draft, ids, source=FLAGS.source, target=target), False
-        cov = frspec.coverage(counts, ids)
-        _say(f"k={name}: draft vocab {d.config.draft_vocab_size}, coverage {cov:.4f}; decode ...")
-        out = decode(target, d, prompts, FLAGS.max_new_tokens, num_spec_tokens=K)
-        m = out.metrics
-        head = head_seconds(d, FLAGS.batch)
-        head_bytes = d.config.draft_vocab_size * d.config.hidden_size * jnp.dtype(d.dtype).itemsize
-        step = time_step(target, d, FLAGS.batch, shape, FLAGS.context, FLAGS.iters, parts=False)["seconds"]["step"]
-        row = dict(k=name, draft_vocab_size=d.config.draft_vocab_size, as_is=as_is, coverage=cov,
-                   tau=m["mean_accept_length"], accept_rate=m["accept_rate"],
-                   accept_rate_per_position=m["accept_rate_per_position"],
-                   accept_length_histogram=m["accept_length_histogram"],
-                   identical=out.tokens == base.tokens, decode_tokens_per_second=m["tokens_per_second"],
-                   decode_compile_seconds=m["compile_seconds"], head_seconds=head, head_bytes=int(head_bytes),
-                   head_roofline_fraction=head_bytes / bw / head if bw else None,
-                   step_seconds=step, projected_speedup=m["mean_accept_length"] * base_step / step)
-        rows.append(row)
-        _say(f"k={name}: tau {row['tau']:.3f}, accept rate {row['accept_rate']:.3f}, identical to generate "
-             f"{row['identical']}, "
-             f"head {head * 1e6:.1f} us, step {step * 1e3:.3f} ms, projected speedup {row['projected_speedup']:.2f}")
-
+        rows.append(k_row(name, d, ids, as_is, target, prompts, counts, base, base_step, bw))
     result = dict(timing.device_info(), target=os.path.abspath(FLAGS.target), draft=os.path.abspath(FLAGS.draft),
                   vocab_size=V, draft_vocab_size=Vd, source=FLAGS.source, dtype=dtype.name, corpus=corpus,
                   prompts=dict(prompt_info, count=len(prompts), lengths=[len(p) for p in prompts]),
-                  num_spec_tokens=K, max_new_tokens=FLAGS.max_new_tokens, batch=FLAGS.batch, context=FLAGS.context,
-                  iters=FLAGS.iters, copy_bandwidth=bw, baseline_tokens_per_second=base.metrics["tokens_per_second"],
-                  baseline_step_seconds=base_step, rows=rows)
+                  num_spec_tokens=FLAGS.num_spec_tokens, max_new_tokens=FLAGS.max_new_tokens, batch=FLAGS.batch,
+                  context=FLAGS.context, iters=FLAGS.iters, copy_bandwidth=bw,
+                  baseline_tokens_per_second=base.metrics["tokens_per_second"], baseline_step_seconds=base_step,
+                  rows=rows)
     timing.write_json(FLAGS.json_out, result)
     if FLAGS.json_out:
         _say(f"JSON written to {FLAGS.json_out}")

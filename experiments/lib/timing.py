@@ -10,13 +10,19 @@ buffer sizes, in bytes.
 
 from __future__ import annotations
 
+import datetime
+import json
 import math
+import os
 import re
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
+from jax._src.lib import _profiler  # the profiler session whose CUPTI records `kernel_records` reads
+from jax.profiler import ProfileData
 
 from eagle3_jax.pallas import select
 
@@ -69,10 +75,6 @@ def device_info() -> dict:
     "xla_flags": the XLA_FLAGS environment variable the run saw (None if unset; XLA options such
     as command buffers change timings without changing the command), and "compiler_options": the
     XLA options decode's programs and the timed loops compile with (`select.compiler_options`)."""
-    import datetime
-    import os
-    import sys
-
     d = jax.devices()[0]
     return dict(device=d.device_kind, platform=d.platform, jax_version=jax.__version__,
                 date=datetime.date.today().isoformat(), command=" ".join(["python"] + sys.argv),
@@ -187,9 +189,6 @@ def kernel_records(thunk, repeats: int = 3) -> list[tuple[str, int, int]]:
     """(name, start_ns, duration_ns) of every device kernel and device-side copy (MemcpyD2D, ...) run
     by `repeats` calls of `thunk()` (blocked on each), from the profiler's CUPTI records; [] where
     none exist (CPU). Call `thunk` once beforehand so that compilation stays out of the trace."""
-    from jax._src.lib import _profiler
-    from jax.profiler import ProfileData
-
     sess = _profiler.ProfilerSession()
     for _ in range(repeats):
         jax.block_until_ready(thunk())
@@ -250,9 +249,6 @@ def profile_calls(fn, arg_sets, *, repeats: int = 3) -> dict:
 
 def write_json(path, result: dict) -> None:
     """Writes a benchmark's result dict (creating the folder); no-op when path is None."""
-    import json
-    import os
-
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
