@@ -282,9 +282,9 @@ def test_parse_shape():
 
 def test_copy_buffer_that_does_not_fit_is_named():
     from lib import timing
-    with pytest.raises(ValueError, match=r"^--moe_copy_bytes 35184372088832: the copy-bandwidth buffer does not "
-                                         r"fit on .*; pass a smaller --moe_copy_bytes$"):
-        timing.copy_bandwidth(1 << 45, "--moe_copy_bytes")
+    with pytest.raises(ValueError, match=r"^--copy_bytes 35184372088832: the copy-bandwidth buffer does not "
+                                         r"fit on .*; pass a smaller --copy_bytes$"):
+        timing.copy_bandwidth(1 << 45, "--copy_bytes")
 
 
 def test_program_memory_without_buffer_stats():
