@@ -30,13 +30,14 @@ from eagle3_jax.train import target as ttarget
 train_flags.define("runs/target", steps=2500, batch=64)
 
 flags.DEFINE_integer("eval_batches", 8, "eval-split windows of batch x seq_len for the eval loss", lower_bound=1)
-flags.DEFINE_string("size", "small", "small (the shipped pair) or tiny (smoke tests)")
+flags.DEFINE_string("size", "small", "small (the shipped pair) or tiny (smoke tests: 2 layers, one sliding and one "
+                    "full, at a quarter of the width)")
 FLAGS = flags.FLAGS
 
 
 def config(vocab_size):
     if FLAGS.size == "tiny":
-        return ttarget.small_config(vocab_size, hidden_size=64, intermediate_size=64, num_hidden_layers=6,
+        return ttarget.small_config(vocab_size, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     return ttarget.small_config(vocab_size)
 

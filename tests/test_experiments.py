@@ -140,12 +140,15 @@ def test_make_data_train_and_eval_pair(tmp_path):
     assert [r["step"] for r in log["history"]] == [1, 2, 3] and "eval_loss" in log["history"][-1]
     assert json.loads((t / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
     # train_target ran with its progress bar (the default); here --noprogress prints the logged records
-    out = run("train_draft.py", "--target", str(t), "--out_dir", str(dr), "--draft_vocab", "128", "--ttt_length",
-              "2", "--regenerate", "4", "--prompt_len", "8", "--regenerate_batch", "2", "--eval_batches", "1",
-              "--noprogress", *common)
+    # (train_target's tiny target has 2 layers: the draft reads blocks 0 and 1)
+    out = run("train_draft.py", "--target", str(t), "--out_dir", str(dr), "--draft_vocab", "128", "--aux_layer_ids",
+              "0,1,1", "--ttt_length", "2", "--regenerate", "4", "--prompt_len", "8", "--regenerate_batch", "2",
+              "--eval_batches", "1", "--noprogress", *common)
     assert "{'step': 3, 'loss': " in out
     assert [r["step"] for r in json.loads((dr / "train_log.json").read_text())["history"]] == [1, 2, 3]
-    assert json.loads((dr / "config.json").read_text())["draft_vocab_size"] == 128
+    draft_config = json.loads((dr / "config.json").read_text())
+    assert draft_config["draft_vocab_size"] == 128, draft_config
+    assert draft_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1], draft_config
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps([[5, 6, 7, 8], [9, 10, 11]]))
     out = tmp_path / "e.json"
