@@ -353,11 +353,12 @@ def test_kernel_benches_write_json(tmp_path):
     assert [(r["rows"], r["impl"], r["block_n"]) for r in rows] == [(1, "xla", None), (1, "rows_matmul", 8),
                                                                      (3, "xla", None), (3, "rows_matmul", 8)]
     assert all(r["K"] == 96 and r["N"] == 40 and r["seconds"] > 0 and r["max_diff"] < 1e-5 for r in rows), rows
-    # tree_mask, accept and kv_rewind: the kernels against the references, each through its dispatcher
-    out = run("bench_spec_ops.py", "--sets", "1", "--out", str(path))
+    # tree_mask and kv_rewind: the kernels against the references, each through its dispatcher (accept's
+    # dispatchers take the same KernelPolicy; its section, the slowest to interpret, is left out for time)
+    out = run("bench_spec_ops.py", "--only", "tree_mask,kv_rewind", "--sets", "1", "--out", str(path))
     result = json.loads(path.read_text())
-    assert [len(result[k]["rows"]) for k in ("tree_mask", "accept", "kv_rewind")] == [2, 3, 1], result
-    assert all(r["matches_reference"] and r["seconds"] > 0 for k in ("tree_mask", "accept", "kv_rewind")
+    assert [len(result[k]["rows"]) for k in ("tree_mask", "kv_rewind")] == [2, 1] and "accept" not in result, result
+    assert all(r["matches_reference"] and r["seconds"] > 0 for k in ("tree_mask", "kv_rewind")
                for r in result[k]["rows"])
     assert "kv_rewind 4 layers K+V" in out
     # attention: the Pallas kernel against the reference at a full and a sliding layer
