@@ -95,8 +95,9 @@ def compiled(plan: Plan, graphdef, ctx: parallel.RunContext, *args):
     first use: (executable taking (ctx, *args), seconds spent compiling now, 0.0 on reuse). At most
     COMPILED_MAX are kept, the least recently used dropped first."""
     spec = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a), getattr(a, "sharding", None)), (ctx, args))
+    # the matmul precision in context changes the program (jax.default_matmul_precision, e.g. a float32 check)
     key = (graphdef, plan, ctx.mesh, ctx.kernels, ctx.compiler_options, str(jax.tree.structure((ctx, args))),
-           str(spec))
+           str(spec), str(jax.config.jax_default_matmul_precision))
     if key in COMPILED:
         COMPILED.move_to_end(key)
         return COMPILED[key], 0.0
