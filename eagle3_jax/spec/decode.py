@@ -161,8 +161,8 @@ def run_context(models, ctx: parallel.RunContext | None) -> parallel.RunContext:
     """ctx, checked against the mesh the parameters of models = (target, draft or None) are on (all on
     one mesh or none: `parallel.mesh_of` raises otherwise), or `parallel.context_for(target)` for None."""
     mesh = parallel.mesh_of(models)
-    if ctx is None:
-        return parallel.context_for(models[0])
+    if ctx is None:  # `parallel.context_for(target)`, from the mesh found above (mesh_of walks every parameter)
+        return parallel.context(mesh, hidden=models[0].config.hidden_size)
     if not isinstance(ctx, parallel.RunContext):
         raise ArgumentError(f"ctx: expected a parallel.RunContext (parallel.context_for(target, kernels=...)), "
                             f"got {type(ctx).__name__}")
