@@ -20,6 +20,11 @@ and one speculative step by kind (`timing.collectives`), and the JSON's "allredu
 one XLA all-reduce of a [rows, hidden] bf16 array over "model" (rows 1, 4, 16, 64), timed in the
 same run (`timing.allreduce_seconds`).
 
+Kernels (--profile, GPU): each row's "kernels" holds, for the baseline token and the whole step,
+the device seconds by kernel family (`timing.kernel_group`) and "launches" (kernels and device
+copies an iteration), from the same loop compiled without CUDA graphs (the profiler cannot see
+inside one); the printed line lists them in ms.
+
 Memory: each row's "memory" holds, for the baseline and the step loop (and each part's loop), the
 compiled program's buffers (`timing.program_memory`: argument, output, alias, temp, peak bytes) and
 the device allocator's figures after its first call (`timing.memory_stats`), and the allocator's
@@ -56,6 +61,8 @@ flags.DEFINE_integer("stress_prompt_max", 1024, "the stress scenario's prompt le
                      lower_bound=65)
 flags.DEFINE_bool("parts", True, "also time the step's parts (draft, verify, accept+rewind, extend), each its own "
                   "loop; --noparts times the whole step and the baseline only (two loops a row, not six)")
+flags.DEFINE_bool("profile", False, "also record, for the baseline token and the whole step, the device kernel seconds "
+                  "by kernel family and the kernel launches (GPU; each row's \"kernels\")")
 flags.DEFINE_integer("copy_bytes", 4 << 30, "buffer size of the copy-bandwidth measurement", lower_bound=1 << 10)
 flags.DEFINE_list("dense_rows", [], "rows (by name) also timed with full-length sliding-layer caches, in the same "
                   "process (baseline and step; the library keeps rings)")
@@ -97,10 +104,11 @@ def peak_text(memory):
 def measure(target, draft, bw, name, B, context, shape_name, base_cache):
     shape = parse_shape(shape_name)
     if (B, context) not in base_cache:
-        base_mem = {}
-        base_cache[(B, context)] = time_baseline(target, B, context, FLAGS.iters, memory=base_mem), base_mem
-    t_base, base_mem = base_cache[(B, context)]
-    r = time_step(target, draft, B, shape, context, FLAGS.iters, parts=FLAGS.parts)
+        base_mem, base_kernels = {}, ({} if FLAGS.profile else None)
+        t = time_baseline(target, B, context, FLAGS.iters, memory=base_mem, kernels=base_kernels)
+        base_cache[(B, context)] = t, base_mem, base_kernels
+    t_base, base_mem, base_kernels = base_cache[(B, context)]
+    r = time_step(target, draft, B, shape, context, FLAGS.iters, parts=FLAGS.parts, profile=FLAGS.profile)
     sec = r["seconds"]
     split = dict(draft=sec["draft"], verify=sec["verify"], accept_rewind=sec["accept"] + sec.get("rewind", 0.0),
                  extend=sec["extend"]) if FLAGS.parts else {}
@@ -127,6 +135,12 @@ def measure(target, draft, bw, name, B, context, shape_name, base_cache):
                                     memory=dict(baseline=dense_mem, step=rd["memory"]["step"]))
         cli.write(f"{name:<12} dense sliding caches: base {t_dense * 1e3:7.2f} ms  step "
                   f"{rd['seconds']['step'] * 1e3:7.2f} ms  {peak_text(row['dense_sliding']['memory'])}")
+    if FLAGS.profile:
+        row["kernels"] = dict(baseline=base_kernels, step=r["kernels"]["step"])
+        cli.write(f"{name:<12} kernels: " + "; ".join(
+            f"{k} {g.get('launches', 0):.0f} launches, " + ", ".join(
+                f"{f} {v * 1e3:.3f}" for f, v in sorted(g.items(), key=lambda kv: -kv[1]) if f != "launches")[:300]
+            for k, g in row["kernels"].items()))
     row["baseline_roofline_fraction"] = row["roofline_seconds"]["baseline"] / t_base
     row["step_roofline_fraction"] = row["roofline_seconds"]["step"] / sec["step"]
     cli.write(f"{name:<12} B={B:<2} ctx={context:<6} {shape_name:<10} base {t_base * 1e3:7.2f} ms "

@@ -238,9 +238,11 @@ def test_bench_and_gates(tmp_path):
     # and the stress rows' 16 prompts are short (64-127 tokens: the prefill on CPU took 11 s of 16 at up to 1023)
     out = run("bench.py", "--preset", "tiny", "--layers", "2", "--scenarios", "gates,stress", "--iters", "1",
               "--copy_bytes", "1000000", "--dense_rows", "single-32k", "--noparts", "--stress_new_tokens", "16",
-              "--stress_prompt_max", "128", "--out", str(path))
+              "--stress_prompt_max", "128", "--profile", "--out", str(path))
     r = json.loads(path.read_text())
     names = [x["name"] for x in r["scenarios"]]
+    # --profile: each row's kernels by family for the baseline and the step; none recorded on CPU
+    assert all(x["kernels"] == {"baseline": {}, "step": {}} for x in r["scenarios"][:2])
     assert names == ["single-32k", "batch4-16k", "stress"]
     gate = next(x for x in r["scenarios"] if x["name"] == "single-32k")
     assert set(gate["step_seconds"]) == {"step"}
