@@ -174,27 +174,38 @@ ONE_DEVICE = RunContext()  # the models' default: one device, automatic kernels
 
 
 def context(mesh: Mesh | None = None, *, hidden: int | None = None, kernels: select.KernelPolicy | None = None,
-            compiler_options: dict | None = None) -> RunContext:
+            compiler_options: dict | None = None, reduce_timeout_ms: int | None = None) -> RunContext:
     """The RunContext for programs on `mesh` (None, or a mesh of one device: one device). hidden: the
     target's hidden size, for the all-reduce Mailbox (`mailbox`; None: no Mailbox, lax.psum);
     kernels: None is `select.AUTO`; compiler_options: None is `select.compiler_options()` (on GPUs
-    every loop a CUDA graph), {} none."""
+    every loop a CUDA graph), {} none; reduce_timeout_ms: how long the fused all-reduce waits for a
+    peer before it fails the program (`allreduce.Mailbox.timeout_ms`; None: its default)."""
     mesh = None if mesh is None or mesh.size == 1 else mesh
     if mesh is not None:
         check_axes(mesh)
     options = select.compiler_options() if compiler_options is None else compiler_options
+    box = None if hidden is None else mailbox(mesh, hidden)
+    if box is not None and reduce_timeout_ms is not None:
+        box = dataclasses.replace(box, timeout_ms=reduce_timeout_ms)
     return RunContext(mesh=mesh, kernels=select.AUTO if kernels is None else kernels,
-                      compiler_options=tuple(sorted(options.items())),
-                      mailbox=None if hidden is None else mailbox(mesh, hidden))
+                      compiler_options=tuple(sorted(options.items())), mailbox=box)
 
 
-def context_for(target, *, kernels: select.KernelPolicy | None = None,
-                compiler_options: dict | None = None) -> RunContext:
+def context_for(target, *, kernels: select.KernelPolicy | None = None, compiler_options: dict | None = None,
+                reduce_timeout_ms: int | None = None) -> RunContext:
     """The RunContext `generate` / `decode` run a GptOss `target` in unless given one: the mesh its
     parameters are on (`mesh_of`; one device: None), its hidden size's Mailbox there, `kernels` (None:
-    automatic) and `compiler_options` (None: `select.compiler_options()`)."""
+    automatic), `compiler_options` (None: `select.compiler_options()`) and `reduce_timeout_ms`
+    (`context`)."""
     return context(mesh_of(target), hidden=target.config.hidden_size, kernels=kernels,
-                   compiler_options=compiler_options)
+                   compiler_options=compiler_options, reduce_timeout_ms=reduce_timeout_ms)
+
+
+def failure_report() -> str | None:
+    """Why a program of this process failed in the fused all-reduce (`allreduce.failure_report`: the
+    reduction, the device and the peer it waited for), or None. Callers that catch a device error
+    (`generate`, `decode`) add it to their message."""
+    return allreduce.failure_report()
 
 
 _MAILBOXES: dict = {}  # (mesh, hidden) -> Mailbox or None; see `mailbox`

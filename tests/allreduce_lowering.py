@@ -29,7 +29,8 @@ FUSED = KernelPolicy(tp_reduce="kernel", tp_pick="kernel")  # the one-shot kerne
 
 def check_table(mesh, mailbox):
     """Device (d, m)'s rank is m, rows 0 .. M - 1 of its table are its group's inboxes, each the
-    address that member itself holds at its own rank, and its last row its own calls counter."""
+    address that member itself holds at its own rank, row M its own calls counter and the last row its
+    own failure record."""
     table = {s.device: np.asarray(s.data).view(np.uint32).astype(np.int64) for s in mailbox.table.addressable_shards}
     rank = {s.device: int(np.asarray(s.data)[0, 0]) for s in mailbox.rank.addressable_shards}
     address = {dev: [int(lo) | (int(hi) << 32) for lo, hi in table[dev]] for dev in table}
@@ -38,9 +39,10 @@ def check_table(mesh, mailbox):
     for (d, m), dev in np.ndenumerate(mesh.devices):
         assert rank[dev] == m, (dev, rank[dev], m)
         want = [address[mesh.devices[d, k]][k] for k in range(M)]
-        assert address[dev][:-1] == want, (dev, address[dev], want)
-        assert address[dev][-1] == address[dev][m] + inbox_bytes  # its calls counter, after its inbox
+        assert address[dev][:-2] == want, (dev, address[dev], want)
+        assert address[dev][-2] == address[dev][m] + inbox_bytes  # its calls counter, after its inbox
     assert len({address[dev][rank[dev]] for dev in table}) == mesh.size  # each device its own memory
+    assert len({address[dev][-1] for dev in table}) == mesh.size  # and its own failure record
 
 
 def main():

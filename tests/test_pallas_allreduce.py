@@ -3,6 +3,9 @@ from its contract; the kernel on the GPUs of this machine (4, 2 or 1, one proces
 thousands of times in a loop whose every sum is exact (integer-valued partials), so that a message
 read too early, a slot overwritten before its peer read it or a lost flag fails the test."""
 
+import ctypes
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -269,6 +272,65 @@ def test_kernel_one_process_a_gpu():
     envs = [{**os.environ, "CUDA_VISIBLE_DEVICES": str(gpus()[i].local_hardware_id),
              "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONPATH": path} for i in range(M)]
     local_processes.run_all("allreduce_processes.py", [(i, M, port) for i in range(M)], envs, timeout=400)
+
+
+def test_timeout_and_failure_report():
+    """The wait for a peer is bounded: a Mailbox carries its timeout (milliseconds, static: part of a
+    program's key), the run context sets it, bad values are refused; the kernel of a group of two
+    (called alone, axis None: the group's size from the Mailbox) lowers to a wait that reads the
+    global timer, writes its record system-wide and traps. `failure_report` reads the records, here
+    one written as a kernel would (word 0 last), and names the reduction, the device and the peer."""
+    mesh = parallel.make_mesh(model=1, devices=jax.devices()[:1])
+    box = allreduce.new_mailbox(mesh, 128)
+    assert box.timeout_ms == allreduce.DEFAULT_TIMEOUT_MS and box.table.shape == (3, 2)  # inbox, counter, record
+    short = dataclasses.replace(box, timeout_ms=50)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=r"timeout_ms must be a positive int \(milliseconds\); got"):
+            dataclasses.replace(box, timeout_ms=bad)
+    x, w = jnp.zeros((1, 128), jnp.bfloat16), jnp.ones(128, jnp.bfloat16)
+
+    def lowered(mb):
+        pair = dataclasses.replace(mb, table=jnp.concatenate([mb.table[:1], mb.table]))  # a group of two
+        call = jax.jit(lambda x, r, w, m: allreduce.allreduce_add_rms_norm(x, r, w, m, eps=EPS, axis=None))
+        return call.trace(x, x, w, pair).lower(lowering_platforms=("cuda",)).as_text()
+
+    text = lowered(box)
+    assert all(op in text for op in ("mov.u64 $0, %globaltimer;", "membar.sys;", "trap;")), "no bounded wait"
+    assert lowered(short) != text  # the bound is in the kernel
+    assert allreduce.failure_report() is None
+    lo, hi = np.asarray(box.table).view(np.uint32).astype(np.int64)[-1]
+    record = np.ctypeslib.as_array((ctypes.c_int32 * allreduce.RECORD_WORDS).from_address(int(lo) | int(hi) << 32))
+    record[1:6] = [0, 0, 7, 3, 51000]  # rank 0 waited 51 ms at call 7, row 3, for rank 0 (itself: the ids)
+    assert allreduce.failure_report() is None  # not yet marked failed
+    record[0] = 1
+    dev = mesh.devices.flat[0].id
+    try:
+        report = parallel.failure_report()
+        assert report == (f"allreduce_add_rms_norm (the fused all-reduce over 'model'): device {dev} (rank 0 of its "
+                          f"group [{dev}]) waited 51 ms at call 7, row 3, for rank 0 (device {dev}), which never "
+                          "sent: its program stopped or never started, or the devices made different calls"), report
+        record[2] = 1
+        assert "for rank 1 (outside its group)," in parallel.failure_report()
+    finally:
+        record[:] = 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["one", "two"])
+def test_missing_peer_fails_in_bounded_time_gpu(mode):
+    """tests/allreduce_timeout.py: device 0 calls the kernel and its peer never does (one GPU: a group of
+    two made by hand; two GPUs: the real Mailbox, GPU 1 idle). The call fails with a device error
+    within the 200 ms timeout plus a margin, not a hang, and the failure report names the missing rank."""
+    if mode == "two":
+        model_gpus(2)
+    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "allreduce_timeout.py"), mode],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ,
+                       XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    assert lines, r.stdout[-2000:] + r.stderr[-4000:]
+    out = json.loads(lines[-1])
+    assert out["failed"] and out["seconds"] < 5, out
+    assert out["report"] and "waited" in out["report"] and "for rank 1" in out["report"], out
 
 
 def test_model_kernels_lower_without_collective_metadata():

@@ -19,8 +19,12 @@ residual, normalizes and writes s and y from registers. Inboxes are memory outsi
 (`peer_memory`), reached through a table of addresses in the `Mailbox` (directly in one process,
 through CUDA IPC across processes), not `plgpu.remote_ref` or `lax.axis_index`: a kernel reading
 XLA's collective metadata makes XLA launch a barrier kernel before every call. Calls alternate
-between two slots, reused with no handshake (see `_exchange`). After MAX_SPINS reloads a kernel traps
-(an error, not a hang). Every device must make the same calls in the same order.
+between two slots, reused with no handshake (see `_exchange`). Every device must make the same calls
+in the same order. A device that has waited the Mailbox's `timeout_ms` for a peer's row (the peer's
+program stopped, never started, or made other calls) writes a failure record (its rank, the missing
+peer's, the call and the row) into page-locked host memory and traps: the program fails with a CUDA
+error instead of hanging, the device's context is lost (the process must end), and
+`failure_report()` reads the records and names the reduction, the device and the missing peer.
 
 Requires H % 64 == 0, R <= MAX_ROWS and model groups whose GPUs share memory
 (`shared_memory_problem`). Figures against XLA's all-reduce + add + norm: docs/perf/multi_gpu.md.
@@ -28,6 +32,7 @@ Requires H % 64 == 0, R <= MAX_ROWS and model groups whose GPUs share memory
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import socket
@@ -55,7 +60,8 @@ MAX_BLOCKS = 128  # blocks a call can have: all resident at once on a 132-SM Hop
 SPREAD_BLOCKS = 24  # blocks a call's rows are spread over by default (`parts_for`)
 THREADS = 128  # one warpgroup a block
 MAX_PARTS = 8  # blocks a row can be sent from (each has its own calls counter)
-MAX_SPINS = 1 << 25  # reloads of a slot before a kernel gives up on a peer (tens of seconds)
+DEFAULT_TIMEOUT_MS = 5000  # wait for a peer before failing; see Mailbox.timeout_ms
+RECORD_WORDS = 8  # a device's failure record: int32 [failed, rank, missing rank, call, row, waited us, 0, 0]
 VEC = 4  # f32 elements a thread holds contiguously (WG_STRIDED): elements 512 i + 4 t + j
 SPLAT = plgpu.Layout.WG_SPLAT(())
 COUNTER_WORDS = MAX_ROWS * MAX_PARTS * THREADS  # a device's calls counters after its inbox
@@ -66,10 +72,16 @@ FLOATS = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16))
 @dataclasses.dataclass(frozen=True)
 class Mailbox:
     """Where a mesh's devices meet (global arrays sharded on their first axis over every device of the
-    mesh; a device's shards): table int32 [M + 1, 2], the (low, high) 32 bits of the addresses, in
+    mesh; a device's shards): table int32 [M + 2, 2], the (low, high) 32 bits of the addresses, in
     this device's address space, of the inboxes of its model group's devices k = 0 .. M - 1, then of
-    its own calls counter; rank int32 [1, 1], its index k in the group; width (static), the padded
-    row width the inboxes hold. Each device's inbox and counter (`peer_memory.allocate`, zeroed, never
+    its own calls counter, then of its failure record (RECORD_WORDS int32 of page-locked host memory,
+    `peer_memory.host_mapped`, one a device for the process); rank int32 [1, 1], its index k in the
+    group; width (static), the padded row width the inboxes hold; timeout_ms (static), how long a
+    kernel waits for a peer's row before it records the failure and traps (milliseconds, measured
+    on the GPU's global timer from the start of its wait; `dataclasses.replace` gives a Mailbox of
+    the same memory with another). The default leaves room for processes that reach their first
+    call seconds apart (one compiles longer); one process could take far less. Each device's inbox
+    and counter (`peer_memory.allocate`, zeroed, never
     freed) are int32 [2, M, MAX_ROWS, 2 width]: [c % 2, k, b] device k's row b of x at call c of that
     row (counted from 0), element e as words 2e (its f32 bits) and 2e + 1 (c + 1); then int32
     [MAX_ROWS, MAX_PARTS, 128]: [b, p, t] the calls row b's block p's thread t has made. The kernel
@@ -78,6 +90,39 @@ class Mailbox:
     table: jax.Array
     rank: jax.Array
     width: int = dataclasses.field(metadata={"static": True})
+    timeout_ms: int = dataclasses.field(default=DEFAULT_TIMEOUT_MS, metadata={"static": True})
+
+    def __post_init__(self):
+        if not isinstance(self.timeout_ms, int) or isinstance(self.timeout_ms, bool) or self.timeout_ms < 1:
+            raise ValueError(f"Mailbox: timeout_ms must be a positive int (milliseconds); got {self.timeout_ms!r}")
+
+
+_RECORDS: dict = {}  # device -> (host address of its failure record, its model group's device ids, axis)
+
+
+@functools.cache
+def _record(device) -> tuple[int, int]:
+    """(host, device) addresses of `device`'s failure record, made once a process."""
+    return peer_memory.host_mapped(device, 4 * RECORD_WORDS)
+
+
+def failure_report() -> str | None:
+    """What the fused all-reduce's kernels of this process recorded before trapping (see the module
+    docstring): one line a device that gave up on a peer, naming the reduction, the device, the
+    missing peer (rank and device id in its model group), the call and row; None where none did.
+    Readable after the device has failed (the records are host memory)."""
+    lines = []
+    for device, (host, group, axis) in _RECORDS.items():
+        rec = np.ctypeslib.as_array((ctypes.c_int32 * RECORD_WORDS).from_address(host)).copy()
+        if rec[0] != 1:
+            continue
+        rank, missing, call, row, waited = (int(v) for v in rec[1:6])
+        peer = f"device {group[missing]}" if 0 <= missing < len(group) else "outside its group"
+        lines.append(f"allreduce_add_rms_norm (the fused all-reduce over {axis!r}): device {device.id} (rank {rank} "
+                     f"of its group {group}) waited {waited / 1000:.0f} ms at call {call}, row {row}, for rank "
+                     f"{missing} ({peer}), which never sent: its program stopped or never started, or the devices "
+                     f"made different calls")
+    return "\n".join(lines) or None
 
 
 def _memory_bytes(M: int, width: int) -> int:
@@ -148,12 +193,14 @@ def new_mailbox(mesh, hidden: int, axis: str = "model", hosts=None) -> Mailbox:
         idx = tuple(np.argwhere(mesh.devices == d)[0])
         group = [mesh.devices[idx[:k_axis] + (k,) + idx[k_axis + 1:]] for k in range(M)]
         addresses = [memory[p] if p in memory else peer_memory.open_handle(d, handles[p]) for p in group]
-        addresses.append(memory[d] + nbytes - 4 * COUNTER_WORDS)
+        host, record = _record(d)
+        _RECORDS[d] = (host, [p.id for p in group], axis)
+        addresses += [memory[d] + nbytes - 4 * COUNTER_WORDS, record]
         table = np.array([(a & 0xFFFFFFFF, a >> 32) for a in addresses], np.int64).astype(np.uint32).view(np.int32)
         tables.append(jax.device_put(table, d))
         ranks.append(jax.device_put(np.full((1, 1), idx[k_axis], np.int32), d))
     sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-    return Mailbox(jax.make_array_from_single_device_arrays((n * (M + 1), 2), sharding, tables),
+    return Mailbox(jax.make_array_from_single_device_arrays((n * (M + 2), 2), sharding, tables),
                    jax.make_array_from_single_device_arrays((n, 1), sharding, ranks), width)
 
 
@@ -225,13 +272,21 @@ def _store_word(address, word):
                     has_side_effects=True)
 
 
-def _trap_if(cond):
-    """Ends the kernel with an error (PTX trap) where cond holds: a peer that never writes (its
-    program stopped, or it made different calls) fails the program instead of hanging it."""
-    when = scf.IfOp(cond)
-    with ir.InsertionPoint(when.then_block):
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "trap;", "", has_side_effects=True)
-        scf.yield_([])
+def _global_time():
+    """The GPU's global timer (i64 nanoseconds)."""
+    return llvm.inline_asm(ir.IntegerType.get_signless(64), [], "mov.u64 $0, %globaltimer;", "=l",
+                           has_side_effects=True)
+
+
+def _record_and_trap(record, words):
+    """Stores the i32 `words` at the failure record `record` (i64 address; word 0, "failed", last,
+    after the others are visible system-wide), then ends the kernel with an error (PTX trap): a peer
+    that never writes fails the program instead of hanging it."""
+    for j, w in list(enumerate(words))[1:] + [(0, words[0])]:
+        if j == 0:
+            llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "membar.sys;", "", has_side_effects=True)
+        _store_word(arith.addi(record, _int(4 * j, 64)), w)
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "membar.sys;\n\ttrap;", "", has_side_effects=True)
 
 
 def _line(base, parity, k, row64, t, i, half, M, words):
@@ -353,7 +408,7 @@ def _store_vec(address, words):
                     "l" + ",r" * nw, has_side_effects=True)
 
 
-def _exchange(M: int, parts: int, width: int, H: int, shape, layout, dtype):
+def _exchange(M: int, parts: int, width: int, H: int, shape, layout, dtype, timeout_ms: int):
     """(table, x_ref, rank, row, part) -> in block 0 of the row, the sum over the M devices of row
     `row` of x_ref (GMEM [R, H / 64, 64] of `dtype`; the sum f32, `shape` in `layout`) in device
     order; zeros in the other blocks.
@@ -370,7 +425,7 @@ def _exchange(M: int, parts: int, width: int, H: int, shape, layout, dtype):
     counters stay equal whatever parts the calls use. Calls alternate between two slots by c % 2: a
     device's blocks send call c + 2 only after its kernel of call c + 1 has ended, whose block 0
     read every peer's call c + 1, which each peer sent after its kernel of call c, and its reading of
-    slot c % 2, had ended."""
+    slot c % 2, had ended. Block 0 waits at most `timeout_ms` (then records the failure and traps)."""
     arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), SPLAT, SPLAT)
 
     @plgpu.inline_mgpu(arg_types=arg_types, return_type=plgpu.ShapeDtypeStruct(shape, F32, layout=layout))
@@ -381,7 +436,7 @@ def _exchange(M: int, parts: int, width: int, H: int, shape, layout, dtype):
         t = gpu.thread_id(gpu.Dimension.x)
         row64 = arith.extui(i64, row.registers.item())
         part = part.registers.item()
-        addresses = [_table_address(table, arith.constant(index, k)) for k in range(M + 1)]
+        addresses = [_table_address(table, arith.constant(index, k)) for k in range(M + 2)]
         me = _rank(rank)
         size = jnp.dtype(dtype).itemsize
         x_row = arith.addi(_ptr(x_ref), arith.muli(row64, _int(H * size, 64)))
@@ -418,7 +473,7 @@ def _exchange(M: int, parts: int, width: int, H: int, shape, layout, dtype):
         zero = arith.constant(vec_f32, ir.DenseElementsAttr.get_splat(vec_f32, ir.FloatAttr.get_f32(0.0)))
         receive = scf.IfOp(lead, [vec_f32] * V, has_else=True)
         with ir.InsertionPoint(receive.then_block):
-            total = _receive(inbox, own, me, row64, t, parity, flag, M, width)
+            total = _receive(inbox, own, me, row64, t, parity, flag, M, width, addresses[M + 1], timeout_ms)
             scf.yield_(total)
         with ir.InsertionPoint(receive.else_block):
             scf.yield_([zero] * V)
@@ -435,11 +490,14 @@ def _exchange(M: int, parts: int, width: int, H: int, shape, layout, dtype):
     return f
 
 
-def _receive(inbox, own, me, row64, t, parity, flag, M: int, width: int):
+def _receive(inbox, own, me, row64, t, parity, flag, M: int, width: int, record, timeout_ms: int):
     """Block 0's wait (see `_exchange`): -> the V registers (vector<4xf32>) of the sum in device order,
     its own x at `me`. Each try loads, at once, the lines of every peer's slot of the inbox at `inbox`
     not yet complete (its own slot never), and marks a slot complete when every flag of the try says
-    `flag`: one round trip a try, each line loaded again only while its peer's row is incomplete."""
+    `flag`: one round trip a try, each line loaded again only while its peer's row is incomplete.
+    After `timeout_ms` of tries (the global timer), the thread writes the failure record at `record`
+    (its rank, the first peer whose row it lacks, the call, the row, the microseconds waited) and
+    traps."""
     i1, i32, index = ir.IntegerType.get_signless(1), ir.IntegerType.get_signless(32), ir.IndexType.get()
     vec_i32, vec_f32 = ir.VectorType.get((VEC,), i32), ir.VectorType.get((VEC,), ir.F32Type.get())
     V = len(own)
@@ -448,8 +506,9 @@ def _receive(inbox, own, me, row64, t, parity, flag, M: int, width: int):
     true = arith.constant(i1, 1)
     n = V * VEC  # words of one slot a thread holds
     itself = [arith.cmpi(arith.CmpIPredicate.eq, me, arith.constant(index, k)) for k in range(M)]
-    types = [i32] * (M * n) + [i1] * M + [i32]
-    wait = scf.WhileOp(types, [_int(0)] * (M * n) + itself + [_int(0)])
+    types = [i32] * (M * n) + [i1] * M
+    start = _global_time()
+    wait = scf.WhileOp(types, [_int(0)] * (M * n) + itself)
     tries = wait.before.blocks.append(*types)
     with ir.InsertionPoint(tries):
         args = list(tries.arguments)
@@ -470,12 +529,19 @@ def _receive(inbox, own, me, row64, t, parity, flag, M: int, width: int):
             values += list(poll.results)[:n]
             done.append(poll.results[n])
         every = functools.reduce(arith.andi, done)
-        scf.condition(arith.xori(every, true), values + done + [args[-1]])
+        scf.condition(arith.xori(every, true), values + done)
     after = wait.after.blocks.append(*types)
     with ir.InsertionPoint(after):
-        spins = arith.addi(after.arguments[-1], _int(1))
-        _trap_if(arith.cmpi(arith.CmpIPredicate.ugt, spins, _int(MAX_SPINS)))
-        scf.yield_(list(after.arguments)[:-1] + [spins])
+        waited = arith.subi(_global_time(), start)
+        late = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ugt, waited, _int(timeout_ms * 1_000_000, 64)))
+        with ir.InsertionPoint(late.then_block):
+            missing = _int(M)
+            for k in reversed(range(M)):
+                missing = arith.select(after.arguments[M * n + k], missing, _int(k))
+            _record_and_trap(record, [_int(1), arith.index_cast(i32, me), missing, flag, arith.trunci(i32, row64),
+                                      arith.trunci(i32, arith.divui(waited, _int(1000, 64)))])
+            scf.yield_([])
+        scf.yield_(list(after.arguments))
     got = list(wait.results)[:M * n]
     total = None
     for k in range(M):  # device order: the same sum on every device
@@ -501,7 +567,7 @@ def parts_for(rows: int, hidden: int, devices: int) -> int:
     return max(1, min(max_parts(hidden), spread // rows))
 
 
-def _body(x_ref, r_ref, w_ref, table, rank, s_ref, y_ref, *, M, H, eps, parts, width):
+def _body(x_ref, r_ref, w_ref, table, rank, s_ref, y_ref, *, M, H, eps, parts, width, timeout_ms):
     """Block (row, part) of the call: x_ref / r_ref / s_ref / y_ref [R, H/64, 64], w_ref [H/64, 64] in
     GMEM; table, rank: the Mailbox's shards. Every block loads the row of x into registers (thread t
     the same elements on every device, zeros padding the row to `width`) and sends its share; block
@@ -513,7 +579,7 @@ def _body(x_ref, r_ref, w_ref, table, rank, s_ref, y_ref, *, M, H, eps, parts, w
     lead = (part == 0).astype(I32)
     r = _load_row(H, shape, r_ref.dtype, layout)(r_ref, row, lead)
     w = _load_row(H, shape, w_ref.dtype, layout, per_row=False)(w_ref, row, lead)
-    t = _exchange(M, parts, width, H, shape, layout, x_ref.dtype)(table, x_ref, rank, row, part)
+    t = _exchange(M, parts, width, H, shape, layout, x_ref.dtype, timeout_ms)(table, x_ref, rank, row, part)
 
     @pl.when(part == 0)
     def _():
@@ -524,20 +590,22 @@ def _body(x_ref, r_ref, w_ref, table, rank, s_ref, y_ref, *, M, H, eps, parts, w
         _store_row(H, layout)(y_ref, row, (s32 * inv * w.astype(F32)).astype(y_ref.dtype))
 
 
-def allreduce_add_rms_norm(x, residual, scale, mailbox: Mailbox, *, eps: float, axis: str, parts: int | None = None):
+def allreduce_add_rms_norm(x, residual, scale, mailbox: Mailbox, *, eps: float, axis: str | None,
+                           parts: int | None = None):
     """See the module docstring. Inside shard_map over `axis`, mailbox the device's shards of a
     `new_mailbox` for the mesh; GPU only (the Mosaic GPU interpreter has no peer memory). parts:
     blocks a row is sent from (1 to `max_parts(H)`, rows x parts <= MAX_BLOCKS); by default
-    `parts_for`."""
+    `parts_for`. axis None: the group's size is the Mailbox's (its table's rows), unchecked against
+    a mesh, for one device calling outside shard_map (its peers in other programs)."""
     check_shapes(x, residual, scale)
-    M = lax.axis_size(axis)
+    M = mailbox.table.shape[0] - 2 if axis is None else lax.axis_size(axis)
     R, H = x.shape
     n = H // LANES
     Pr = _padded(n)
-    if mailbox.table.shape != (M + 1, 2) or mailbox.rank.shape != (1, 1) or mailbox.width != Pr * LANES:
+    if mailbox.table.shape != (M + 2, 2) or mailbox.rank.shape != (1, 1) or mailbox.width != Pr * LANES:
         raise ValueError(f"allreduce_add_rms_norm: a mailbox with table {mailbox.table.shape}, rank "
                          f"{mailbox.rank.shape} and rows of {mailbox.width} is not for H={H} over {M} devices "
-                         f"(expected new_mailbox(mesh, {H}): table ({M + 1}, 2), rows of {Pr * LANES})")
+                         f"(expected new_mailbox(mesh, {H}): table ({M + 2}, 2), rows of {Pr * LANES})")
     G = parts_for(R, H, M) if parts is None else parts
     if not 1 <= G <= max_parts(H) or R * G > MAX_BLOCKS:
         raise ValueError(f"allreduce_add_rms_norm: parts={G} for R={R}, H={H}; expected 1 to {max_parts(H)} with "
@@ -545,7 +613,7 @@ def allreduce_add_rms_norm(x, residual, scale, mailbox: Mailbox, *, eps: float, 
     dt = residual.dtype
     out = jax.ShapeDtypeStruct((R, n, LANES), dt)
     s, y = plgpu.kernel(
-        functools.partial(_body, M=M, H=H, eps=float(eps), parts=G, width=Pr * LANES),
+        functools.partial(_body, M=M, H=H, eps=float(eps), parts=G, width=Pr * LANES, timeout_ms=mailbox.timeout_ms),
         out_type=(out, out), grid=(R, G), grid_names=("row", "part"),
     )(x.reshape(R, n, LANES), residual.reshape(R, n, LANES), scale.reshape(n, LANES), mailbox.table, mailbox.rank)
     return s.reshape(R, H), y.reshape(R, H)

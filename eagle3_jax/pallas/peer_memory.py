@@ -10,7 +10,10 @@ cannot be exported (`cuIpcGetMemHandle` refuses them: CUDA_ERROR_INVALID_VALUE o
 this memory. On other platforms `allocate` returns the address of zeroed host memory, enough to trace
 and lower programs that carry the addresses (the kernel runs only on GPUs). Memory is never freed: it
 must outlive every compiled program that holds its address, which no one can tell; a Mailbox is
-made once per mesh. Errors raise RuntimeError naming the driver call and its CUDA error."""
+made once per mesh. `host_mapped(device, nbytes)` -> (host address, device address) of zeroed pinned
+host memory a kernel on `device` can write and this process can read even after the device has
+failed (the all-reduce's failure records). Errors raise RuntimeError naming the driver call and its
+CUDA error."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import numpy as np
 
 HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
 _LAZY_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+_HOST_MAPPED = 0x01 | 0x02  # CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP
 _KEPT: list = []  # every allocation (host buffers on other platforms), alive for the process's life
 
 
@@ -78,6 +82,23 @@ def allocate(device, nbytes: int) -> int:
     _in_context(device, "cuMemsetD32_v2", address, ctypes.c_uint(0), ctypes.c_size_t(nbytes // 4))
     _in_context(device, "cuCtxSynchronize")
     return address.value
+
+
+def host_mapped(device, nbytes: int) -> tuple[int, int]:
+    """(host address, device address) of nbytes of zeroed page-locked host memory that kernels on
+    `device` reach at the device address (`cuMemHostAlloc`, mapped), kept for the process's life. The
+    host reads it with plain loads, so what a kernel stored there before a trap stays readable after
+    the device's context has failed. On other platforms both are the address of zeroed host memory."""
+    if device.platform != "gpu":
+        buf = np.zeros(-(-nbytes // 4), np.int32)
+        _KEPT.append(buf)
+        return buf.ctypes.data, buf.ctypes.data
+    host, address = ctypes.c_void_p(), ctypes.c_uint64()
+    _in_context(device, "cuMemHostAlloc", ctypes.byref(host), ctypes.c_size_t(nbytes), ctypes.c_uint(_HOST_MAPPED))
+    _KEPT.append(host.value)
+    ctypes.memset(host.value, 0, nbytes)
+    _in_context(device, "cuMemHostGetDevicePointer_v2", ctypes.byref(address), host, ctypes.c_uint(0))
+    return host.value, address.value
 
 
 def export(device, address: int) -> bytes:
