@@ -7,7 +7,10 @@ eagle3_jax.convert.frspec); the draft shares the target's embedding (frozen) and
 features at `--aux_layer_ids`. Loss: eagle3_jax.train.draft.ttt_loss (`--ttt_length` unrolled
 steps, weights 0.8^i, soft targets restricted to the draft vocabulary). Resumable with the same
 --ckpt_dir. Writes out_dir/{config.json, model.safetensors} (LlamaForCausalLMEagle3) and
-out_dir/train_log.json (per-step losses and per-depth agreement with the target, eval figures).
+out_dir/train_log.json (per-step losses and per-depth agreement with the target, eval figures), all
+at once when done (eagle3_jax.convert.folders: a run stopped at any point leaves out_dir as it was).
+A non-empty out_dir is refused before training unless --overwrite (its checkpoint files are then
+replaced, other files kept).
 """
 
 import json
@@ -21,7 +24,7 @@ from absl import flags, logging
 from lib import cli, train_flags
 from lib.timing import device_info
 
-from eagle3_jax.convert import frspec, load_gpt_oss, save_eagle3
+from eagle3_jax.convert import folders, frspec, load_gpt_oss, save_eagle3
 from eagle3_jax.spec import generate
 from eagle3_jax.train import data, loop
 from eagle3_jax.train import draft as tdraft
@@ -40,7 +43,9 @@ flags.DEFINE_integer("regenerate", 8192, "train on this many target-written sequ
                      lower_bound=0)
 flags.DEFINE_integer("prompt_len", 64, "prompt tokens of each regenerated sequence", lower_bound=1)
 flags.DEFINE_integer("regenerate_batch", 2048, "sequences per generate call", lower_bound=1)
+flags.DEFINE_bool("overwrite", False, "replace the checkpoint files of a non-empty --out_dir (other files kept)")
 FLAGS = flags.FLAGS
+WRITER = "train_draft.py --out_dir"
 
 
 def regenerate(target, train, n):
@@ -61,6 +66,7 @@ def regenerate(target, train, n):
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    folders.check_target(FLAGS.out_dir, WRITER, FLAGS.overwrite, "--overwrite")  # before the work
     train, evals = data.load_split(FLAGS.data_dir, "train"), data.load_split(FLAGS.data_dir, "eval")
     target = load_gpt_oss(FLAGS.target, dtype=jnp.bfloat16)
     ttarget.set_moe_path(target, "dense")  # whole windows at once: every expert dequantized once
@@ -92,13 +98,14 @@ def main(argv):
     recs = [ev(out, {"tokens": jnp.asarray(data.sample_windows(evals, rng, FLAGS.batch, FLAGS.seq_len))}, target)[1]
             for _ in range(FLAGS.eval_batches)]
     eval_metrics = {k: float(np.mean([r[k] for r in recs])) for k in recs[0]}
-    save_eagle3(out, FLAGS.out_dir)
     result = dict(**device_info(), draft_vocab=FLAGS.draft_vocab, coverage=frspec.coverage(counts, vocab),
                   aux_layer_ids=cfg.aux_layer_ids, ttt_length=FLAGS.ttt_length, regenerate=FLAGS.regenerate,
                   prompt_len=FLAGS.prompt_len, history=history,
                   train_seconds=train_seconds, eval_bf16=eval_metrics)
-    with open(os.path.join(FLAGS.out_dir, "train_log.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    with folders.staged(FLAGS.out_dir, WRITER, FLAGS.overwrite, "--overwrite") as tmp:
+        save_eagle3(out, tmp)
+        with open(os.path.join(tmp, "train_log.json"), "w") as f:
+            json.dump(result, f, indent=1)
     print("eval (bf16 draft): " + ", ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()), flush=True)
 
 

@@ -7,7 +7,9 @@ Next-token cross-entropy on random windows of the train split (eagle3_jax.train.
 float32 weights and dense experts while training, then the experts packed to MXFP4 and the rest cast
 to bf16. Resumable: rerun with the same --ckpt_dir. Writes out_dir/{config.json, model.safetensors,
 tokenizer.json} and out_dir/train_log.json (loss curve, eval loss of the trained and of the packed
-model, command, device, JAX version).
+model, command, device, JAX version), all at once when done (eagle3_jax.convert.folders: a run
+stopped at any point leaves out_dir as it was). A non-empty out_dir is refused before training
+unless --overwrite (its checkpoint files are then replaced, other files kept).
 """
 
 import json
@@ -22,7 +24,7 @@ from absl import flags, logging
 from lib import cli, train_flags
 from lib.timing import device_info
 
-from eagle3_jax.convert import save_gpt_oss
+from eagle3_jax.convert import folders, save_gpt_oss
 from eagle3_jax.models import gpt_oss
 from eagle3_jax.train import data, loop
 from eagle3_jax.train import target as ttarget
@@ -32,7 +34,9 @@ train_flags.define("runs/target", steps=2500, batch=64)
 flags.DEFINE_integer("eval_batches", 8, "eval-split windows of batch x seq_len for the eval loss", lower_bound=1)
 flags.DEFINE_string("size", "small", "small (the shipped pair) or tiny (smoke tests: 2 layers, one sliding and one "
                     "full, at a quarter of the width)")
+flags.DEFINE_bool("overwrite", False, "replace the checkpoint files of a non-empty --out_dir (other files kept)")
 FLAGS = flags.FLAGS
+WRITER = "train_target.py --out_dir"
 
 
 def config(vocab_size):
@@ -58,6 +62,7 @@ def _loss(model, batch):
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    folders.check_target(FLAGS.out_dir, WRITER, FLAGS.overwrite, "--overwrite")  # before the work
     meta = json.load(open(os.path.join(FLAGS.data_dir, "meta.json")))
     train, evals = data.load_split(FLAGS.data_dir, "train"), data.load_split(FLAGS.data_dir, "eval")
     cfg = config(meta["vocab_size"])
@@ -79,10 +84,11 @@ def main(argv):
     ttarget.set_moe_path(packed, "dense")  # many tokens at once: every expert, dequantized once
     result["eval_loss_bf16_mxfp4"] = eval_loss(packed, evals, FLAGS.eval_batches)
     ttarget.set_moe_path(packed, None)
-    save_gpt_oss(packed, FLAGS.out_dir)
-    shutil.copy(os.path.join(FLAGS.data_dir, "tokenizer.json"), FLAGS.out_dir)
-    with open(os.path.join(FLAGS.out_dir, "train_log.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    with folders.staged(FLAGS.out_dir, WRITER, FLAGS.overwrite, "--overwrite") as tmp:
+        save_gpt_oss(packed, tmp)
+        shutil.copy(os.path.join(FLAGS.data_dir, "tokenizer.json"), tmp)
+        with open(os.path.join(tmp, "train_log.json"), "w") as f:
+            json.dump(result, f, indent=1)
     print(f"eval loss: trained {result['eval_loss_f32_dense']:.4f}, packed {result['eval_loss_bf16_mxfp4']:.4f} "
           f"nats/token; wrote {FLAGS.out_dir}", flush=True)
 

@@ -22,9 +22,16 @@ import safetensors.numpy
 from flax import nnx
 
 from eagle3_jax import parallel
-from eagle3_jax.convert import params
+from eagle3_jax.convert import folders, params
 from eagle3_jax.convert import safetensors_io as stio
-from eagle3_jax.models.config import Eagle3Config, GptOssConfig, rope_from_hf, rope_to_hf
+from eagle3_jax.models.config import (
+    Eagle3Config,
+    GptOssConfig,
+    hf_value,
+    read_config_json,
+    rope_from_hf,
+    rope_to_hf,
+)
 from eagle3_jax.models.eagle3 import Eagle3, pair_dtype
 
 LAYER_PREFIXES = ("midlayer.", "layers.0.")
@@ -42,52 +49,69 @@ def config_from_hf(cfg: dict, target_config: GptOssConfig, where: str = "config.
     head_rows: the lm_head's rows (the draft vocabulary where the config gives no draft_vocab_size);
     variants: flags the checkpoint's tensors imply (norm_before_fc, fc_norm), switched on whatever the
     config says; sliding_window None: `eagle_config.sliding_window` (what `save_eagle3` writes), else full."""
-    base = dict(cfg.get("transformer_layer_config") or {})  # speculators nest the layer config
-    base.update({k: v for k, v in cfg.items() if k != "transformer_layer_config"})
-    cfg = base
-    eagle = cfg.get("eagle_config") or {}
-    arch = cfg.get("architectures") or []
-    if arch and not any("eagle" in a.lower() or "speculator" in a.lower() for a in arch):
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where}: expected a JSON object, found {type(cfg).__name__}")
+    try:
+        layer = hf_value(cfg, "transformer_layer_config", "dict") or {}  # speculators nest the layer config
+        cfg = {**layer, **{k: v for k, v in cfg.items() if k != "transformer_layer_config"}}
+        eagle = hf_value(cfg, "eagle_config", "dict") or {}
+        arch = hf_value(cfg, "architectures", "list") or []
+        ints = {k: hf_value(cfg, k, "int") for k in (
+            "num_hidden_layers", "vocab_size", "hidden_size", "target_hidden_size", "draft_vocab_size",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")}
+        eps = hf_value(cfg, "rms_norm_eps", "number")
+        own_ids = hf_value(eagle, "eagle_aux_hidden_state_layer_ids", "list", "eagle_config.") or \
+            hf_value(cfg, "eagle_aux_hidden_state_layer_ids", "list")
+        if own_ids and not all(type(i) is int for i in own_ids):
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids: expected a list of integers, found {own_ids!r}")
+        ids = aux_layer_ids or own_ids
+        conv = aux_convention or hf_value(eagle, "aux_layer_convention", "str", "eagle_config.")
+        if sliding_window is None:
+            sliding_window = hf_value(eagle, "sliding_window", "int", "eagle_config.")
+        flags = {}
+        for name, default in (("norm_before_fc", False), ("fc_norm", False), ("norm_output", True),
+                              ("norm_before_residual", False)):
+            src, prefix = (cfg, "") if name in cfg else (eagle, "eagle_config.")
+            flags[name] = bool(hf_value(src, name, "bool", prefix) if name in src else default)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if arch and not any("eagle" in str(a).lower() or "speculator" in str(a).lower() for a in arch):
         raise ValueError(f"{where}: architectures {arch} is not an EAGLE-3 draft (expected LlamaForCausalLMEagle3)")
-    if cfg.get("num_hidden_layers", 1) != 1:
-        raise ValueError(f"{where}: num_hidden_layers is {cfg['num_hidden_layers']}; EAGLE-3 drafts have 1")
+    if ints["num_hidden_layers"] not in (None, 1):
+        raise ValueError(f"{where}: num_hidden_layers is {ints['num_hidden_layers']}; EAGLE-3 drafts have 1")
     L, V = target_config.num_hidden_layers, target_config.vocab_size
-    vocab = cfg.get("vocab_size", V)
+    vocab = V if ints["vocab_size"] is None else ints["vocab_size"]
     if vocab != V:
         raise ValueError(f"{where}: vocab_size {vocab} does not match the target's vocab_size {V}")
-    H = cfg.get("hidden_size")
+    H = ints["hidden_size"]
     if H is None:
         raise ValueError(f"{where}: missing hidden_size")
-    Ht = cfg.get("target_hidden_size") or H
+    Ht = ints["target_hidden_size"] or H
     if Ht != target_config.hidden_size:
         raise ValueError(f"{where}: target_hidden_size {Ht} does not match the target's hidden_size "
                          f"{target_config.hidden_size}")
-    dv = cfg.get("draft_vocab_size")
+    dv = ints["draft_vocab_size"]
     if dv is None and has_lm_head and head_rows is not None:
         dv = head_rows  # no draft_vocab_size: the head's rows say it
     own_head = has_lm_head
     if dv is not None and dv != V and not has_lm_head:
         raise ValueError(f"{where}: draft_vocab_size is {dv} but the checkpoint has no lm_head.weight (use "
                          "frspec.restrict_head to build a head from the target's rows)")
-    ids = aux_layer_ids or eagle.get("eagle_aux_hidden_state_layer_ids") or cfg.get(
-        "eagle_aux_hidden_state_layer_ids") or target_config.default_aux_layer_ids()
-    conv = aux_convention or eagle.get("aux_layer_convention") or ("input" if L in ids else "output")
+    ids = ids or target_config.default_aux_layer_ids()
+    conv = conv or ("input" if L in ids else "output")
     implied = variants or {}
-    flag = lambda name, default: bool(cfg.get(name, eagle.get(name, default))) or bool(implied.get(name))  # noqa: E731
-    if sliding_window is None:
-        sliding_window = eagle.get("sliding_window")
-    heads = cfg.get("num_attention_heads")
+    heads = ints["num_attention_heads"]
+    if heads is None or heads <= 0:
+        raise ValueError(f"{where}: num_attention_heads: expected a positive integer, found {heads!r}")
     try:
         return Eagle3Config(
-            hidden_size=H, intermediate_size=cfg.get("intermediate_size"), num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or H // heads, vocab_size=V,
-            draft_vocab_size=dv if own_head and dv is not None else V,
+            hidden_size=H, intermediate_size=ints["intermediate_size"], num_attention_heads=heads,
+            num_key_value_heads=ints["num_key_value_heads"] or heads, head_dim=ints["head_dim"] or H // heads,
+            vocab_size=V, draft_vocab_size=dv if own_head and dv is not None else V,
             target_hidden_size=Ht, aux_layer_ids=tuple(ids), aux_convention=conv, target_num_layers=L,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope=rope_from_hf({"rope_theta": 10000.0, **cfg}, where),
-            max_position_embeddings=cfg.get("max_position_embeddings", target_config.max_position_embeddings),
-            norm_before_fc=flag("norm_before_fc", False), fc_norm=flag("fc_norm", False),
-            norm_output=flag("norm_output", True), norm_before_residual=flag("norm_before_residual", False),
+            rms_norm_eps=1e-5 if eps is None else eps, rope=rope_from_hf({"rope_theta": 10000.0, **cfg}, where),
+            max_position_embeddings=ints["max_position_embeddings"] or target_config.max_position_embeddings,
+            **{k: v or bool(implied.get(k)) for k, v in flags.items()},
             own_embed=has_embed, own_lm_head=own_head, sliding_window=sliding_window)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
@@ -164,16 +188,14 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
     path = os.fspath(path)
     if target is not None:
         target_config = target.config
-    if dtype is None:
-        dtype = pair_dtype(target)
+    dtype = pair_dtype(target) if dtype is None else params.float_dtype("load_eagle3", dtype)
     if target_config is None:
         raise ValueError("load_eagle3: pass target_config= (or target=)")
     tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in stio.open_checkpoint(path).items()}
     cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else None
     if cfg_file is None or not os.path.exists(cfg_file):
         raise ValueError(f"{path}: config.json not found ({stio.EXPECTED})")
-    with open(cfg_file) as f:
-        raw = json.load(f)
+    raw, _ = read_config_json(cfg_file)
     if "fc.weight" not in tensors:
         raise ValueError(f"{path}: missing tensor fc.weight (the EAGLE-3 feature projection)")
     prefix = next((p for p in LAYER_PREFIXES if p + "self_attn.q_proj.weight" in tensors), None)
@@ -185,7 +207,8 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
     variants = dict(norm_before_fc="input_norm.weight" in tensors, fc_norm="fc_norm.0.weight" in tensors)
     cfg = config_from_hf(raw, target_config, cfg_file, aux_layer_ids=aux_layer_ids, aux_convention=aux_convention,
                          has_lm_head=head is not None, has_embed="embed_tokens.weight" in tensors,
-                         sliding_window=sliding_window, head_rows=None if head is None else int(head.shape[0]),
+                         sliding_window=sliding_window,
+                         head_rows=int(head.shape[0]) if head is not None and len(head.shape) == 2 else None,
                          variants=variants)
     if not cfg.own_embed or not cfg.own_lm_head:
         what = "embed_tokens" if not cfg.own_embed else "lm_head"
@@ -210,20 +233,20 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
     entries = _entries(cfg, prefix)
     stio.check_all_used(tensors, {e.key for e in entries} | {"d2t", "t2d"}, path, "EAGLE-3 draft")
     name = os.path.basename(os.path.normpath(path))
-    present = {e.key: tensors[e.key] for e in entries if e.key in tensors}
+    present = {e.key: stio.check(tensors, e.key, e.shape, path) for e in entries}  # all checked before any is read
     if mesh is None:
         fill = params.Filler()
         with stio.load_progress(present, progress, f"loading {name}") as bar:
-            for key, attr, shape, transpose, cols in entries:
-                a = stio.get(tensors, key, shape, path)
+            for key, attr, _, transpose, cols in entries:
+                a = tensors[key].load()
                 fill.put(_get_attr(abstract, attr), a.T if transpose else a, cols)
                 bar.update(tensors[key].nbytes)
         fill.finish()
         abstract.d2t.set_value(jnp.asarray(_draft_to_target(tensors, cfg, path), jnp.int32))
         return abstract
     groups: dict[tuple, list] = {}
-    for key, attr, shape, transpose, cols in entries:  # every tensor checked before any is read
-        info = stio.check(tensors, key, shape, path)
+    for key, attr, _, transpose, cols in entries:
+        info = present[key]
         groups.setdefault(attr, []).append((info, params.Source(info.read, transpose, cols)))
     with stio.load_progress(present, progress, f"loading {name}") as bar:
         params.place_all(groups, lambda attr: _get_attr(abstract, attr),
@@ -268,14 +291,20 @@ def _draft_to_target(tensors, cfg: Eagle3Config, path: str) -> np.ndarray:
     return d2t
 
 
-def save_eagle3(draft: Eagle3, path: str | os.PathLike) -> None:
+def save_eagle3(draft: Eagle3, path: str | os.PathLike, *, overwrite: bool = False) -> None:
     """Writes the SpecForge `LlamaForCausalLMEagle3` layout (config.json + model.safetensors with
     `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t` int64, `t2d` bool; `embed_tokens` only when the
     draft owns one; matrices in the draft's dtype, norms float32, so save -> load is lossless).
     Aux ids keep the checkpoint's own spelling (what each serving stack already does with the
-    original); input-convention drafts also get `eagle_config.aux_layer_convention: "input"`."""
+    original); input-convention drafts also get `eagle_config.aux_layer_convention: "input"`.
+
+    Written whole or not at all, with `save_gpt_oss`'s folder rules: a folder that is not empty
+    (a GPT-OSS checkpoint, say) raises ValueError naming what it holds unless overwrite=True, which
+    replaces its checkpoint files of any kind and keeps other files. A model that is not an Eagle3
+    raises ValueError before anything is created."""
+    params.expect_module("save_eagle3", draft, Eagle3)
+    folders.check_target(path, "save_eagle3", overwrite)
     c = draft.config
-    os.makedirs(path, exist_ok=True)
     tensors = {}
     for key, attr, _, transpose, cols in _entries(c, "midlayer."):
         a = params.columns(_get_attr(draft, attr).get_value(), cols)
@@ -286,7 +315,6 @@ def save_eagle3(draft: Eagle3, path: str | os.PathLike) -> None:
     t2d[np.arange(c.draft_vocab_size) + d2t] = True
     if c.own_lm_head:
         tensors["d2t"], tensors["t2d"] = d2t, t2d
-    safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     eagle = {"eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids), "use_aux_hidden_state": True}
     if c.aux_convention == "input":
         eagle["aux_layer_convention"] = "input"
@@ -302,5 +330,7 @@ def save_eagle3(draft: Eagle3, path: str | os.PathLike) -> None:
                hidden_act="silu", tie_word_embeddings=False, norm_before_fc=c.norm_before_fc, fc_norm=c.fc_norm,
                norm_output=c.norm_output, norm_before_residual=c.norm_before_residual, eagle_config=eagle,
                torch_dtype=np.dtype(draft.dtype).name)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
+    with folders.staged(path, "save_eagle3", overwrite) as tmp:
+        safetensors.numpy.save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)

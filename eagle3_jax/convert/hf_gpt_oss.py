@@ -28,11 +28,11 @@ import safetensors.numpy
 from flax import nnx
 
 from eagle3_jax import parallel
-from eagle3_jax.checks import ArgumentError
-from eagle3_jax.convert import params
+from eagle3_jax.checks import ArgumentError, int_arg
+from eagle3_jax.convert import folders, params
 from eagle3_jax.convert import safetensors_io as stio
 from eagle3_jax.models import gpt_oss
-from eagle3_jax.models.config import GptOssConfig, RopeConfig
+from eagle3_jax.models.config import GptOssConfig, RopeConfig, hf_defaults_note, read_config_json
 from eagle3_jax.models.gpt_oss import GptOss
 
 
@@ -54,14 +54,13 @@ def _t(a):
     return np.swapaxes(a, -1, -2)
 
 
-def layout(path_or_keys) -> str:
-    """'mxfp4' or 'dense' from the tensors present (layer 0's experts)."""
-    keys = path_or_keys
+def layout(keys, where: str = "checkpoint") -> str:
+    """'mxfp4' or 'dense' from the tensor names present (layer 0's experts)."""
     if "model.layers.0.mlp.experts.gate_up_proj_blocks" in keys:
         return "mxfp4"
     if "model.layers.0.mlp.experts.gate_up_proj" in keys:
         return "dense"
-    raise ValueError("missing tensor model.layers.0.mlp.experts.gate_up_proj_blocks (MXFP4) or "
+    raise ValueError(f"{where}: missing tensor model.layers.0.mlp.experts.gate_up_proj_blocks (MXFP4) or "
                      "model.layers.0.mlp.experts.gate_up_proj (dense): unknown expert layout")
 
 
@@ -116,8 +115,12 @@ def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConf
     """HF GPT-OSS checkpoint folder -> GptOss on the default device, or split over `mesh`.
 
     dtype: storage/compute dtype of the unquantized weights and activations (bf16, or f32 for
-    tests); norms and sinks are kept in f32, packed experts as uint8. The expert layout follows the
-    tensors present. Raises ValueError naming the file, key, expected and found shape.
+    tests; a floating dtype, else ValueError); norms and sinks are kept in f32, packed experts as
+    uint8. The expert layout follows the tensors present. Every tensor's name, shape and dtype is
+    checked before any is read (safetensors_io.open_checkpoint checks the files themselves); bad
+    input raises ValueError naming the file, key, expected and found, and, when config.json left
+    out keys that decide shapes, the gpt-oss-120b defaults it assumed (`hf_defaults_note`). MXFP4
+    scales of 255 (E8M0's NaN) raise as they are read.
     mesh: a parallel.make_mesh Mesh: every parameter gets `parallel.param_sharding` (the same
     placement and values as `parallel.shard(load_gpt_oss(path, dtype), mesh)`), built by
     jax.make_array_from_callback from the byte ranges of each local device's shard only (under
@@ -130,13 +133,19 @@ def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConf
     in 15), True always, False never.
     """
     path = os.fspath(path)
+    dtype = params.float_dtype("load_gpt_oss", dtype)
     tensors = stio.open_checkpoint(path)
+    note = ""
     if config is None:
+        raw, _ = read_config_json(path)
         config = GptOssConfig.from_hf(path)
-    config = config.replace(experts_format=layout(tensors))
+        note = hf_defaults_note(raw)
+    try:
+        config = config.replace(experts_format=layout(tensors, path))
+        table = _checked_entries(tensors, config, path)
+    except ValueError as e:
+        raise ValueError(f"{e}; {note}" if note else str(e)) from None
     _check_split(config, mesh, experts)
-    table = entries(config)
-    stio.check_all_used(tensors, {e.key for e in table}, path, "GPT-OSS config")  # e.g. biases, attention_bias false
     abstract = nnx.eval_shape(lambda: GptOss(config, dtype=dtype, rngs=nnx.Rngs(0)))
     if mesh is not None:
         parallel.placement_split(abstract, mesh, experts)
@@ -146,19 +155,56 @@ def load_gpt_oss(path: str | os.PathLike, dtype=jnp.bfloat16, config: GptOssConf
         fill = params.Filler()
         with stio.load_progress(tensors, progress, f"loading {name}") as bar:
             for e in table:
-                fill.put(_param(state, e.path), e.to_param(stio.get(tensors, e.key, e.shape, path, e.kinds)), e.cols,
-                         axis=0)
+                a = tensors[e.key].load()
+                _check_scales(a, tensors[e.key])
+                fill.put(_param(state, e.path), e.to_param(a), e.cols, axis=0)
                 bar.update(tensors[e.key].nbytes)
         fill.finish()
         return nnx.merge(graphdef, state)
     groups: dict[tuple, list] = {}
-    for e in table:  # every tensor checked before any is read
-        info = stio.check(tensors, e.key, e.shape, path, e.kinds)
-        groups.setdefault(e.path, []).append((info, params.Source(info.read, e.to_param is _t, e.cols, axis=0)))
+    for e in table:
+        info = tensors[e.key]
+        groups.setdefault(e.path, []).append((info, params.Source(_reader(info), e.to_param is _t, e.cols, axis=0)))
     with stio.load_progress(tensors, progress, f"loading {name}") as bar:
         params.place_all(groups, lambda p: _param(state, p),
                          lambda p: parallel.param_sharding(abstract, mesh, "/".join(map(str, p))), bar)
     return parallel.split_experts(parallel.align_heads(nnx.merge(graphdef, state), mesh), mesh, experts)
+
+
+def _checked_entries(tensors: dict, config: GptOssConfig, path: str) -> list[Entry]:
+    """The checkpoint table of `config`, every tensor of it checked against the checkpoint (name,
+    shape, dtype kind) and every checkpoint tensor used; the layer count is checked first (a
+    config naming more layers than the checkpoint holds fails before the table is built)."""
+    layers = {k.split(".")[2] for k in tensors if k.startswith("model.layers.")}
+    n = config.num_hidden_layers
+    if n > len(layers):
+        raise ValueError(f"{path}: config.json num_hidden_layers is {n}, the checkpoint holds tensors of {len(layers)} "
+                         f"layers (missing tensor model.layers.{n - 1}.input_layernorm.weight)")
+    table = entries(config)
+    for e in table:
+        stio.check(tensors, e.key, e.shape, path, e.kinds)
+    stio.check_all_used(tensors, {e.key for e in table}, path, "GPT-OSS config")  # e.g. biases, attention_bias false
+    return table
+
+
+def _check_scales(a: np.ndarray, info: stio.TensorInfo) -> None:
+    """MXFP4 scales are E8M0 exponents: 255 is the format's NaN, not a scale; ValueError naming it."""
+    if info.key.endswith("_scales"):
+        bad = np.flatnonzero(a.reshape(-1) == 255)
+        if bad.size:
+            at = [int(i) for i in np.unravel_index(bad[0], a.shape)]
+            raise ValueError(f"{info.file}: {info.key}: E8M0 scale 255 (NaN) at {at} (of the block read); MXFP4 "
+                             "scales are exponents 0..254")
+
+
+def _reader(info: stio.TensorInfo) -> Callable:
+    """info.read, with the scales checked as they are read (`_check_scales`)."""
+    def read(index=()):
+        a = info.read(index)
+        _check_scales(a, info)
+        return a
+
+    return read
 
 
 def _check_split(config: GptOssConfig, mesh, experts: str | None) -> None:
@@ -206,37 +252,58 @@ def _stored_state(model: GptOss):
     return state
 
 
-def save_gpt_oss(model: GptOss, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
+def save_gpt_oss(model: GptOss, path: str | os.PathLike, max_shard_bytes: int = 4 << 30, *,
+                 overwrite: bool = False) -> None:
     """Writes `model` in the HF layout (config.json, safetensors, sharded with an index when larger
     than max_shard_bytes); bf16 floats, f32 norms and sinks (as the model holds them), packed experts
-    as stored."""
-    cfg = model.config
-    os.makedirs(path, exist_ok=True)
+    as stored. Each shard is gathered to the host only while it is written.
+
+    The folder is written whole or not at all (`folders.staged`: a hidden folder beside `path`,
+    renamed into place once every file is on disk). A folder `path` that is not empty raises
+    ValueError naming what it holds, unless overwrite=True: then all its checkpoint files (of any
+    kind: stale shards and index included) are replaced, other files (a README, tokenizer.json)
+    kept. A model that is not a GptOss raises ValueError before anything is created."""
+    params.expect_module("save_gpt_oss", model, GptOss)
+    max_shard_bytes = int_arg("max_shard_bytes", max_shard_bytes, 1)
+    folders.check_target(path, "save_gpt_oss", overwrite)
     state = _stored_state(model)
-    shards, cur, size = [], {}, 0
-    for e in entries(cfg):
-        a = params.columns(_param(state, e.path).get_value(), e.cols, axis=0)
-        if a.dtype.kind == "f" and "layernorm" not in e.key and e.key != "model.norm.weight" and \
-                not e.key.endswith(".sinks"):
-            a = a.astype(ml_dtypes.bfloat16)
-        a = np.ascontiguousarray(e.to_hf(a))
-        if cur and size + a.nbytes > max_shard_bytes:
-            shards.append(cur)
-            cur, size = {}, 0
-        cur[e.key] = a
-        size += a.nbytes
-    shards.append(cur)
+    table = entries(model.config)
+    shards, size = [[]], 0
+    for e in table:
+        dtype = _stored_dtype(e, _param(state, e.path).get_value().dtype)
+        n = int(np.prod(e.shape, dtype=np.int64)) * dtype.itemsize
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += n
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
-    for name, shard in zip(names, shards):
-        safetensors.numpy.save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(a.nbytes for s in shards for a in s.values())},
-                 "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
-        with open(os.path.join(path, stio.INDEX), "w") as f:
-            json.dump(index, f, indent=1)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg.to_hf(), f, indent=1)
+    with folders.staged(path, "save_gpt_oss", overwrite) as tmp:
+        total = 0
+        for name, shard in zip(names, shards):
+            arrays = {}
+            for e in shard:
+                a = params.columns(_param(state, e.path).get_value(), e.cols, axis=0)
+                arrays[e.key] = np.ascontiguousarray(e.to_hf(a.astype(_stored_dtype(e, a.dtype))))
+                total += arrays[e.key].nbytes
+            safetensors.numpy.save_file(arrays, os.path.join(tmp, name), metadata={"format": "pt"})
+            del arrays
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {e.key: n for n, shard in zip(names, shards) for e in shard}}
+            with open(os.path.join(tmp, stio.INDEX), "w") as f:
+                json.dump(index, f, indent=1)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(model.config.to_hf(), f, indent=1)
+
+
+def _stored_dtype(e: Entry, dtype) -> np.dtype:
+    """The dtype `save_gpt_oss` stores a parameter of `dtype` in: bf16 for floats, except norms and
+    sinks (kept as the model holds them); packed experts as they are."""
+    dtype = np.dtype(dtype)
+    keep = "layernorm" in e.key or e.key == "model.norm.weight" or e.key.endswith(".sinks")
+    return np.dtype(ml_dtypes.bfloat16) if dtype.kind == "f" and not keep else dtype
 
 
 # -- orbax ---------------------------------------------------------------------------------------
@@ -246,42 +313,63 @@ def save_gpt_oss(model: GptOss, path: str | os.PathLike, max_shard_bytes: int = 
 CHECKPOINT_LAYOUT = 3
 
 
-def save_checkpoint(model: GptOss, directory: str | os.PathLike) -> None:
-    """Orbax checkpoint of a converted model: `directory/state` plus `directory/eagle3_jax.json`."""
+def save_checkpoint(model: GptOss, directory: str | os.PathLike, *, overwrite: bool = False) -> None:
+    """Orbax checkpoint of a converted model: `directory/state` plus `directory/eagle3_jax.json`.
+
+    Written whole or not at all, with the same folder rules as `save_gpt_oss` (a folder that is not
+    empty needs overwrite=True, which replaces its checkpoint files of any kind and keeps other
+    files). A model that is not a GptOss raises ValueError before anything is touched. One process
+    only (under jax.distributed with several processes: ValueError; gather to one first)."""
     import orbax.checkpoint as ocp
 
+    params.expect_module("save_checkpoint", model, GptOss)
+    if jax.process_count() > 1:
+        raise ValueError(f"save_checkpoint: writes from one process, found {jax.process_count()} (jax.distributed); "
+                         "gather the model onto one process's devices first")
     directory = os.path.abspath(os.fspath(directory))
-    os.makedirs(directory, exist_ok=True)
+    folders.check_target(directory, "save_checkpoint", overwrite)
     meta = {"kind": "gpt_oss", "layout": CHECKPOINT_LAYOUT, "config": dataclasses.asdict(model.config),
             "dtype": jnp.dtype(model.dtype).name}
-    with open(os.path.join(directory, "eagle3_jax.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(os.path.join(directory, "state"), nnx.to_pure_dict(_stored_state(model)), force=True)
+    state = nnx.to_pure_dict(_stored_state(model))
+    with folders.staged(directory, "save_checkpoint", overwrite) as tmp:
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(os.path.join(tmp, "state"), state)
+        with open(os.path.join(tmp, "eagle3_jax.json"), "w") as f:
+            json.dump(meta, f, indent=1)
 
 
 def restore_checkpoint(directory: str | os.PathLike, mesh=None, experts: str | None = None) -> GptOss:
     """The GptOss `save_checkpoint` wrote, on the default device, or with `mesh=` restored directly
     into `parallel.param_sharding`'s placement (orbax reads each local device's shard; the same
     as `parallel.shard(restore_checkpoint(directory), mesh)`). Raises ValueError for a folder that
-    is not such a checkpoint, another parameter layout, or a mesh that does not divide the config
-    (before reading any parameter). experts: as in `load_gpt_oss`."""
+    is not such a checkpoint (naming the file and key at fault in eagle3_jax.json), another
+    parameter layout, or a mesh that does not divide the config (before reading any parameter).
+    experts: as in `load_gpt_oss`."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(os.fspath(directory))
     meta_file = os.path.join(directory, "eagle3_jax.json")
+    if folders.is_temporary(directory):
+        raise ValueError(f"{directory}: an unfinished or replaced checkpoint a writer left behind, not a checkpoint")
     if not os.path.exists(meta_file):
-        raise ValueError(f"{meta_file}: not found (not an eagle3_jax checkpoint)")
-    with open(meta_file) as f:
-        meta = json.load(f)
+        previous = folders.previous_versions(directory)
+        hint = f"; an interrupted save left the previous checkpoint in {previous[-1]}" if previous else ""
+        raise ValueError(f"{meta_file}: not found (not an eagle3_jax checkpoint){hint}")
+    meta, _ = read_config_json(meta_file)
+    if meta.get("kind", "gpt_oss") != "gpt_oss":
+        raise ValueError(f"{meta_file}: kind: {meta.get('kind')!r}, restore_checkpoint reads 'gpt_oss'")
     if meta.get("layout", 1) != CHECKPOINT_LAYOUT:
         raise ValueError(f"{meta_file}: parameter layout {meta.get('layout', 1)}, this version reads layout "
                          f"{CHECKPOINT_LAYOUT} (wqkv and wo [out, in]); convert the HF checkpoint again")
-    c = dict(meta["config"])
-    c["rope"] = RopeConfig(**c["rope"])
-    config = GptOssConfig(**c)
+    try:
+        c = dict(meta["config"])
+        c["rope"] = RopeConfig(**c["rope"])
+        config = GptOssConfig(**c)
+        dtype = params.float_dtype("restore_checkpoint", meta["dtype"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{meta_file}: config or dtype: {e!r}") from None
     _check_split(config, mesh, experts)
-    abstract = nnx.eval_shape(lambda: GptOss(config, dtype=jnp.dtype(meta["dtype"]), rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: GptOss(config, dtype=dtype, rngs=nnx.Rngs(0)))
     if mesh is not None:
         parallel.placement_split(abstract, mesh, experts)
     graphdef, state = nnx.split(abstract)

@@ -9,9 +9,34 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.convert import safetensors_io as stio
+
+FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def float_dtype(fn: str, dtype) -> jnp.dtype:
+    """`dtype` as a jnp.dtype when it is one of FLOAT_DTYPES (the dtypes a model computes in), else
+    ValueError naming `fn`, the argument, expected and found (an integer dtype would load weights
+    that are all zeros)."""
+    try:
+        d = jnp.dtype(dtype) if dtype is not None else None
+    except TypeError:
+        d = None
+    if d is None or d.name not in FLOAT_DTYPES:
+        found = d.name if d is not None else repr(dtype)
+        raise ValueError(f"{fn}: dtype: expected a floating dtype ({', '.join(FLOAT_DTYPES)}), found {found}")
+    return d
+
+
+def expect_module(fn: str, module, cls) -> None:
+    """ValueError naming `fn`, the expected class and the given one unless `module` is a `cls`
+    (a writer checks this before it creates or touches anything)."""
+    if not isinstance(module, cls):
+        article = "an" if cls.__name__[0] in "AEIOU" else "a"
+        raise ValueError(f"{fn}: expected {article} {cls.__name__} model, got {type(module).__name__}")
 
 
 def qkv_columns(num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, tuple[int, int]]:

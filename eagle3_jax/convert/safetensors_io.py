@@ -16,6 +16,8 @@ import struct
 import ml_dtypes
 import numpy as np
 
+from eagle3_jax.convert import folders
+
 DTYPES = {
     "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "U8": np.uint8,
     "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "BOOL": np.bool_,
@@ -24,6 +26,7 @@ INDEX = "model.safetensors.index.json"
 EXPECTED = "expected a folder with config.json and *.safetensors files"
 # progress=None shows a bar for checkpoints past this size or in several shards (gpt-oss-120b: 65 GB in 15)
 PROGRESS_MIN_BYTES = 1 << 30
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 
 
 class TensorInfo:
@@ -83,32 +86,47 @@ def block_bounds(shape: tuple, index, where: str = "index") -> list[tuple[int, i
 
 
 def read_header(file: str) -> dict[str, TensorInfo]:
-    """Parses and validates one .safetensors file's header: key -> TensorInfo."""
+    """Parses and validates one .safetensors file's header: key -> TensorInfo.
+
+    Checked as safetensors itself checks a file, each failure a ValueError naming the file (and the
+    key where one is at fault): an 8-byte length, then a JSON object of at most MAX_HEADER_BYTES;
+    every entry {"dtype": one of DTYPES, "shape": [ints >= 0], "data_offsets": [start, end]} with
+    end - start the bytes of that shape and dtype; the entries' byte ranges, in order, cover the
+    data after the header exactly (no gap, no overlap, nothing past the end, no byte left over);
+    no key twice."""
+    file = os.fspath(file)
     if not os.path.isfile(file):
         raise ValueError(f"{file}: file not found")
-    size = os.path.getsize(file)
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{file}: truncated: {size} bytes, no safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if 8 + n > size:
-            raise ValueError(f"{file}: truncated: header says {n} bytes, file has {size}")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{file}: malformed safetensors header ({e})") from None
+    try:
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{file}: truncated: {size} bytes, no safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES:
+                raise ValueError(f"{file}: header length {n} bytes is over safetensors' limit of {MAX_HEADER_BYTES} "
+                                 "(not a safetensors file?)")
+            if 8 + n > size:
+                raise ValueError(f"{file}: truncated: header says {n} bytes, file has {size}")
+            raw = f.read(n)
+    except OSError as e:
+        raise ValueError(f"{file}: cannot read ({e.strerror or e})") from None
+    try:
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, a key twice
+        raise ValueError(f"{file}: malformed safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file}: malformed safetensors header: expected a JSON object, found "
+                         f"{type(header).__name__}")
     base = 8 + n
     out = {}
     for key, meta in header.items():
         if key == "__metadata__":
+            if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+                raise ValueError(f"{file}: __metadata__: expected an object of strings, found {meta!r}")
             continue
-        try:
-            dtype, shape, (start, end) = meta["dtype"], tuple(int(s) for s in meta["shape"]), meta["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{file}: {key}: malformed header entry {meta!r}") from None
-        if dtype not in DTYPES:
-            raise ValueError(f"{file}: {key}: unsupported dtype {dtype}")
+        dtype, shape, start, end = _entry(file, key, meta)
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
         if end - start != nbytes:
             raise ValueError(f"{file}: {key}: header gives {end - start} bytes for shape {list(shape)} {dtype}, "
@@ -116,28 +134,78 @@ def read_header(file: str) -> dict[str, TensorInfo]:
         if base + end > size:
             raise ValueError(f"{file}: truncated: {key} needs bytes up to {base + end}, file has {size}")
         out[key] = TensorInfo(file, key, dtype, shape, base + start, nbytes)
+    at, last = base, None
+    for info in sorted(out.values(), key=lambda t: (t.offset, t.nbytes)):
+        if info.offset != at:
+            start, what = info.offset - base, "overlap" if info.offset < at else "leave a gap after"
+            raise ValueError(f"{file}: {info.key}: data_offsets [{start}, {start + info.nbytes}] {what} "
+                             f"{last or 'the header'} (which ends at {at - base})")
+        at, last = at + info.nbytes, info.key
+    if at != size:
+        raise ValueError(f"{file}: {size - at} bytes after the last tensor's data (the header's data_offsets do not "
+                         "cover the file)")
     return out
+
+
+def _unique_keys(pairs):
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"key {next(k for k in keys if keys.count(k) > 1)!r} appears twice")
+    return dict(pairs)
+
+
+def _entry(file: str, key: str, meta) -> tuple[str, tuple, int, int]:
+    """(dtype, shape, start, end) of one header entry, each checked for type and range."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"{file}: {key}: malformed header entry {meta!r} (expected dtype, shape, data_offsets)")
+    for field in ("dtype", "shape", "data_offsets"):
+        if field not in meta:
+            raise ValueError(f"{file}: {key}: header entry has no {field}")
+    dtype, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ValueError(f"{file}: {key}: unsupported dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
+    if not isinstance(shape, list) or not all(_natural(s) for s in shape):
+        raise ValueError(f"{file}: {key}: shape {shape!r}, expected a list of integers >= 0")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_natural(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise ValueError(f"{file}: {key}: data_offsets {offsets!r}, expected [start, end] with 0 <= start <= end")
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def _natural(v) -> bool:
+    return type(v) is int and v >= 0
 
 
 def open_checkpoint(path: str) -> dict[str, TensorInfo]:
     """All tensors of a checkpoint folder: via `model.safetensors.index.json` when present, else every
-    *.safetensors file in it (or `path` itself when it is a file)."""
+    *.safetensors file in it (or `path` itself when it is a file).
+
+    Raises ValueError for a writer's leftover temporary folder (`folders.is_temporary`; a folder
+    missing after an interrupted replacement names the previous version left beside it), an index
+    that is not {"weight_map": {key: file name}}, a folder with an index and a *.safetensors file
+    the index does not name (a stale file beside the index: which weights are meant is unclear), a
+    key a shard holds that the index places elsewhere or not at all, or a key in two files."""
     path = os.fspath(path)
+    if folders.is_temporary(path):
+        raise ValueError(f"{path}: an unfinished or replaced checkpoint a writer left behind, not a checkpoint")
     if os.path.isfile(path):
         return read_header(path)
     if not os.path.isdir(path):
-        raise ValueError(f"{path}: checkpoint folder not found ({EXPECTED})")
+        previous = folders.previous_versions(path)
+        hint = f"; an interrupted save left the previous checkpoint in {previous[-1]}" if previous else ""
+        raise ValueError(f"{path}: checkpoint folder not found ({EXPECTED}){hint}")
     index = os.path.join(path, INDEX)
+    present = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if os.path.exists(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: malformed index ({e!r})") from None
+        weight_map = _weight_map(index)
         files = sorted(set(weight_map.values()))
+        stale = [f for f in present if f not in weight_map.values()]
+        if stale:
+            raise ValueError(f"{path}: holds {INDEX} and {', '.join(stale)}, which the index does not name; remove "
+                             "the stale file or the index (a checkpoint is one or the other)")
     else:
         weight_map = None
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        files = present
         if not files:
             raise ValueError(f"{path}: no *.safetensors files and no {INDEX} ({EXPECTED})")
     tensors: dict[str, TensorInfo] = {}
@@ -145,12 +213,31 @@ def open_checkpoint(path: str) -> dict[str, TensorInfo]:
         for key, info in read_header(os.path.join(path, name)).items():
             if key in tensors:
                 raise ValueError(f"{info.file}: {key}: also stored in {tensors[key].file}")
+            if weight_map is not None and weight_map.get(key) != name:
+                where = f"places it in {weight_map[key]}" if key in weight_map else "does not list it"
+                raise ValueError(f"{info.file}: {key}: {INDEX} {where}")
             tensors[key] = info
     if weight_map is not None:
         for key, name in weight_map.items():
             if key not in tensors:
                 raise ValueError(f"{os.path.join(path, name)}: {key}: listed in {INDEX} but not in the file")
     return tensors
+
+
+def _weight_map(index: str) -> dict[str, str]:
+    """The index's weight_map, checked: keys to plain *.safetensors file names of the same folder."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (ValueError, KeyError, TypeError, RecursionError, OSError) as e:
+        raise ValueError(f"{index}: malformed index, expected {{\"weight_map\": {{key: file}}}} ({e!r})") from None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: weight_map: expected an object, found {type(weight_map).__name__}")
+    for key, name in weight_map.items():
+        if not (isinstance(name, str) and name.endswith(".safetensors") and os.path.basename(name) == name
+                and name not in (".", "..")):
+            raise ValueError(f"{index}: weight_map: {key}: {name!r} is not a *.safetensors file name of this folder")
+    return weight_map
 
 
 class _NoBar:

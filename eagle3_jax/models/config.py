@@ -159,45 +159,17 @@ class GptOssConfig:
         """Reads an HF GPT-OSS `config.json` (a path to the file or its folder, or the parsed dict).
 
         Accepts both `rope_scaling` and `rope_parameters` spellings. `experts_format` defaults to
-        "mxfp4" when `quantization_config.quant_method == "mxfp4"`, else "dense".
+        "mxfp4" when `quantization_config.quant_method == "mxfp4"`, else "dense". A key left out
+        (or null) takes transformers' GptOssConfig default, gpt-oss-120b's; `hf_defaults_note`
+        names those that decide tensor shapes, and any error here names them too. A value of the
+        wrong type or range raises ValueError naming the file, the key, expected and found.
         """
-        cfg, where = _read_json(config_json)
-        mt = cfg.get("model_type", "gpt_oss")
-        if mt != "gpt_oss":
-            raise ValueError(f"{where}: model_type is {mt!r}, expected 'gpt_oss'")
-        quant = cfg.get("quantization_config")
-        if quant is not None:
-            method = quant.get("quant_method")
-            if method != "mxfp4":
-                raise ValueError(f"{where}: quantization_config.quant_method {method!r} is not supported "
-                                 "(expected 'mxfp4' or no quantization_config)")
-        if experts_format is None:
-            experts_format = "mxfp4" if quant is not None else "dense"
-        eos = cfg.get("eos_token_id", ())
-        eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
-        if "rope_scaling" not in cfg and "rope_parameters" not in cfg:  # absent: transformers' GptOssConfig default
-            cfg = {**cfg, "rope_scaling": dict(GPT_OSS_HF_ROPE_SCALING)}
-        kw: dict[str, Any] = dict(
-            rope=rope_from_hf(cfg, where), experts_format=experts_format, eos_token_ids=eos,
-            pad_token_id=cfg.get("pad_token_id"), bos_token_id=cfg.get("bos_token_id"),
-            layer_types=tuple(cfg.get("layer_types") or ()),
-        )
-        if "sliding_window" in cfg and cfg["sliding_window"] is None:
-            raise ValueError(f"{where}: sliding_window is null; GPT-OSS needs a window for its sliding layers")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "num_local_experts",
-                     "num_experts_per_tok", "sliding_window", "max_position_embeddings", "swiglu_limit",
-                     "swiglu_alpha", "rms_norm_eps", "attention_bias", "tie_word_embeddings"):
-            if name in cfg and cfg[name] is not None:
-                kw[name] = cfg[name]
-        if "num_experts" in cfg and "num_local_experts" not in cfg:
-            kw["num_local_experts"] = cfg["num_experts"]
-        # head_dim absent: transformers' GptOssConfig default (64), not hidden / heads (2880 / 64 = 45)
-        kw["head_dim"] = cfg["head_dim"] if cfg.get("head_dim") is not None else GPT_OSS_HF_HEAD_DIM
+        cfg, where = read_config_json(config_json)
         try:
-            return cls(**kw)
+            return cls(**_gpt_oss_kwargs(cfg, experts_format))
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: {e}") from None
+            note = hf_defaults_note(cfg)
+            raise ValueError(f"{where}: {e}" + (f"; {note}" if note else "")) from None
 
     def to_hf(self) -> dict:
         """The HF `config.json` dict (MXFP4 quantization_config when experts are packed)."""
@@ -228,6 +200,85 @@ class GptOssConfig:
 GPT_OSS_HF_HEAD_DIM = 64
 GPT_OSS_HF_ROPE_SCALING = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                                original_max_position_embeddings=4096)
+# config.json keys that decide the tensors' shapes (or which tensors exist)
+GPT_OSS_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "head_dim", "num_local_experts", "attention_bias")
+_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "sliding_window", "max_position_embeddings")
+_KINDS = {"int": "an integer", "number": "a number", "bool": "true or false", "str": "a string",
+          "dict": "an object", "list": "a list"}
+
+
+def hf_value(cfg: dict, key: str, kind: str, prefix: str = ""):
+    """cfg[key] (None when absent or null), checked to be of `kind` ("int", "number", "bool", "str",
+    "dict", "list" (or tuple); bools, NaN and infinities are not numbers); else ValueError
+    "{prefix}{key}: expected ..., found ..."."""
+    v = cfg.get(key)
+    if v is None:
+        return None
+    ok = {"int": type(v) is int, "number": type(v) is int or (type(v) is float and math.isfinite(v)),
+          "bool": type(v) is bool, "str": type(v) is str, "dict": isinstance(v, dict),
+          "list": isinstance(v, (list, tuple))}[kind]
+    if not ok:
+        raise ValueError(f"{prefix}{key}: expected {_KINDS[kind]}, found {v!r}")
+    return v
+
+
+def _gpt_oss_kwargs(cfg: dict, experts_format: str | None) -> dict:
+    """GptOssConfig keyword arguments from a config.json dict (keys absent: left to the defaults)."""
+    mt = cfg.get("model_type", "gpt_oss")
+    if mt != "gpt_oss":
+        raise ValueError(f"model_type is {mt!r}, expected 'gpt_oss'")
+    quant = hf_value(cfg, "quantization_config", "dict")
+    if quant is not None:
+        method = quant.get("quant_method")
+        if method != "mxfp4":
+            raise ValueError(f"quantization_config.quant_method {method!r} is not supported "
+                             "(expected 'mxfp4' or no quantization_config)")
+    if experts_format is None:
+        experts_format = "mxfp4" if quant is not None else "dense"
+    eos = cfg.get("eos_token_id")
+    eos = [eos] if type(eos) is int else eos or []
+    if not isinstance(eos, (list, tuple)) or not all(type(i) is int for i in eos):
+        raise ValueError(f"eos_token_id: expected an integer or a list of integers, found {cfg['eos_token_id']!r}")
+    layer_types = hf_value(cfg, "layer_types", "list") or []
+    if not all(type(t) is str for t in layer_types):
+        raise ValueError(f"layer_types: expected a list of strings, found {layer_types!r}")
+    if "rope_scaling" not in cfg and "rope_parameters" not in cfg:  # absent: transformers' GptOssConfig default
+        cfg = {**cfg, "rope_scaling": dict(GPT_OSS_HF_ROPE_SCALING)}
+    if "sliding_window" in cfg and cfg["sliding_window"] is None:
+        raise ValueError("sliding_window is null; GPT-OSS needs a window for its sliding layers")
+    kw: dict[str, Any] = dict(rope=_rope(cfg), experts_format=experts_format, eos_token_ids=tuple(eos),
+                              pad_token_id=hf_value(cfg, "pad_token_id", "int"),
+                              bos_token_id=hf_value(cfg, "bos_token_id", "int"), layer_types=tuple(layer_types))
+    for names, kind in ((_INTS + ("head_dim", "num_experts"), "int"),
+                        (("swiglu_limit", "swiglu_alpha", "rms_norm_eps"), "number"),
+                        (("attention_bias", "tie_word_embeddings"), "bool")):
+        for name in names:
+            if hf_value(cfg, name, kind) is not None:
+                kw[name] = cfg[name]
+    if "num_experts" in kw:
+        n = kw.pop("num_experts")
+        kw.setdefault("num_local_experts", n)
+    # head_dim absent: transformers' GptOssConfig default (64), not hidden / heads (2880 / 64 = 45)
+    kw.setdefault("head_dim", GPT_OSS_HF_HEAD_DIM)
+    return kw
+
+
+def hf_defaults_note(cfg: dict) -> str:
+    """"" when the config.json dict sets every key that decides the tensors' shapes
+    (GPT_OSS_SHAPE_KEYS); else a sentence naming those it lacks (or sets to null) and the
+    gpt-oss-120b defaults assumed for them, to add to a shape error."""
+    if not isinstance(cfg, dict):
+        return ""
+    default = GptOssConfig()
+    missing = [k for k in GPT_OSS_SHAPE_KEYS if cfg.get(k) is None
+               and not (k == "num_local_experts" and cfg.get("num_experts") is not None)]
+    if not missing:
+        return ""
+    assumed = ", ".join(f"{k}={GPT_OSS_HF_HEAD_DIM if k == 'head_dim' else getattr(default, k)}" for k in missing)
+    return (f"config.json has no {', '.join(missing)}: assumed gpt-oss-120b's {assumed} (transformers' "
+            "GptOssConfig defaults)")
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -255,42 +306,64 @@ def rope_to_hf(r: RopeConfig) -> dict | None:
 
 
 def rope_from_hf(cfg: dict, where: str = "config") -> RopeConfig:
-    """RopeConfig from either `rope_scaling` (+ top-level `rope_theta`) or `rope_parameters`."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"{where}: rope_scaling/rope_parameters must be a dict, got {type(params).__name__}")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 150000.0 if cfg.get("model_type") == "gpt_oss" else 10000.0))
-    rtype = params.get("rope_type", params.get("type", "default" if not params else "yarn"))
+    """RopeConfig from either `rope_scaling` (+ top-level `rope_theta`) or `rope_parameters`; a
+    value of the wrong type or range raises ValueError naming `where` and the key."""
     try:
-        if rtype in ("default", None):
-            return RopeConfig(theta=float(theta), rope_type="default")
-        factor = params.get("factor")
-        if rtype == "llama3":
-            return RopeConfig(theta=float(theta), rope_type="llama3", factor=float(factor or 1.0),
-                              low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-                              high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-                              original_max_position_embeddings=int(params.get("original_max_position_embeddings",
-                                                                              8192)))
-        orig = params.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
-        if orig is None:
-            raise ValueError("rope_scaling.original_max_position_embeddings: missing")
-        if factor is None:
-            factor = cfg["max_position_embeddings"] / orig
-        attention_factor = params.get("attention_factor")
-        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-        if attention_factor is None and mscale and mscale_all_dim:  # as transformers' YaRN parameters
-            attention_factor = _yarn_mscale(float(factor), mscale) / _yarn_mscale(float(factor), mscale_all_dim)
-        return RopeConfig(
-            theta=float(theta), rope_type=rtype, factor=float(factor),
-            beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
-            original_max_position_embeddings=int(orig), truncate=bool(params.get("truncate", True)),
-            attention_factor=attention_factor,
-        )
-    except ValueError as e:
+        return _rope(cfg)
+    except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
 
 
-def _read_json(src) -> tuple[dict, str]:
+def _rope(cfg: dict) -> RopeConfig:
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    params = cfg.get(key) or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"{key}: expected an object, found {params!r}")
+    theta = hf_value(params, "rope_theta", "number", f"{key}.")
+    if theta is None:
+        theta = hf_value(cfg, "rope_theta", "number")
+    if theta is None:
+        theta = 150000.0 if cfg.get("model_type") == "gpt_oss" else 10000.0
+    rtype = params.get("rope_type", params.get("type", "default" if not params else "yarn"))
+    if rtype in ("default", None):
+        return RopeConfig(theta=float(theta), rope_type="default")
+    if not isinstance(rtype, str):
+        raise ValueError(f"{key}.rope_type: expected a string, found {rtype!r}")
+    num = lambda name, default: float(hf_value(params, name, "number", f"{key}.") or default)  # noqa: E731
+    factor = hf_value(params, "factor", "number", f"{key}.")
+    if rtype == "llama3":
+        orig = hf_value(params, "original_max_position_embeddings", "int", f"{key}.")
+        return RopeConfig(theta=float(theta), rope_type="llama3", factor=float(factor or 1.0),
+                          low_freq_factor=num("low_freq_factor", 1.0), high_freq_factor=num("high_freq_factor", 4.0),
+                          original_max_position_embeddings=8192 if orig is None else orig)
+    orig = hf_value(params, "original_max_position_embeddings", "int", f"{key}.")
+    if orig is None:
+        orig = hf_value(cfg, "max_position_embeddings", "int")
+    if orig is None:
+        raise ValueError(f"{key}.original_max_position_embeddings: missing (and no max_position_embeddings)")
+    _positive_int(f"{key}.original_max_position_embeddings", orig)
+    if factor is None:
+        most = hf_value(cfg, "max_position_embeddings", "int")
+        if most is None:
+            raise ValueError(f"{key}.factor: missing, and no max_position_embeddings to derive it from")
+        factor = most / orig
+    attention_factor = hf_value(params, "attention_factor", "number", f"{key}.")
+    mscale = hf_value(params, "mscale", "number", f"{key}.")
+    mscale_all_dim = hf_value(params, "mscale_all_dim", "number", f"{key}.")
+    if attention_factor is None and mscale and mscale_all_dim:  # as transformers' YaRN parameters
+        attention_factor = _yarn_mscale(float(factor), mscale) / _yarn_mscale(float(factor), mscale_all_dim)
+    truncate = hf_value(params, "truncate", "bool", f"{key}.")
+    return RopeConfig(
+        theta=float(theta), rope_type=rtype, factor=float(factor), beta_fast=num("beta_fast", 32.0),
+        beta_slow=num("beta_slow", 1.0), original_max_position_embeddings=orig,
+        truncate=True if truncate is None else truncate, attention_factor=attention_factor,
+    )
+
+
+def read_config_json(src) -> tuple[dict, str]:
+    """(the parsed config.json, where it was read) from a dict (where: "config"), a config.json
+    path or a checkpoint folder holding one. ValueError when it is missing, not JSON, or not a JSON
+    object."""
     if isinstance(src, dict):
         return src, "config"
     path = os.fspath(src)
@@ -303,10 +376,15 @@ def _read_json(src) -> tuple[dict, str]:
         raise ValueError(f"{path}: config.json not found (no such file; expected a config.json or a checkpoint "
                          "folder holding one)")
     try:
-        with open(path) as f:
-            return json.load(f), path
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        with open(path, "rb") as f:
+            cfg = json.loads(f.read())
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(cfg).__name__}")
+    return cfg, path
 
 
 AUX_CONVENTIONS = ("output", "input")

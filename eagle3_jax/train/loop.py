@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from eagle3_jax.checks import int_arg
+from eagle3_jax.convert import folders
 
 
 def adamw(lr: float, steps: int, warmup: int, *, weight_decay: float = 0.1, clip: float = 1.0,
@@ -35,6 +36,13 @@ def adamw(lr: float, steps: int, warmup: int, *, weight_decay: float = 0.1, clip
 def _checkpointer(ckpt_dir):
     import orbax.checkpoint as ocp
 
+    path = os.path.abspath(ckpt_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"ckpt_dir {path}: is a file, expected a folder of training checkpoints")
+    kind = folders.checkpoint_kind(path) if os.path.isdir(path) else None
+    if kind is not None:
+        raise ValueError(f"ckpt_dir {path}: holds {folders.describe(path)}, not training checkpoints (numbered step "
+                         "folders); use another ckpt_dir")
     return ocp, ocp.CheckpointManager(os.path.abspath(ckpt_dir), options=ocp.CheckpointManagerOptions(max_to_keep=2))
 
 
@@ -47,7 +55,11 @@ def fit(model: nnx.Module, loss_fn: Callable, batch_fn: Callable[[int], dict], *
     loss_fn(model, batch, *extra) -> (scalar loss, dict of scalar metrics); `extra` holds frozen
     modules (e.g. the target a draft learns from), passed as jit arguments rather than baked in as
     constants. With `ckpt_dir`, model and optimizer state are saved every `save_every` steps and at
-    the end, and a call finding a checkpoint there resumes from its step. Returns the logged records
+    the end, and a call finding a checkpoint there resumes from its step. Each step's checkpoint is
+    written whole or not at all (orbax's CheckpointManager: a temporary folder, renamed once
+    committed; a killed run resumes from the last committed step). A ckpt_dir holding another kind
+    of checkpoint (an HF or `save_checkpoint` folder: `folders.checkpoint_kind`) raises ValueError
+    before anything is written. Returns the logged records
     (step, loss, metrics, seconds since the start, and `eval_fn(model)`'s figures prefixed "eval_"),
     one every `log_every` steps and at the end.
 
