@@ -475,7 +475,7 @@ def test_gpu_model_moe_uses_kernel(T):
     norm = gpt_oss.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     norm.scale[...] = jax.random.uniform(jax.random.key(T + 1), (cfg.hidden_size,), minval=0.5, maxval=2.0)
     x = jax.random.normal(jax.random.key(T), (T, cfg.hidden_size), jnp.bfloat16) * 4
-    assert layer._path_for(x) == "kernel"
+    assert select.moe(x, num_experts=16, top_k=cfg.num_experts_per_tok, packed=True) == "kernel"
     for nm in (None, norm):
         got = jax.jit(lambda m, v: m(v, norm=nm))(layer, x)
         ref = jax.jit(lambda m, v: m(v, path="gathered", norm=nm))(layer, x)
@@ -500,7 +500,7 @@ def test_gpu_model_grouped_path_uses_kernel():
     cfg = GptOssConfig.preset("gpt-oss-120b").replace(num_local_experts=32)
     layer = gpt_oss.MoE(cfg, jnp.bfloat16, nnx.Rngs(5))
     x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)), (300, cfg.hidden_size), jnp.bfloat16)
-    assert layer._path_for(x) == "grouped"
+    assert select.moe(x, num_experts=32, top_k=cfg.num_experts_per_tok, packed=True) == "grouped"
     got = jax.jit(lambda m, v: m(v, dtype=jnp.float32))(layer, x)
     ids, w = layer.route(x)
     ref = jax.jit(lambda m, v, i, u: m._grouped(v, i, u, select.KernelPolicy(moe_grouped="scan")))(layer, x, ids, w)
