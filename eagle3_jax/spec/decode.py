@@ -18,7 +18,7 @@ from flax import nnx
 from eagle3_jax import parallel
 from eagle3_jax.checks import ArgumentError, int_arg, is_int
 from eagle3_jax.models import eagle3, gpt_oss
-from eagle3_jax.spec import loop, metrics
+from eagle3_jax.spec import loop, memory, metrics
 from eagle3_jax.spec.state import Plan
 from eagle3_jax.spec.tree import PROPOSALS
 
@@ -173,11 +173,20 @@ def run_context(models, ctx: parallel.RunContext | None) -> parallel.RunContext:
     return ctx
 
 
-def _run(models, prompts, args, plan: Plan, ctx: parallel.RunContext):
+def _free(devices, limit: int | None) -> tuple[int | None, str]:
+    """(bytes free a device, where the figure comes from): `limit` where given, else the allocator's
+    figures of `devices` (None on a device without them: CPU)."""
+    if limit is not None:
+        return limit, "memory_limit"
+    return memory.free_bytes(devices), "the allocator's bytes_limit - bytes_in_use"
+
+
+def _run(models, prompts, args, plan: Plan, ctx: parallel.RunContext, memory_limit: int | None):
     """Compiles (once per plan, run context and shapes) and runs the loop: (per-prompt token lists,
     Counters, throughput metrics). On ctx's mesh the host arguments go onto it: prompts and lengths
     split over "data", the batch padded to a multiple of it with empty prompts (rows that start done
-    and are dropped from the outputs), the rest replicated."""
+    and are dropped from the outputs), the rest replicated. Before compiling and again before running,
+    the state and then the compiled program are checked against the free memory (spec/memory.py)."""
     graphdef, state = nnx.split(models)
     mesh = ctx.mesh
     B = len(prompts)
@@ -187,8 +196,16 @@ def _run(models, prompts, args, plan: Plan, ctx: parallel.RunContext):
         tokens = np.concatenate([tokens, np.zeros((pad, tokens.shape[1]), tokens.dtype)])
         lengths = np.concatenate([lengths, np.zeros((pad,), lengths.dtype)])
         args = (parallel.put_rows(tokens, mesh), parallel.put_rows(lengths, mesh), *parallel.replicate(rest, mesh))
+    devices = memory.run_devices(mesh, state)
+    free, source = _free(devices, memory_limit)
+    if free is not None:
+        memory.check_state(models, plan, B, free, mesh, source)
+    host_bytes = sum(a.nbytes for a in args if isinstance(a, np.ndarray))  # copied to the device by the call
     args = (state, *args)
     exe, compile_s = loop.compiled(plan, graphdef, ctx, *args)
+    free, source = _free(devices, memory_limit)
+    if free is not None:
+        memory.check_program(exe, models, plan, B, free, mesh, source, host_bytes)
     t0 = time.perf_counter()
     out, n_out, steps, counters = jax.block_until_ready(exe(ctx, *args))
     seconds = time.perf_counter() - t0
@@ -199,7 +216,8 @@ def _run(models, prompts, args, plan: Plan, ctx: parallel.RunContext):
 
 def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: float = 0.0,
              eos_ids: Sequence[int] | None = None, seed: int = 0, *, max_cache_len: int | None = None,
-             prefill_chunk: int | None = None, ctx: parallel.RunContext | None = None) -> Output:
+             prefill_chunk: int | None = None, ctx: parallel.RunContext | None = None,
+             memory_limit: int | None = None) -> Output:
     """Baseline autoregressive generation (greedy at temperature 0, else sampling), batched and ragged.
 
     prompts: list of token-id lists (any lengths). eos_ids: None takes the config's eos ids
@@ -208,15 +226,22 @@ def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: 
     compiler options); None: `parallel.context_for(target)`, the parameters' mesh, automatic kernels.
     prefill_chunk: tokens a row per prefill step (prompts are padded to a multiple of it); None:
     `prefill_chunk_for`. max_cache_len: the most KV-cache slots a row (None: the prompt + budget
-    rounded up to LENGTH_BUCKET). Wrong types raise `ArgumentError` (a ValueError and a TypeError),
-    wrong values ValueError.
+    rounded up to LENGTH_BUCKET). memory_limit: bytes a device may take for the call (its state,
+    temporaries and outputs; the parameters already there not counted); None: what the allocator
+    reports free (`jax.Device.memory_stats()`: bytes_limit - bytes_in_use, the fewest over the mesh's
+    devices of this process), and no check on devices that report nothing (CPU). A batch x context
+    that does not fit raises ValueError before compiling (its state: the KV caches, spec/memory.py)
+    or after compiling and before running (the program's buffers), with the bytes needed and free a
+    device and the largest batch that fits. Wrong types raise `ArgumentError` (a ValueError and a
+    TypeError), wrong values ValueError.
     """
     if not isinstance(target, gpt_oss.GptOss):
         raise ArgumentError(f"target: expected a gpt_oss.GptOss, got {type(target).__name__}")
+    memory_limit = int_arg("memory_limit", memory_limit, 0, optional=True)
     prompts, args, static = _prepare(target.config, prompts, max_new_tokens, temperature, eos_ids, seed,
                                      max_cache_len, prefill_chunk)
     ctx = run_context((target, None), ctx)
-    toks, _, m = _run((target, None), prompts, args, Plan(**static), ctx)
+    toks, _, m = _run((target, None), prompts, args, Plan(**static), ctx, memory_limit)
     return Output(toks, m)
 
 
@@ -247,13 +272,14 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
            topk: int = 1, num_draft_tokens: int | None = None, temperature: float = 0.0,
            eos_ids: Sequence[int] | None = None, seed: int = 0, *, proposal: str = "deterministic",
            max_cache_len: int | None = None, prefill_chunk: int | None = None,
-           ctx: parallel.RunContext | None = None) -> Output:
+           ctx: parallel.RunContext | None = None, memory_limit: int | None = None) -> Output:
     """EAGLE-3 speculative decoding; lossless against `generate` (greedy: token for token).
 
     num_spec_tokens: draft depth; topk: children per expanded node (1 = chain); num_draft_tokens:
     tree nodes N including the root (default: num_spec_tokens + 1 for a chain; required <=
-    1 + topk + (depth - 1) * topk^2 for a tree); prefill_chunk, max_cache_len, eos_ids, ctx as in `generate` (the
-    cache also holds num_draft_tokens + num_spec_tokens + 1 scratch slots). Output as `generate`, with
+    1 + topk + (depth - 1) * topk^2 for a tree); prefill_chunk, max_cache_len, eos_ids, ctx and
+    memory_limit as in `generate` (the cache also holds num_draft_tokens + num_spec_tokens + 1 scratch
+    slots; the state also holds the draft's cache). Output as `generate`, with
     acceptance metrics: mean_accept_length (tau: tokens committed per slot-step, the bonus token
     counted), accept_rate (accepted drafts per slot-step over the most a step can accept,
     min(num_spec_tokens, num_draft_tokens - 1)), accept_rate_per_position, accept_length_histogram,
@@ -274,6 +300,7 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
     num_spec_tokens = int_arg("num_spec_tokens", num_spec_tokens, 1)
     topk = int_arg("topk", topk, 1)
     num_draft_tokens = int_arg("num_draft_tokens", num_draft_tokens, 2, optional=True)
+    memory_limit = int_arg("memory_limit", memory_limit, 0, optional=True)
     if topk > draft.config.draft_vocab_size:
         raise ValueError(f"topk: {topk} > draft vocabulary size {draft.config.draft_vocab_size}")
     most = 1 + topk + (num_spec_tokens - 1) * topk * topk
@@ -288,7 +315,7 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
     plan = Plan(**static, depth=num_spec_tokens, topk=topk, num_nodes=num_draft_tokens,
                 feature_ids=tuple(draft.config.feature_layers), proposal=proposal)
     ctx = run_context((target, draft), ctx)
-    toks, counters, m = _run((target, draft), prompts, args, plan, ctx)
+    toks, counters, m = _run((target, draft), prompts, args, plan, ctx, memory_limit)
     m.update(metrics.acceptance(counters, num_spec_tokens, num_draft_tokens), num_spec_tokens=num_spec_tokens,
              topk=topk, num_draft_tokens=num_draft_tokens, proposal=proposal)
     return Output(toks, m)
