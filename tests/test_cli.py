@@ -4,6 +4,7 @@ The script runs here fail before anything is compiled: a few seconds each on 2 C
 
 import logging
 import os
+import re
 import sys
 
 import experiment_runner
@@ -105,3 +106,25 @@ def test_load_progress_shows_for_big_or_sharded_checkpoints(capsys):
     load_eagle3(assets.DRAFT_DIR, target=target, progress=True)
     err = capsys.readouterr().err
     assert "loading draft" in err and "100%" in err
+
+
+def test_an_unwritable_output_fails_before_the_run():
+    # decode.py would load the pair and decode before writing: the check comes first, nothing else runs
+    r = script("decode.py", "--json_out", "/proc/eagle3_jax/out.json")
+    assert (r.returncode, r.stdout) == (1, ""), (r.stdout, r.stderr)
+    assert r.stderr == ("error: --json_out /proc/eagle3_jax/out.json: cannot be written: no file can be made in "
+                        "/proc (No such file or directory)\n"), r.stderr
+
+
+def test_check_output(tmp_path):
+    (tmp_path / "file").write_text("")
+    for path, folder, msg in ((tmp_path / "file" / "x.json", False, f"{tmp_path / 'file'} is not a folder"),
+                              (tmp_path, False, "is a folder, expected a file path"),
+                              (tmp_path / "file", True, "is a file, expected a folder"),
+                              ("/proc/x/ckpt", True, "no file can be made in /proc")):
+        with pytest.raises(ValueError, match=f"^--out {re.escape(str(path))}: .*{re.escape(msg)}"):
+            cli.check_output("out", str(path), folder)
+    cli.check_output("out", str(tmp_path / "new" / "deeper" / "x.json"))  # folders made when written
+    cli.check_output("out", str(tmp_path / "file"))  # an existing file is replaced
+    cli.check_output("out_dir", str(tmp_path / "new"), folder=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the check creates nothing

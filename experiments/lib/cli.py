@@ -6,6 +6,14 @@
   IsADirectoryError / NotADirectoryError. `--traceback` shows the whole traceback instead. Genuine
   bugs (AssertionError, a TypeError that is not an ArgumentError, ...) and Ctrl-C keep theirs;
   absl's own flag errors (validators, UsageError) print as absl prints them.
+- Outputs are checked before main runs: a flag named in OUTPUT_FILES (--out, --json_out, --plot)
+  or OUTPUT_FOLDERS (--out_dir, --ckpt_dir) whose path cannot be written (its folder neither exists
+  nor can be made, or refuses a new file) ends the script at once, in one line (`check_outputs`),
+  not after the work. Nothing is created by the check.
+- Several processes (`setup_devices` with --coordinator_address): a process that never joins ends
+  the others after --join_timeout seconds, one that dies (killed, out of memory, an error) ends the
+  others after --heartbeat_timeout seconds, wherever they wait (a collective included): JAX's
+  coordination service stops them with a message naming the dead process.
 - JAX's INFO line "Unable to initialize backend 'tpu'", logged while it probes for backends on a
   machine without a TPU, is filtered out (that record only: any other backend's failure, and
   every warning, still shows; JAX_PLATFORMS is left alone, so CUDA is picked where present).
@@ -17,7 +25,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import tempfile
+import threading
+import time
 
 from absl import app, flags
 
@@ -25,6 +37,8 @@ FLAGS = flags.FLAGS
 
 # Bad input, as opposed to a bug: what `run` turns into one line.
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+OUTPUT_FILES = ("out", "json_out", "plot")  # flags that name a file a script writes
+OUTPUT_FOLDERS = ("out_dir", "ckpt_dir")  # flags that name a folder a script writes into
 
 
 class _NoTpuProbe(logging.Filter):
@@ -51,12 +65,46 @@ def error_message(e: BaseException) -> str:
     return " ".join(msg.splitlines())
 
 
+def check_output(name: str, path: str, folder: bool = False) -> None:
+    """Raises ValueError naming flag --`name` unless `path` can be written: a file path (a folder
+    with `folder`) that is not a folder (not a file), whose folder exists or can be made, and where
+    the nearest folder that exists takes a new file (tried: a temporary file made and removed)."""
+    full = os.path.abspath(os.path.expanduser(path))
+    if not folder and os.path.isdir(full):
+        raise ValueError(f"--{name} {path}: is a folder, expected a file path")
+    if folder and os.path.exists(full) and not os.path.isdir(full):
+        raise ValueError(f"--{name} {path}: is a file, expected a folder")
+    base = full if folder else os.path.dirname(full)
+    while not os.path.lexists(base):
+        base = os.path.dirname(base)
+    if not os.path.isdir(base):
+        raise ValueError(f"--{name} {path}: cannot be written: {base} is not a folder")
+    try:
+        with tempfile.NamedTemporaryFile(dir=base, prefix=".write_check_"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--{name} {path}: cannot be written: no file can be made in {base} "
+                         f"({e.strerror or e})") from e
+    if not folder and os.path.exists(full) and not os.access(full, os.W_OK):
+        raise ValueError(f"--{name} {path}: cannot be written: the file is read-only")
+
+
+def check_outputs() -> None:
+    """`check_output` on each flag of OUTPUT_FILES and OUTPUT_FOLDERS that is defined and has a value."""
+    for names, folder in ((OUTPUT_FILES, False), (OUTPUT_FOLDERS, True)):
+        for name in names:
+            if name in FLAGS and FLAGS[name].value:
+                check_output(name, FLAGS[name].value, folder)
+
+
 def guard(main, error_exitcode: int = 1):
-    """main, with bad input (USER_ERRORS) printed as one line `error: <message>` on stderr and
-    `sys.exit(error_exitcode)`; anything else raised goes on as it is."""
+    """main, with its outputs checked first (`check_outputs`) and bad input (USER_ERRORS) printed as
+    one line `error: <message>` on stderr and `sys.exit(error_exitcode)`; anything else raised goes
+    on as it is."""
 
     def guarded(argv):
         try:
+            check_outputs()
             return main(argv)
         except USER_ERRORS as e:
             if FLAGS["traceback"].value:
@@ -156,6 +204,11 @@ def mesh_flags() -> None:
                         "processes through jax.distributed.initialize (e.g. one a host, or one a GPU)")
     flags.DEFINE_integer("num_processes", None, "processes of the run (with --coordinator_address)", lower_bound=1)
     flags.DEFINE_integer("process_id", None, "this process's index in [0, num_processes)", lower_bound=0)
+    flags.DEFINE_integer("join_timeout", 120, "with --coordinator_address: seconds a process waits for all "
+                         "--num_processes to join before it ends with an error", lower_bound=1)
+    flags.DEFINE_integer("heartbeat_timeout", 60, "with --coordinator_address: seconds without a heartbeat after "
+                         "which a process counts as dead and JAX's coordination service ends the others",
+                         lower_bound=1)
     flags.DEFINE_enum("experts", "tensor", ["tensor", "expert"], "with --mesh: how it splits the target's experts "
                       "over 'model' (parallel.split_experts): every expert's units, or whole experts a device")
 
@@ -171,17 +224,52 @@ def parse_mesh(text: str) -> dict:
     return sizes
 
 
+def initialize_distributed(address: str, num_processes: int, process_id: int, join_timeout: int,
+                           heartbeat_timeout: int) -> None:
+    """jax.distributed.initialize with bounded waits. Not all processes joined after `join_timeout`
+    seconds: this one prints `error: ...` (one line, naming the address and the count) and exits with
+    status 1 (a watchdog thread: JAX's own timeout ends the process later, with a stack dump). After
+    joining, a process whose heartbeat stops for `heartbeat_timeout` seconds (it died, or hangs
+    without its runtime) is reported dead by JAX's coordination service, which ends every other
+    process with a message naming it (a fatal log, status 134 from SIGABRT), wherever it waits: a
+    collective that would wait for the dead process forever included."""
+    import jax
+
+    start = time.monotonic()
+
+    def not_joined():
+        sys.stdout.flush()
+        print(f"error: jax.distributed: process {process_id} of {num_processes} waited "
+              f"{time.monotonic() - start:.0f} s at {address} and not every process joined (--join_timeout "
+              f"{join_timeout}); start all {num_processes} with the same --coordinator_address and "
+              "--num_processes, each its own --process_id", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    watchdog = threading.Timer(join_timeout, not_joined)
+    watchdog.daemon = True
+    watchdog.start()
+    try:  # JAX's own limit a little later: the watchdog speaks first
+        jax.distributed.initialize(address, num_processes, process_id, initialization_timeout=join_timeout + 30,
+                                   heartbeat_timeout_seconds=heartbeat_timeout)
+    finally:
+        watchdog.cancel()
+
+
 def setup_devices():
-    """jax.distributed.initialize where --coordinator_address is given, then the mesh --mesh names
-    (None without --mesh; --experts given without it: ValueError): in one process over
-    its first M*D devices (model=2 on a host of 4 GPUs: GPUs 0 and 1), over several processes over
-    all of theirs."""
+    """jax.distributed.initialize where --coordinator_address is given (`initialize_distributed`:
+    --join_timeout, --heartbeat_timeout), then the mesh --mesh names (None without --mesh; --experts
+    given without it: ValueError): in one process over its first M*D devices (model=2 on a host of
+    4 GPUs: GPUs 0 and 1), over several processes over all of theirs."""
     import jax
 
     if FLAGS.coordinator_address:
         if FLAGS.num_processes is None or FLAGS.process_id is None:
             raise ValueError("--coordinator_address needs --num_processes and --process_id")
-        jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+        if FLAGS.process_id >= FLAGS.num_processes:
+            raise ValueError(f"--process_id {FLAGS.process_id}: expected an index in [0, --num_processes "
+                             f"{FLAGS.num_processes})")
+        initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, FLAGS.join_timeout,
+                               FLAGS.heartbeat_timeout)
     if not FLAGS.mesh:
         if FLAGS["experts"].present:
             raise ValueError(f"--experts {FLAGS.experts}: splits the experts over a mesh; pass --mesh")
