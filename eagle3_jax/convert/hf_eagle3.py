@@ -25,6 +25,7 @@ from eagle3_jax import parallel
 from eagle3_jax.convert import folders, params
 from eagle3_jax.convert import safetensors_io as stio
 from eagle3_jax.models.config import (
+    MAX_DIM,
     Eagle3Config,
     GptOssConfig,
     hf_value,
@@ -59,6 +60,9 @@ def config_from_hf(cfg: dict, target_config: GptOssConfig, where: str = "config.
         ints = {k: hf_value(cfg, k, "int") for k in (
             "num_hidden_layers", "vocab_size", "hidden_size", "target_hidden_size", "draft_vocab_size",
             "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")}
+        for k, v in ints.items():
+            if v is not None and v > MAX_DIM:
+                raise ValueError(f"{k}: {v} is more than any model has (at most {MAX_DIM} read)")
         eps = hf_value(cfg, "rms_norm_eps", "number")
         own_ids = hf_value(eagle, "eagle_aux_hidden_state_layer_ids", "list", "eagle_config.") or \
             hf_value(cfg, "eagle_aux_hidden_state_layer_ids", "list")
@@ -103,13 +107,14 @@ def config_from_hf(cfg: dict, target_config: GptOssConfig, where: str = "config.
     heads = ints["num_attention_heads"]
     if heads is None or heads <= 0:
         raise ValueError(f"{where}: num_attention_heads: expected a positive integer, found {heads!r}")
+    rope = rope_from_hf({"rope_theta": 10000.0, **cfg}, where)
     try:
         return Eagle3Config(
             hidden_size=H, intermediate_size=ints["intermediate_size"], num_attention_heads=heads,
             num_key_value_heads=ints["num_key_value_heads"] or heads, head_dim=ints["head_dim"] or H // heads,
             vocab_size=V, draft_vocab_size=dv if own_head and dv is not None else V,
             target_hidden_size=Ht, aux_layer_ids=tuple(ids), aux_convention=conv, target_num_layers=L,
-            rms_norm_eps=1e-5 if eps is None else eps, rope=rope_from_hf({"rope_theta": 10000.0, **cfg}, where),
+            rms_norm_eps=1e-5 if eps is None else eps, rope=rope,
             max_position_embeddings=ints["max_position_embeddings"] or target_config.max_position_embeddings,
             **{k: v or bool(implied.get(k)) for k, v in flags.items()},
             own_embed=has_embed, own_lm_head=own_head, sliding_window=sliding_window)
@@ -196,12 +201,16 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
     if cfg_file is None or not os.path.exists(cfg_file):
         raise ValueError(f"{path}: config.json not found ({stio.EXPECTED})")
     raw, _ = read_config_json(cfg_file)
+    try:
+        tied = hf_value(raw, "tie_word_embeddings", "bool")
+    except ValueError as e:
+        raise ValueError(f"{cfg_file}: {e}") from None
     if "fc.weight" not in tensors:
         raise ValueError(f"{path}: missing tensor fc.weight (the EAGLE-3 feature projection)")
     prefix = next((p for p in LAYER_PREFIXES if p + "self_attn.q_proj.weight" in tensors), None)
     if prefix is None:
         raise ValueError(f"{path}: missing tensor midlayer.self_attn.q_proj.weight (or layers.0.*)")
-    if raw.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "embed_tokens.weight" in tensors:
+    if tied and "lm_head.weight" not in tensors and "embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["embed_tokens.weight"]  # tied: the draft's own embedding is its head
     head = tensors.get("lm_head.weight")
     variants = dict(norm_before_fc="input_norm.weight" in tensors, fc_norm="fc_norm.0.weight" in tensors)
@@ -223,6 +232,10 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
                          f"(3 x the target's hidden size {target_config.hidden_size}), found {list(fc.shape)}")
     if mesh is not None:
         parallel.check_mesh(cfg, mesh)
+    entries = _entries(cfg, prefix)
+    present = {e.key: stio.check(tensors, e.key, e.shape, path) for e in entries}  # all checked before any is read
+    stio.check_all_used(tensors, {e.key for e in entries} | {"d2t", "t2d"}, path, "EAGLE-3 draft")
+    d2t = _draft_to_target(tensors, cfg, path).astype(np.int32)
     own = cfg.replace(own_embed=True, own_lm_head=True)  # abstract shell; shared Params are attached below
     abstract = nnx.eval_shape(lambda: Eagle3(own, dtype=dtype, rngs=nnx.Rngs(0)))
     abstract.config = cfg
@@ -230,10 +243,7 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
         abstract.embed = target.embed
     if not cfg.own_lm_head:
         abstract.lm_head = target.lm_head
-    entries = _entries(cfg, prefix)
-    stio.check_all_used(tensors, {e.key for e in entries} | {"d2t", "t2d"}, path, "EAGLE-3 draft")
     name = os.path.basename(os.path.normpath(path))
-    present = {e.key: stio.check(tensors, e.key, e.shape, path) for e in entries}  # all checked before any is read
     if mesh is None:
         fill = params.Filler()
         with stio.load_progress(present, progress, f"loading {name}") as bar:
@@ -242,7 +252,7 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
                 fill.put(_get_attr(abstract, attr), a.T if transpose else a, cols)
                 bar.update(tensors[key].nbytes)
         fill.finish()
-        abstract.d2t.set_value(jnp.asarray(_draft_to_target(tensors, cfg, path), jnp.int32))
+        abstract.d2t.set_value(jnp.asarray(d2t))
         return abstract
     groups: dict[tuple, list] = {}
     for key, attr, _, transpose, cols in entries:
@@ -251,7 +261,6 @@ def load_eagle3(path: str | os.PathLike, target_config: GptOssConfig | None = No
     with stio.load_progress(present, progress, f"loading {name}") as bar:
         params.place_all(groups, lambda attr: _get_attr(abstract, attr),
                          lambda attr: parallel.param_sharding(abstract, mesh, "/".join(map(str, attr))), bar)
-    d2t = _draft_to_target(tensors, cfg, path).astype(np.int32)
     abstract.d2t.set_value(jax.make_array_from_callback(d2t.shape, parallel.param_sharding(abstract, mesh, "d2t"),
                                                         lambda index: d2t[index]))
     for name in ("embed", "lm_head"):  # borrowed: moved for both, as parallel.shard moves them

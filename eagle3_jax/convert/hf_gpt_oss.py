@@ -187,21 +187,23 @@ def _checked_entries(tensors: dict, config: GptOssConfig, path: str) -> list[Ent
     return table
 
 
-def _check_scales(a: np.ndarray, info: stio.TensorInfo) -> None:
-    """MXFP4 scales are E8M0 exponents: 255 is the format's NaN, not a scale; ValueError naming it."""
+def _check_scales(a: np.ndarray, info: stio.TensorInfo, index=()) -> None:
+    """MXFP4 scales are E8M0 exponents: 255 is the format's NaN, not a scale. `a` is the block
+    `index` of the tensor (TensorInfo.read's); ValueError naming the file, key and element."""
     if info.key.endswith("_scales"):
         bad = np.flatnonzero(a.reshape(-1) == 255)
         if bad.size:
-            at = [int(i) for i in np.unravel_index(bad[0], a.shape)]
-            raise ValueError(f"{info.file}: {info.key}: E8M0 scale 255 (NaN) at {at} (of the block read); MXFP4 "
-                             "scales are exponents 0..254")
+            at = np.unravel_index(bad[0], a.shape)
+            at = [int(i) + lo for i, (lo, _) in zip(at, stio.block_bounds(info.shape, index))]
+            raise ValueError(f"{info.file}: {info.key}: E8M0 scale 255 (NaN) at {at}; MXFP4 scales are exponents "
+                             "0..254")
 
 
 def _reader(info: stio.TensorInfo) -> Callable:
     """info.read, with the scales checked as they are read (`_check_scales`)."""
     def read(index=()):
         a = info.read(index)
-        _check_scales(a, info)
+        _check_scales(a, info, index)
         return a
 
     return read

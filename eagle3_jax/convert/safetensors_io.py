@@ -10,6 +10,7 @@ naming the file and key. `load_progress` is the bar the loaders show over a big 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 
@@ -108,7 +109,8 @@ def read_header(file: str) -> dict[str, TensorInfo]:
                 raise ValueError(f"{file}: header length {n} bytes is over safetensors' limit of {MAX_HEADER_BYTES} "
                                  "(not a safetensors file?)")
             if 8 + n > size:
-                raise ValueError(f"{file}: truncated: header says {n} bytes, file has {size}")
+                raise ValueError(f"{file}: truncated: the header's length says {n} bytes, the file has "
+                                 f"{size - 8} after the length")
             raw = f.read(n)
     except OSError as e:
         raise ValueError(f"{file}: cannot read ({e.strerror or e})") from None
@@ -127,7 +129,7 @@ def read_header(file: str) -> dict[str, TensorInfo]:
                 raise ValueError(f"{file}: __metadata__: expected an object of strings, found {meta!r}")
             continue
         dtype, shape, start, end = _entry(file, key, meta)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+        nbytes = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize  # exact: a huge shape cannot overflow
         if end - start != nbytes:
             raise ValueError(f"{file}: {key}: header gives {end - start} bytes for shape {list(shape)} {dtype}, "
                              f"expected {nbytes}")

@@ -205,6 +205,7 @@ GPT_OSS_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hid
                       "num_key_value_heads", "head_dim", "num_local_experts", "attention_bias")
 _INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "sliding_window", "max_position_embeddings")
+MAX_DIM, MAX_LAYERS = (1 << 31) - 1, 1 << 16  # config.json sizes past these are corrupt, not models
 _KINDS = {"int": "an integer", "number": "a number", "bool": "true or false", "str": "a string",
           "dict": "an object", "list": "a list"}
 
@@ -251,6 +252,11 @@ def _gpt_oss_kwargs(cfg: dict, experts_format: str | None) -> dict:
     kw: dict[str, Any] = dict(rope=_rope(cfg), experts_format=experts_format, eos_token_ids=tuple(eos),
                               pad_token_id=hf_value(cfg, "pad_token_id", "int"),
                               bos_token_id=hf_value(cfg, "bos_token_id", "int"), layer_types=tuple(layer_types))
+    for name in _INTS + ("head_dim", "num_experts"):
+        v = hf_value(cfg, name, "int")
+        most = MAX_LAYERS if name == "num_hidden_layers" else MAX_DIM
+        if v is not None and v > most:
+            raise ValueError(f"{name}: {v} is more than any model has (at most {most} read)")
     for names, kind in ((_INTS + ("head_dim", "num_experts"), "int"),
                         (("swiglu_limit", "swiglu_alpha", "rms_norm_eps"), "number"),
                         (("attention_bias", "tie_word_embeddings"), "bool")):
@@ -316,7 +322,7 @@ def rope_from_hf(cfg: dict, where: str = "config") -> RopeConfig:
 
 def _rope(cfg: dict) -> RopeConfig:
     key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-    params = cfg.get(key) or {}
+    params = {} if cfg.get(key) is None else cfg[key]
     if not isinstance(params, dict):
         raise ValueError(f"{key}: expected an object, found {params!r}")
     theta = hf_value(params, "rope_theta", "number", f"{key}.")
