@@ -126,6 +126,20 @@ def test_a_failed_save_changes_nothing(pair, tmp_path, monkeypatch):
     assert listing(tmp_path) == ["ckpt"]
 
 
+def test_folders_that_cannot_be_replaced(pair, tmp_path, monkeypatch):
+    a, _, _ = pair
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"save_gpt_oss: .*file is a file, expected a folder"):
+        save_gpt_oss(a, tmp_path / "file")
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    monkeypatch.setattr(os.path, "ismount", lambda p: os.fspath(p) == str(mount))
+    with pytest.raises(ValueError, match=r"save_gpt_oss: .*mnt is a mount point, .* write into a folder inside it"):
+        save_gpt_oss(a, mount, overwrite=True)
+    save_gpt_oss(a, mount / "ckpt")
+    assert listing(tmp_path) == ["file", "mnt"] and listing(mount) == ["ckpt"]
+
+
 def test_writers_check_the_model_first(pair, tmp_path):
     a, _, draft = pair
     with pytest.raises(ValueError, match="^save_gpt_oss: expected a GptOss model, got Eagle3$"):

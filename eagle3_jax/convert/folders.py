@@ -108,14 +108,17 @@ def describe(path: str) -> str:
 
 def check_target(path: str | os.PathLike, writer: str, overwrite: bool, flag: str = "overwrite=True") -> str:
     """The absolute real path a writer will fill, once checked; nothing is created. Raises
-    ValueError (starting with `writer`) when `path` is a file, a folder that is not empty while
-    overwrite is False (naming what it holds, and `flag`, what to pass to replace it), or a place
-    this process cannot write."""
+    ValueError (starting with `writer`) when `path` is a file, a mount point, a folder that is not
+    empty while overwrite is False (naming what it holds, and `flag`, what to pass to replace it),
+    or a place this process cannot write."""
     path = os.path.realpath(os.fspath(path))
     if not isinstance(overwrite, bool):
         raise ValueError(f"{writer}: overwrite: expected True or False, got {overwrite!r}")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{writer}: {path} is a file, expected a folder to write the checkpoint into")
+    if os.path.ismount(path):
+        raise ValueError(f"{writer}: {path} is a mount point, which cannot be replaced by renaming (a checkpoint is "
+                         "written beside its folder and renamed into place): write into a folder inside it")
     if os.path.isdir(path) and os.listdir(path) and not overwrite:
         raise ValueError(f"{writer}: {path} is not empty: it holds {describe(path)}; pass {flag} to replace its "
                          "checkpoint files (other files are kept)")
