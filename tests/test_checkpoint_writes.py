@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from eagle3_reference_np import write_random_draft
-from experiment_runner import cpu_env, execute
+from experiment_runner import cpu_env, execute, fails
 from flax import nnx
 from hf_fixtures import random_hf_weights, tiny_hf_config, write_hf_checkpoint
 
@@ -293,3 +293,16 @@ def test_orbax_kinds_in_the_meta_file(pair, tmp_path):
     with pytest.raises(ValueError, match=r"eagle3_jax\.json: not valid JSON"):
         restore_checkpoint(tmp_path / "o")
     assert jax.tree.leaves(nnx.state(a))  # the pair is unchanged by all this
+
+
+def test_trainers_refuse_a_full_out_dir_before_training(tmp_path):
+    """train_target.py / train_draft.py check --out_dir first (hours of training would be lost at the
+    end otherwise): here the data folder does not even exist, and the out_dir is what they name."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    for script, more in (("train_target.py", []), ("train_draft.py", ["--target", str(out)])):
+        err = fails(script, "--out_dir", str(out), "--data_dir", str(tmp_path / "no_data"), *more)
+        assert f"{script} --out_dir: {out} is not empty: it holds a checkpoint (config.json); pass --overwrite to " \
+               "replace its checkpoint files" in err, err
+

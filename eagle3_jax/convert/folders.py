@@ -89,7 +89,7 @@ def checkpoint_kind(path: str | os.PathLike) -> str | None:
             return "an EAGLE-3 draft checkpoint"
         if cfg.get("model_type") == "gpt_oss":
             return "a GPT-OSS checkpoint"
-        return f"a checkpoint of model_type {cfg.get('model_type')!r}"
+        return f"a checkpoint of model_type {cfg['model_type']!r}" if cfg.get("model_type") else "a checkpoint"
     if any(is_checkpoint_entry(e) for e in entries):
         return "checkpoint weights without a config.json"
     return None
