@@ -11,18 +11,14 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
+from test_soak import CONFIG, DRAFT  # the soak's pair: the program compiled here is one of its programs
 
 from eagle3_jax import parallel
 from eagle3_jax.checks import ArgumentError
-from eagle3_jax.models import Eagle3Config, GptOssConfig, eagle3, gpt_oss
+from eagle3_jax.models import eagle3, gpt_oss
 from eagle3_jax.spec import decode, generate, loop, memory
 from eagle3_jax.spec.state import Plan
 
-# one layer of each kind (sliding ring, full), the draft reading both twice
-CONFIG = GptOssConfig.preset("tiny").replace(num_hidden_layers=2, layer_types=())
-DRAFT = Eagle3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                     vocab_size=256, draft_vocab_size=256, target_hidden_size=64, aux_layer_ids=(0, 1, 1),
-                     target_num_layers=2)
 PROMPTS = [[5, 6, 7], [9, 8, 7, 6]]
 KW = dict(eos_ids=(), prefill_chunk=8)
 
@@ -48,7 +44,7 @@ def test_a_state_that_cannot_fit_is_refused_before_compiling(pair):
                                          r"batch that fits is 1$"):
         generate(t, PROMPTS, 4, **KW, memory_limit=need - 1)
     # decode's state holds the draft's caches too: a limit its target's state fits still refuses it
-    plan = Plan(cache_len=256, out_len=256, chunk=8, greedy=True, depth=3, num_nodes=4, feature_ids=(0, 1, 1))
+    plan = Plan(cache_len=256, out_len=256, chunk=8, greedy=True, depth=3, num_nodes=4)
     spec_need = memory.state_bytes((t, d), plan, 2)
     assert spec_need > need + 2 * 4 * 256  # more than the target's state and the outputs: the draft's cache
     with pytest.raises(ValueError, match=rf"needs {spec_need} bytes a device, {need} bytes is free") as e:
@@ -61,15 +57,16 @@ def test_a_state_that_cannot_fit_is_refused_before_compiling(pair):
 def test_a_program_that_cannot_fit_is_refused_after_compiling_before_running(pair):
     t, _ = pair
     plan = Plan(cache_len=256, out_len=256, chunk=8, greedy=True)
-    state = memory.state_bytes((t, None), plan, 2)
+    state = memory.state_bytes((t, None), plan, 1)
     with pytest.raises(ValueError, match=r"the compiled program needs .* a device \(XLA's buffer assignment: the "
-                                         rf"decode state {state} bytes, other") as e:
-        generate(t, PROMPTS, 4, **KW, memory_limit=state)  # the state fits, its temporaries do not
+                                         rf"decode state {state} bytes, other.* the largest batch that fits is "
+                                         r"about 0 "):
+        generate(t, PROMPTS[:1], 4, **KW, memory_limit=state)  # the state fits, its temporaries do not
     program = memory.program_bytes(next(reversed(loop.COMPILED.values())))
-    assert program > state and largest(str(e.value)) < 2
-    out = generate(t, PROMPTS, 4, **KW, memory_limit=program + 4096)  # the program and its host arguments
+    assert program > state
+    out = generate(t, PROMPTS[:1], 4, **KW, memory_limit=program + 4096)  # the program and its host arguments
     assert out.metrics["compile_seconds"] == 0  # compiled once, by the call that was refused
-    assert out.tokens == generate(t, PROMPTS, 4, **KW).tokens  # CPU: no figures, no check
+    assert out.tokens == generate(t, PROMPTS[:1], 4, **KW).tokens  # CPU: no figures, no check
 
 
 def test_a_mesh_counts_each_devices_share():

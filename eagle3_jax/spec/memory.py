@@ -135,7 +135,7 @@ def check_state(models, plan: Plan, batch: int, free: int, mesh=None, source: st
     if need > free:
         row = row_bytes(models, plan, mesh)
         _refuse(batch, plan, free, source, f"its decode state (KV caches and outputs) needs {size(need)} a device",
-                _split(mesh)[0] * (free // row))
+                _split(mesh)[0] * max(free // row, 0))
 
 
 def check_program(compiled, models, plan: Plan, batch: int, free: int, mesh=None, source: str = "memory_limit",
@@ -153,5 +153,5 @@ def check_program(compiled, models, plan: Plan, batch: int, free: int, mesh=None
     per_row = row_bytes(models, plan, mesh) + other / rows
     _refuse(batch, plan, free, source, f"the compiled program needs {size(need)} a device (XLA's buffer "
             f"assignment: the decode state {size(state)}, other temporaries, outputs and arguments "
-            f"{size(other)})", f"about {_split(mesh)[0] * int(free // per_row)} (the other bytes taken to grow "
+            f"{size(other)})", f"about {_split(mesh)[0] * max(int(free // per_row), 0)} (the other bytes taken to grow "
             "with the batch)")
