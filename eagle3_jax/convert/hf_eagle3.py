@@ -4,7 +4,8 @@ Reads the layouts published drafts use: SpecForge / lmsys (draft vocab with `d2t
 nvidia (no `lm_head`: the target's head serves; v3 with `norm_before_fc` and aux ids read as
 hidden-state boundaries), with or without `embed_tokens` (absent: the target's embedding is
 shared, not copied), keys under `midlayer.` or `layers.0.` (optionally below `model.`).
-`save_eagle3` writes the SpecForge layout back, which SGLang and vLLM load. With `mesh=`, the
+`save_eagle3` writes the SpecForge layout back, which SGLang and vLLM load (a whole folder or
+nothing, replacing a checkpoint only with overwrite=True: `folders`). With `mesh=`, the
 draft is placed as `parallel.shard` places it (replicated; a borrowed embedding or head keeps the
 target's placement), each parameter built on the mesh from the file (`params.place`).
 """

@@ -9,7 +9,8 @@ from the byte ranges it covers (`params.place`): no host or device holds a whole
 `experts=` (with a mesh: "tensor", the default `parallel.EXPERTS`, or "expert"): how the experts are
 split (`parallel.split_experts`), read in that split where it needs no padding (else whole experts a
 device, then padded and moved: `parallel.placement_split`); the writers store them as the
-checkpoint does whatever the split.
+checkpoint does whatever the split. The writers (`save_gpt_oss`, `save_checkpoint`) write a whole
+folder or nothing, and replace a checkpoint only with overwrite=True (`folders`).
 """
 
 from __future__ import annotations
