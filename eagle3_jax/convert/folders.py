@@ -31,6 +31,8 @@ import re
 import secrets
 import shutil
 
+from eagle3_jax.checks import ArgumentError
+
 PARTIAL, PREVIOUS = "eagle3_jax-partial", "eagle3_jax-previous"
 TEMPORARY = re.compile(rf"^\..*\.(?:{PARTIAL}|{PREVIOUS})-[0-9a-f]+$")
 CHECKPOINT_NAMES = ("config.json", "eagle3_jax.json", "state")
@@ -113,7 +115,7 @@ def check_target(path: str | os.PathLike, writer: str, overwrite: bool, flag: st
     or a place this process cannot write."""
     path = os.path.realpath(os.fspath(path))
     if not isinstance(overwrite, bool):
-        raise ValueError(f"{writer}: overwrite: expected True or False, got {overwrite!r}")
+        raise ArgumentError(f"{writer}: overwrite: expected True or False, got {overwrite!r}")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{writer}: {path} is a file, expected a folder to write the checkpoint into")
     if os.path.ismount(path):
