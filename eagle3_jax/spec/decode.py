@@ -173,12 +173,14 @@ def run_context(models, ctx: parallel.RunContext | None) -> parallel.RunContext:
     return ctx
 
 
-def _free(devices, limit: int | None) -> tuple[int | None, str]:
+def _free(devices, limit: int | None, mesh) -> tuple[int | None, str]:
     """(bytes free a device, where the figure comes from): `limit` where given, else the allocator's
-    figures of `devices` (None on a device without them: CPU)."""
-    if limit is not None:
-        return limit, "memory_limit"
-    return memory.free_bytes(devices), "the allocator's bytes_limit - bytes_in_use"
+    figures of `devices` (None on a device without them: CPU); on a mesh over several processes the
+    fewest over them (spec/memory.py)."""
+    free = limit if limit is not None else memory.free_bytes(devices)
+    if mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1:
+        free = memory.fewest_over_processes(free)
+    return free, "memory_limit" if limit is not None else "the allocator's bytes_limit - bytes_in_use"
 
 
 def _run(models, prompts, args, plan: Plan, ctx: parallel.RunContext, memory_limit: int | None):
@@ -197,13 +199,13 @@ def _run(models, prompts, args, plan: Plan, ctx: parallel.RunContext, memory_lim
         lengths = np.concatenate([lengths, np.zeros((pad,), lengths.dtype)])
         args = (parallel.put_rows(tokens, mesh), parallel.put_rows(lengths, mesh), *parallel.replicate(rest, mesh))
     devices = memory.run_devices(mesh, state)
-    free, source = _free(devices, memory_limit)
+    free, source = _free(devices, memory_limit, mesh)
     if free is not None:
         memory.check_state(models, plan, B, free, mesh, source)
     host_bytes = sum(a.nbytes for a in args if isinstance(a, np.ndarray))  # copied to the device by the call
     args = (state, *args)
     exe, compile_s = loop.compiled(plan, graphdef, ctx, *args)
-    free, source = _free(devices, memory_limit)
+    free, source = _free(devices, memory_limit, mesh)
     if free is not None:
         memory.check_program(exe, models, plan, B, free, mesh, source, host_bytes)
     t0 = time.perf_counter()

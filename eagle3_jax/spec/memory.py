@@ -13,8 +13,10 @@ is free a device, and the largest batch that fits:
 
 Free memory (`free_bytes`) is what each device's allocator reports: memory_stats()["bytes_limit"] -
 ["bytes_in_use"], the fewest bytes over the devices of the run (on a mesh: this process's devices
-of it). A device that reports no figures (CPU: `memory_stats()` is None) is not checked, unless the
-caller names a limit itself (`generate(..., memory_limit=...)`). On a mesh every figure is a
+of it), on a mesh over several processes the fewest over them (`fewest_over_processes`: every
+process decides alike).
+A device that reports no figures (CPU: `memory_stats()` is None) is not checked, unless the caller
+names a limit itself (`generate(..., memory_limit=...)`). On a mesh every figure is a
 device's share: the target's caches split over data x model, the rest of the state over data.
 """
 
@@ -44,6 +46,18 @@ def free_bytes(devices) -> int | None:
             return None
         free.append(int(stats["bytes_limit"]) - int(stats["bytes_in_use"]))
     return min(free) if free else None
+
+
+def fewest_over_processes(free: int | None) -> int | None:
+    """The fewest of every process's `free` (None where any process passes None), so that the
+    processes of a run refuse a call together rather than some wait in a collective for the others.
+    A collective over the processes: every one must call it (as they all run a call on a mesh that
+    spans them)."""
+    from jax.experimental import multihost_utils
+
+    mine = np.array([-1, 0] if free is None else [free >> 31, free & (2 ** 31 - 1)], np.int32)  # int32 halves
+    every = np.asarray(multihost_utils.process_allgather(mine)).astype(np.int64)
+    return None if (every[:, 0] < 0).any() else int((every[:, 0] << 31 | every[:, 1]).min())
 
 
 def run_devices(mesh, params) -> list:
