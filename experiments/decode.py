@@ -1,17 +1,24 @@
 """Main job: speculative decoding with an EAGLE-3 draft (default: the embedded trained pair).
 
   python experiments/decode.py                                  # embedded pair, greedy, vs baseline
-  python experiments/decode.py --prompt "def fibonacci(n):" --max_new_tokens 128
+  python experiments/decode.py --prompt "def fibonacci(n):\n" --max_new_tokens 128
   python experiments/decode.py --target /ckpt/gpt-oss-120b --draft /ckpt/gpt-oss-120b-eagle3 \
-      --prompt "Write a haiku" --num_spec_tokens 3 --max_new_tokens 128 --baseline
+      --chat --prompt "Write a haiku" --reasoning_effort low --num_spec_tokens 3 --max_new_tokens 128
+  python experiments/decode.py ... --chat --prompts_file questions.jsonl    # conversations or strings
   python experiments/decode.py --mesh model=2,data=1           # over two devices (eagle3_jax.parallel)
 
 The embedded pair (eagle3_jax/assets/stdlib-gpt-oss) is a small GPT-OSS trained on the Python
-standard library and its EAGLE-3 draft; without --prompt it continues two held-out stdlib snippets
-in one batch (B=2). Prompts are text when the target folder has a `tokenizer.json`, else token
-ids ("1,2,3"). `--draft none` runs the baseline alone. Prints each prompt and its continuation,
-tau (mean committed tokens per decode step, the bonus token included) and the accept rate, and
-the throughput against `generate` in the same process.
+standard library and its EAGLE-3 draft; without prompts it continues two held-out stdlib snippets
+in one batch (B=2). Prompts (experiments/lib/prompts.py): --prompt (repeatable; `\n`, `\t`, `\r`
+and `\\` decoded, other backslashes kept; --noescapes: taken as written) or --prompts_file (.jsonl:
+a JSON value a line, a string, id list, conversation or {"messages": [...]}; .json: a list of those;
+other files: one text prompt a line, escapes decoded). Text is tokenized with the target's
+tokenizer.json (else token ids "1,2,3"). --chat renders text prompts as one user turn (after
+--system) with the target's chat template (--chat_template: another file); conversations are always
+rendered with it. Stops: --eos (ids or token strings), default the checkpoint's stop ids
+(generation_config.json's eos_token_id, else config.json's). `--draft none` runs the baseline alone.
+Prints each prompt and its continuation, tau (mean committed tokens per decode step, the bonus token
+included) and the accept rate, and the throughput against `generate` in the same process.
 """
 
 import json
@@ -23,16 +30,31 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 from lib import cli
+from lib import prompts as prompt_io
 
 from eagle3_jax import assets, parallel
 from eagle3_jax.convert import load_eagle3, load_gpt_oss
+from eagle3_jax.formats import chat
 from eagle3_jax.spec import decode, generate
 
 flags.DEFINE_string("target", assets.TARGET_DIR, "HF GPT-OSS checkpoint folder")
 flags.DEFINE_string("draft", assets.DRAFT_DIR, "HF EAGLE-3 draft folder, or 'none'")
-flags.DEFINE_multi_string("prompt", None, "prompt: text when the target has a tokenizer.json, else comma-separated ids")
-flags.DEFINE_string("prompts_file", None, "JSON list of prompts (id lists or strings); default: two held-out "
-                    "stdlib snippets of the embedded pair")
+flags.DEFINE_multi_string("prompt", None, "prompt: text when the target has a tokenizer.json, else comma-separated "
+                          "ids; \\n \\t \\r \\\\ are decoded (--noescapes: not)")
+flags.DEFINE_string("prompts_file", None, "prompts: .jsonl (a string, id list, conversation or {\"messages\": ...} a "
+                    "line), .json (a list of those) or text (one prompt a line); default: two held-out stdlib "
+                    "snippets of the embedded pair")
+flags.DEFINE_bool("escapes", True, "decode \\n, \\t, \\r and \\\\ in --prompt and in text-file lines")
+flags.DEFINE_bool("chat", False, "render text prompts as a user turn with the target's chat template (conversations "
+                  "from a file are always rendered)")
+flags.DEFINE_string("system", None, "with --chat: a system message before each prompt (not where a conversation "
+                    "has its own)")
+flags.DEFINE_string("chat_template", None, "a jinja chat template file to use instead of the target's")
+flags.DEFINE_enum("reasoning_effort", None, ["low", "medium", "high"], "gpt-oss's reasoning effort, a chat "
+                  "template variable (default: the template's own)")
+flags.DEFINE_multi_string("eos", None, "stop token: an id or a token's text such as '<|call|>' (repeatable; "
+                          "'none': no stop tokens); default: the checkpoint's (generation_config.json's eos_token_id, "
+                          "else config.json's)")
 flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate per prompt", lower_bound=1)
 flags.DEFINE_integer("num_spec_tokens", 3, "draft depth", lower_bound=1)
 flags.DEFINE_integer("topk", 1, "children per expanded draft node (1 = chain)", lower_bound=1)
@@ -68,18 +90,6 @@ def _tokenizer(path):
     return assets.load_tokenizer(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
 
 
-def _encode(p, tok):
-    if isinstance(p, list):
-        return p
-    if tok is not None:
-        return tok.encode(p).ids
-    try:
-        return [int(t) for t in p.split(",") if t.strip()]
-    except ValueError:
-        raise ValueError(f"prompt {p!r}: the target folder has no tokenizer.json; give comma-separated "
-                         "token ids") from None
-
-
 def _show(prompts, outputs, tok):
     """Each prompt and its continuation, each from the start of its own lines (process 0 only)."""
     if jax.process_index():
@@ -108,16 +118,49 @@ def _repeat(run):
     return out
 
 
-def _prompts(tok):
+def _chat_format():
+    """The target's chat format (--chat_template: that file's template); None where it has no template and
+    none is given (then neither --chat nor a conversation can be used)."""
+    template = prompt_io.template_file_of(FLAGS.chat_template)
+    if template is None and not chat.has_template(FLAGS.target):
+        return None
+    return chat.ChatFormat.load(FLAGS.target, template)
+
+
+def _prompts(tok, fmt):
     """The prompts as token-id lists: --prompt, else --prompts_file, else two held-out stdlib snippets."""
     if FLAGS.prompt:
-        prompts = FLAGS.prompt
+        prompts = [prompt_io.unescape(p) if FLAGS.escapes else p for p in FLAGS.prompt]
+        where = "--prompt"
     elif FLAGS.prompts_file:
-        with open(FLAGS.prompts_file) as f:
-            prompts = json.load(f)
+        prompts = prompt_io.read_prompts(FLAGS.prompts_file, FLAGS.escapes)
+        where = f"{FLAGS.prompts_file}: prompt"
     else:
-        prompts = assets.eval_prompts()[:2]
-    return [_encode(p, tok) for p in prompts]
+        if FLAGS.chat:
+            raise ValueError("--chat: give the prompts (--prompt or --prompts_file); the default prompts are token ids")
+        return assets.eval_prompts()[:2]
+    kwargs = {}
+    if FLAGS.reasoning_effort is not None:
+        if fmt is None or "reasoning_effort" not in fmt.variables:
+            what = f"the chat template {fmt.source} does not read it" if fmt else ("the target has no chat template "
+                                                                                 "(--chat_template gives one)")
+            raise ValueError(f"--reasoning_effort {FLAGS.reasoning_effort}: {what}")
+        kwargs["reasoning_effort"] = FLAGS.reasoning_effort
+    if (FLAGS.system is not None or kwargs) and not (FLAGS.chat or any(map(prompt_io.is_conversation, prompts))):
+        raise ValueError("--system and --reasoning_effort shape chat-formatted prompts: pass --chat (or conversations)")
+    return prompt_io.encode(prompts, tok, fmt, chat_on=FLAGS.chat, system=FLAGS.system, template_kwargs=kwargs,
+                            where=where)
+
+
+def _eos_ids(tok):
+    """--eos as ids ([] for 'none'), else the checkpoint's stop ids (`chat.stop_ids`; None: the library
+    takes config.json's)."""
+    if FLAGS.eos:
+        if [e.strip().lower() for e in FLAGS.eos] == ["none"]:
+            return []
+        return prompt_io.token_ids(FLAGS.eos, tok)
+    ids = chat.stop_ids(FLAGS.target, tok)
+    return None if ids is None else list(ids)
 
 
 def _compare(decoded, base, B, dtype):
@@ -139,7 +182,9 @@ def main(argv):
     del argv
     mesh = cli.setup_devices()
     tok = _tokenizer(FLAGS.target)
-    prompts = _prompts(tok)
+    fmt = _chat_format()
+    prompts = _prompts(tok, fmt)
+    eos_ids = _eos_ids(tok)
     B = len(prompts)
     dtype = jnp.dtype(FLAGS.dtype) if FLAGS.dtype else assets.default_dtype()
     load = dict(dtype=dtype, progress=cli.load_progress(), mesh=mesh)  # with a mesh: each process reads its shards
@@ -153,8 +198,8 @@ def main(argv):
         _say(f"sharded over {dict(mesh.shape)} ({mesh.size} devices, {jax.process_count()} processes)")
     # how both run: the parameters' mesh, the one-shot all-reduce's Mailbox where it has one (every process asks)
     ctx = parallel.context_for(target)
-    kw = dict(temperature=FLAGS.temperature, seed=FLAGS.seed, ctx=ctx)
-    result, out = {}, None
+    kw = dict(temperature=FLAGS.temperature, seed=FLAGS.seed, eos_ids=eos_ids, ctx=ctx)
+    result, out = dict(prompts=prompts, eos_ids=eos_ids), None
     if draft is not None:
         _say(f"compiling and running decode, B={B} (one executable per batch, cache length and tree shape) ...")
         out = _repeat(lambda: decode(target, draft, prompts, FLAGS.max_new_tokens,
