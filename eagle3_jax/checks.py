@@ -25,3 +25,16 @@ def int_arg(name: str, v, lo: int, optional: bool = False):
     if v < lo:
         raise ValueError(f"{name}: must be an integer >= {lo}, got {v}")
     return int(v)
+
+
+def number_arg(name: str, v, lo: float, hi: float, *, lo_open: bool = False, optional: bool = False):
+    """v as a Python float in [lo, hi] ((lo, hi] where lo_open; None passes where optional). Anything
+    else (bools, strings, NaN, a number outside the range) raises ArgumentError naming `name`, the
+    range and the value."""
+    if v is None and optional:
+        return None
+    number = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+    if not (number and (lo < v if lo_open else lo <= v) and v <= hi):
+        span = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise ArgumentError(f"{name}: expected a number in {span}{' or None' if optional else ''}, got {v!r}")
+    return float(v)

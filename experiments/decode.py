@@ -203,7 +203,7 @@ def main(argv):
     if draft is not None:
         _say(f"compiling and running decode, B={B} (one executable per batch, cache length and tree shape) ...")
         out = _repeat(lambda: decode(target, draft, prompts, FLAGS.max_new_tokens,
-                                     num_spec_tokens=FLAGS.num_spec_tokens, topk=FLAGS.topk,
+                                     num_spec_tokens=FLAGS.num_spec_tokens, branching=FLAGS.topk,
                                      num_draft_tokens=FLAGS.num_draft_tokens, proposal=FLAGS.proposal, **kw))
         result["decode"] = dict(tokens=out.tokens, metrics=out.metrics)
         _show(prompts, out.tokens, tok)

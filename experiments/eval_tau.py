@@ -238,7 +238,7 @@ def main(argv):
             ids = prompt_io.encode([p.text], tok, fmt, chat_on=fmt is not None, system=FLAGS.system,
                                    template_kwargs=template_kwargs, where=f"{p.set} {p.id}")[0]
             out = decode(target, draft, [ids], FLAGS.max_new_tokens, num_spec_tokens=FLAGS.num_spec_tokens,
-                         topk=FLAGS.topk, num_draft_tokens=FLAGS.num_draft_tokens, proposal=FLAGS.proposal, **kw)
+                         branching=FLAGS.topk, num_draft_tokens=FLAGS.num_draft_tokens, proposal=FLAGS.proposal, **kw)
             m = out.metrics
             row = dict(dataset=p.set, id=p.id, category=p.category, prompt_tokens=len(ids),
                        output_tokens=len(out.tokens[0]), slot_steps=m["slot_steps"],

@@ -1,13 +1,14 @@
 """Run by tests/test_parallel.py in a fresh process with 4 CPU devices: generate and decode (chain,
-sampled tree; the greedy tree on a batch the data axis does not divide) on sharded models give the
-one-device tokens (also with the experts split "expert", not only the default "tensor"), and
+sampled tree under the sampling filters; the greedy tree on a batch the data axis does not divide)
+on sharded models give the one-device tokens (also with the experts split "expert", not only the
+default "tensor"), and
 parameters, caches and state are split; a verify step sums its sublayers through the fused
 reduction and equals the unfused one; a bf16 step through the GPU's kernels (interpreted) on a mesh
 gives one device's logits.
 
 Two meshes: (data=2, model=2) runs every kind of decode (each run compiles its own loop, ~5 s on CPU);
 (data=1, model=4) splits the heads, experts and vocabulary four ways and runs generate (through the
-mailbox plumbing) and chain decode; the per-module checks (vocabulary split and argmax, the fused
+mailbox plumbing) and chain decode; the per-module checks (vocabulary split, argmax and filters, the fused
 reduction, caches and state) run on both, the MoE paths under one experts split a mesh (MOE_SPLITS).
 
 Prints one line per mesh and "ok" at the end; any mismatch is an AssertionError (exit status 1)."""
@@ -33,7 +34,7 @@ from eagle3_jax import parallel  # noqa: E402
 from eagle3_jax.models import Eagle3Config, GptOssConfig, eagle3, gpt_oss  # noqa: E402
 from eagle3_jax.pallas import allreduce  # noqa: E402
 from eagle3_jax.pallas.select import KernelPolicy  # noqa: E402
-from eagle3_jax.spec import decode, generate, loop, step  # noqa: E402
+from eagle3_jax.spec import decode, generate, loop, sampling, step  # noqa: E402
 from eagle3_jax.spec.decode import pad_prompts  # noqa: E402
 from eagle3_jax.spec.state import Plan  # noqa: E402
 
@@ -46,9 +47,12 @@ CONFIG = GptOssConfig.preset("tiny").replace(num_attention_heads=8, num_key_valu
 DRAFT = Eagle3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                      vocab_size=256, draft_vocab_size=256, target_hidden_size=64, aux_layer_ids=(0, 1, 2),
                      target_num_layers=3, own_embed=False)  # borrows the target's embedding
-RUNS = {"generate": None, "chain": dict(num_spec_tokens=3), "tree": dict(num_spec_tokens=3, topk=4, num_draft_tokens=8),
-        # drafts drawn from the draft, verified by accept_sample (each device on its rows, the batch's draws)
-        "sampled tree": dict(num_spec_tokens=3, topk=2, num_draft_tokens=6, temperature=0.9, seed=3, proposal="sample")}
+RUNS = {"generate": None, "chain": dict(num_spec_tokens=3),
+        "tree": dict(num_spec_tokens=3, branching=4, num_draft_tokens=8),
+        # drafts drawn from the draft, verified by accept_sample (each device on its rows, the batch's draws),
+        # under the three sampling filters (their cuts found across the vocabulary's shards)
+        "sampled tree": dict(num_spec_tokens=3, branching=2, num_draft_tokens=6, temperature=0.9, seed=3,
+                             proposal="sample", top_k=40, top_p=0.9, min_p=0.05)}
 # (data, model): the RUNS compared there. The greedy tree on a mesh: the batch of 3 below (and the two
 # processes of parallel_multiprocess.py); generate: on (1, 4), through the program that takes the Mailbox
 MESHES = {(2, 2): ("chain", "sampled tree"), (1, 4): ("chain",)}
@@ -107,19 +111,19 @@ def check_params(t, d, data, model):
     assert parallel.mesh_of((t, d)).shape == {"data": data, "model": model}
 
 
-def loop_inputs(t, d, prompts, topk, num_nodes):
-    """(run context, a greedy depth-3 Plan of topk / num_nodes, graphdef, params, the loop's other arguments)."""
+def loop_inputs(t, d, prompts, branching, num_nodes):
+    """(run context, a greedy depth-3 Plan of branching / num_nodes, graphdef, params, the loop's other arguments)."""
     toks, lengths = pad_prompts(prompts, 24)
-    plan = Plan(cache_len=64, out_len=32, chunk=8, greedy=True, depth=3, topk=topk, num_nodes=num_nodes,
+    plan = Plan(cache_len=64, out_len=32, chunk=8, greedy=True, depth=3, branching=branching, num_nodes=num_nodes,
                 feature_ids=tuple(DRAFT.feature_layers))
     graphdef, params = nnx.split((t, d))
-    args = (toks, lengths, np.int32(NEW), np.full(8, -1, np.int32), np.float32(1e-6), jax.random.key(0))
+    args = (toks, lengths, np.int32(NEW), np.full(8, -1, np.int32), np.float32(1e-6), jax.random.key(0), None)
     return parallel.context_for(t), plan, graphdef, params, args
 
 
 def check_state(t, d, prompts, data, model):
     """The caches and per-row state that the jitted prefill leaves: split as `loop.layout` says."""
-    ctx, plan, graphdef, params, args = loop_inputs(t, d, prompts, topk=1, num_nodes=4)
+    ctx, plan, graphdef, params, args = loop_inputs(t, d, prompts, branching=1, num_nodes=4)
     mesh = ctx.mesh
     state = jax.jit(lambda p, *a: loop.init_state(nnx.merge(graphdef, p), *a, plan, ctx))(params, *args)
     B = len(prompts)
@@ -136,7 +140,7 @@ def check_state(t, d, prompts, data, model):
 def check_local(t, d, prompts):
     """On the run context's mesh the loop traces every layer's attention and MoE, the draft's attention
     and the tree rewind as shard_maps (`RunContext.local`: the kernels' local shards)."""
-    ctx, plan, graphdef, params, args = loop_inputs(t, d, prompts, topk=4, num_nodes=8)
+    ctx, plan, graphdef, params, args = loop_inputs(t, d, prompts, branching=4, num_nodes=8)
     text = str(jax.make_jaxpr(lambda p, *a: loop.run(nnx.merge(graphdef, p), *a, plan, ctx))(params, *args))
     # prefill and step: 2 per target layer each; the draft's prefill, tree levels and extend; one rewind
     n = text.count("shard_map[")
@@ -223,7 +227,7 @@ def check_mailbox_plumbing(t, prompts, want):
 def check_kernel_collectives(t, d, prompts):
     """The Pallas glue kernels run on each device's rows: none of the compiled loop's collectives is
     inside one (outside shard_map XLA gathers a kernel's rows: a collective per norm)."""
-    ctx, plan, graphdef, params, args = loop_inputs(t, d, prompts, topk=4, num_nodes=8)
+    ctx, plan, graphdef, params, args = loop_inputs(t, d, prompts, branching=4, num_nodes=8)
     ctx = parallel.context(ctx.mesh, kernels=GLUE_KERNELS)
     text = jax.jit(lambda p, *a: loop.run(nnx.merge(graphdef, p), *a, plan, ctx)).trace(
         params, *args).lower().compile().as_text()
@@ -305,6 +309,31 @@ def check_vocab_argmax(mesh):
     assert jax.eval_shape(argmax, jax.ShapeDtypeStruct((4, 1 << 24), jnp.float32)).shape == (4,)
     raises(lambda: jax.eval_shape(argmax, jax.ShapeDtypeStruct((4, (1 << 24) + M), jnp.float32)),
            rf"vocab_argmax: a vocabulary of {(1 << 24) + M} entries; indices exchanged in f32 need V <= 2\^24")
+
+
+def check_vocab_filter(mesh):
+    """The sampling filters on logits split over "model" (`sampling.filter_logits`, and `step.sample`'s
+    draws under them) equal one device's: ties within and across shards at the k-th value and at the
+    nucleus' edge, -0.0 and +0.0, a row all equal; the only collectives are all-reduces (the cuts' sums
+    and maxima: no gather of the logits)."""
+    M, V = mesh.shape["model"], 256
+    n = V // M
+    z = np.round(np.random.default_rng(9).normal(size=(4, 3, V)) * 2).astype(np.float32)  # many ties
+    z[0, 0, [n - 1, n, V - 1]] = 9.0
+    z[1, 1] = 0.5
+    z[2, 2, ::3] = -0.0
+    split = jax.device_put(z, NamedSharding(mesh, P("data", None, "model")))
+    key, T = jax.random.key(6), 0.8
+    one, ctx = parallel.ONE_DEVICE, parallel.context(mesh)
+    cut, cut_one = (jax.jit(functools.partial(sampling.filter_logits, c)) for c in (ctx, one))
+    draw, draw_one = (jax.jit(lambda z, key, f, c=c: step.sample(z, key, T, False, c, f)) for c in (ctx, one))
+    for k, p, m in ((5, 1.0, 0.0), (300, 0.6, 0.0), (40, 0.9, 0.05), (1, 1e-9, 1.0), (sampling.TOP_K_OFF, 1.0, 0.0)):
+        filters = sampling.Filters(np.int32(k), np.float32(p), np.float32(m))
+        np.testing.assert_array_equal(np.asarray(cut(split, filters)), np.asarray(cut_one(z, filters)))
+        np.testing.assert_array_equal(np.asarray(draw(split, key, filters)), np.asarray(draw_one(z, key, filters)))
+    cut = cut.trace(split, filters).lower().compile()
+    ops = re.findall(r"\s(all-gather|all-reduce|collective-permute|all-to-all)(?:-start)?\(", cut.as_text())
+    assert ops and set(ops) == {"all-reduce"}, ops
 
 
 def check_moe_paths(mesh, split):
@@ -395,6 +424,7 @@ def main():
         check_moe_paths(mesh, MOE_SPLITS[data, model])
         check_vocab_split(mesh)
         check_vocab_argmax(mesh)
+        check_vocab_filter(mesh)
         check_fused_reduction(mesh)
         names += ("generate",) if data == 1 else ()
         print(f"mesh data={data} model={model}: tokens equal ({', '.join(names)}), sharded, {n_local} shard_maps: "

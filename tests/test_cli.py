@@ -43,7 +43,8 @@ def test_nonexistent_target_is_one_line_without_the_tpu_probe(tmp_path):
 def test_library_rejection_of_a_flag_value_is_one_line():
     # decode() refuses it (loads the pair first); a value outside a flag's own bound stops at parse
     r = script("decode.py", "--num_draft_tokens", "50")
-    assert (r.returncode, r.stderr) == (1, "error: num_draft_tokens: 50 outside [2, 4] for depth 3, topk 1\n"), r.stderr
+    want = "error: num_draft_tokens: 50 outside [2, 4] for depth 3, branching 1\n"
+    assert (r.returncode, r.stderr) == (1, want), r.stderr
     r = script("eval_pair.py", "--prompts_file", "/nonexistent/p.json", "--shapes", "chain1")
     assert (r.returncode, r.stderr) == (1, "error: /nonexistent/p.json: No such file or directory\n"), r.stderr
 

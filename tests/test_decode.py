@@ -8,7 +8,7 @@ from flax import nnx
 from eagle3_jax.models import Eagle3Config, GptOssConfig, eagle3, gpt_oss
 from eagle3_jax.spec import decode, generate
 
-TREE = dict(num_spec_tokens=3, topk=4, num_draft_tokens=8)
+TREE = dict(num_spec_tokens=3, branching=4, num_draft_tokens=8)
 # the tiny preset's layers less one (sliding, full, sliding): a layer of each kind, the draft's 3 feature
 # layers, and programs that compile in less time
 TINY = GptOssConfig.preset("tiny").replace(num_hidden_layers=3, layer_types=())
@@ -66,7 +66,7 @@ def test_greedy_decode_is_lossless(regime, prompts):
             elif regime == "sometimes":
                 assert m["accept_rate"] < 1
                 assert m["accept_rate"] > 0 or len(batch) == 1  # the single prompt's target never picks 0
-            elif kw.get("topk", 1) == 1:  # always right: every step accepts all K drafts
+            elif kw.get("branching", 1) == 1:  # always right: every step accepts all K drafts
                 assert m["accept_rate"] == 1.0 and m["accept_length_histogram"][-1] == m["slot_steps"]
                 full = m["slot_steps"] - len(batch)  # each slot's last step is cut by the budget
                 assert (m["generated_tokens"] - len(batch) - (K + 1) * full) <= len(batch) * (K + 1)
@@ -78,7 +78,7 @@ def test_greedy_decode_is_lossless(regime, prompts):
 
 def test_always_right_tree_reaches_full_depth(prompts):
     t, d = pair("right")
-    out = decode(t, d, prompts, 14, num_spec_tokens=3, topk=2, num_draft_tokens=8, eos_ids=(), prefill_chunk=8)
+    out = decode(t, d, prompts, 14, num_spec_tokens=3, branching=2, num_draft_tokens=8, eos_ids=(), prefill_chunk=8)
     assert out.tokens == generate(t, prompts, 14, eos_ids=(), prefill_chunk=8).tokens
     assert out.metrics["accept_length_histogram"][-1] == out.metrics["slot_steps"]  # 2 + 4 + 1: depth 3 reached
 
@@ -122,7 +122,7 @@ def test_reuses_the_executable(prompts):
 forward = nnx.jit(gpt_oss.forward)
 
 
-@pytest.mark.parametrize("kw", [dict(num_spec_tokens=3), dict(num_spec_tokens=2, topk=3, num_draft_tokens=6)],
+@pytest.mark.parametrize("kw", [dict(num_spec_tokens=3), dict(num_spec_tokens=2, branching=3, num_draft_tokens=6)],
                          ids=["chain", "tree"])
 def test_sampling_follows_target_two_token_law(kw):
     """Temperature 1: the first two tokens' joint law equals the target's, enumerated on 8 ids."""
@@ -151,12 +151,12 @@ def test_sampling_follows_target_two_token_law(kw):
 
 @pytest.mark.parametrize("kw,match", [
     (dict(num_spec_tokens=0), "num_spec_tokens"),
-    (dict(num_spec_tokens=2, topk=2, num_draft_tokens=9), "num_draft_tokens: 9 outside"),
+    (dict(num_spec_tokens=2, branching=2, num_draft_tokens=9), "num_draft_tokens: 9 outside"),
     (dict(max_cache_len=30), "does not fit max_cache_len=30"),
     (dict(prompts=[[]]), "empty prompt"),
     (dict(prompts=[[1, 999]]), "outside the vocabulary"),
     (dict(num_spec_tokens=2.0), "num_spec_tokens: expected an integer, got 2.0"),
-    (dict(topk=None), "topk: expected an integer"),
+    (dict(branching=2.0), "branching: expected an integer"),
     (dict(num_draft_tokens=4.0), "num_draft_tokens: expected an integer or None"),
     (dict(max_new_tokens=None), "max_new_tokens: expected an integer"),
     (dict(eos_ids=7), "eos_ids: expected a sequence"),
@@ -188,7 +188,7 @@ def test_limits_and_accept_rate(prompts):
     want = generate(t, long, 6, eos_ids=()).tokens
     assert decode(t, d, long, 6, eos_ids=(), num_spec_tokens=3, max_cache_len=P + 8).tokens == want
     # accept_rate is over the drafts a step can accept: 2 (a chain of 3 nodes), not num_spec_tokens = 3
-    out = decode(t, d, prompts, 9, eos_ids=(), num_spec_tokens=3, topk=1, num_draft_tokens=3, prefill_chunk=8)
+    out = decode(t, d, prompts, 9, eos_ids=(), num_spec_tokens=3, branching=1, num_draft_tokens=3, prefill_chunk=8)
     assert out.tokens == generate(t, prompts, 9, eos_ids=(), prefill_chunk=8).tokens
     assert out.metrics["accept_rate"] == 1.0
 

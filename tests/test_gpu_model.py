@@ -87,7 +87,7 @@ def test_speculative_decode_is_lossless(model):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, cfg["vocab_size"], n).tolist() for n in (5, 13, 20)]
     want = generate(m, prompts, 16, eos_ids=(), prefill_chunk=8).tokens
-    for kw in (dict(num_spec_tokens=3), dict(num_spec_tokens=3, topk=4, num_draft_tokens=8)):
+    for kw in (dict(num_spec_tokens=3), dict(num_spec_tokens=3, branching=4, num_draft_tokens=8)):
         got = decode(m, d, prompts, 16, eos_ids=(), prefill_chunk=8, **kw).tokens
         for p, g, t in zip(prompts, got, want):
             if g == t:
@@ -106,7 +106,7 @@ def test_capped_cache_gives_the_same_tokens(model):
     prompts = [np.random.default_rng().integers(3, cfg["vocab_size"], n).tolist() for n in (7, 20)]
     want = generate(m, prompts, 16, eos_ids=(), prefill_chunk=4).tokens
     assert generate(m, prompts, 16, eos_ids=(), prefill_chunk=4, max_cache_len=36).tokens == want
-    for kw, slack in ((dict(num_spec_tokens=3), 8), (dict(num_spec_tokens=3, topk=4, num_draft_tokens=8), 12)):
+    for kw, slack in ((dict(num_spec_tokens=3), 8), (dict(num_spec_tokens=3, branching=4, num_draft_tokens=8), 12)):
         want = decode(m, d, prompts, 16, eos_ids=(), prefill_chunk=4, **kw).tokens
         got = decode(m, d, prompts, 16, eos_ids=(), prefill_chunk=4, max_cache_len=36 + slack, **kw).tokens
         assert got == want, kw

@@ -215,7 +215,7 @@ def test_decode_with_windowed_draft_and_rings_is_lossless(tiny):
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 256, n).tolist() for n in (4, 23, 11)]
     want = generate(tiny, prompts, 40, eos_ids=(), prefill_chunk=16).tokens
-    for kw in (dict(num_spec_tokens=3), dict(num_spec_tokens=3, topk=3, num_draft_tokens=7)):
+    for kw in (dict(num_spec_tokens=3), dict(num_spec_tokens=3, branching=3, num_draft_tokens=7)):
         assert decode(tiny, draft, prompts, 40, eos_ids=(), prefill_chunk=16, **kw).tokens == want, kw
 
 

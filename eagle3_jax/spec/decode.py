@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -18,9 +19,9 @@ from flax import nnx
 from eagle3_jax import parallel
 from eagle3_jax.checks import ArgumentError, int_arg, is_int
 from eagle3_jax.models import eagle3, gpt_oss
-from eagle3_jax.spec import loop, memory, metrics
+from eagle3_jax.spec import loop, memory, metrics, sampling
 from eagle3_jax.spec.state import Plan
-from eagle3_jax.spec.tree import PROPOSALS
+from eagle3_jax.spec.tree import PROPOSALS, max_nodes
 
 PREFILL_CHUNK = 256  # unit of the automatic prefill chunk (tokens)
 PREFILL_TOKENS = 2048  # tokens over the batch an automatic prefill chunk holds at most (at least PREFILL_CHUNK a row)
@@ -143,17 +144,21 @@ def _eos_array(cfg, eos_ids):
     return out
 
 
-def _prepare(cfg, prompts, max_new_tokens, temperature, eos_ids, seed, max_cache_len, prefill_chunk, slack=0):
+def _prepare(cfg, prompts, max_new_tokens, temperature, eos_ids, seed, max_cache_len, prefill_chunk, slack=0,
+             filters=(None, None, None)):
     """Checks and pads the inputs of `generate` / `decode`: (executable arguments after the model
-    state, static lengths)."""
+    state, static lengths). filters: (top_k, top_p, min_p), checked always, dropped at temperature 0."""
     prompts = validate_prompts(prompts, cfg.vocab_size)
     temperature = _temperature(temperature)
+    filters = sampling.check_filters(*filters)
+    filters = None if temperature == 0 else filters  # greedy: the argmax, which every filter keeps
     seed = int_arg("seed", seed, -(1 << 63))
     eos = _eos_array(cfg, eos_ids)
     padded, cache_len, out_len, chunk = plan_lengths(cfg, prompts, max_new_tokens, prefill_chunk, max_cache_len,
                                                      slack)
     tokens, lengths = pad_prompts(prompts, padded)
-    args = (tokens, lengths, np.int32(max_new_tokens), eos, np.float32(max(temperature, 1e-6)), jax.random.key(seed))
+    args = (tokens, lengths, np.int32(max_new_tokens), eos, np.float32(max(temperature, 1e-6)), jax.random.key(seed),
+            filters)
     return prompts, args, dict(cache_len=cache_len, out_len=out_len, chunk=chunk, greedy=temperature == 0)
 
 
@@ -217,11 +222,19 @@ def _run(models, prompts, args, plan: Plan, ctx: parallel.RunContext, memory_lim
 
 
 def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: float = 0.0,
-             eos_ids: Sequence[int] | None = None, seed: int = 0, *, max_cache_len: int | None = None,
+             eos_ids: Sequence[int] | None = None, seed: int = 0, *, top_k: int | None = None,
+             top_p: float | None = None, min_p: float | None = None, max_cache_len: int | None = None,
              prefill_chunk: int | None = None, ctx: parallel.RunContext | None = None,
              memory_limit: int | None = None) -> Output:
     """Baseline autoregressive generation (greedy at temperature 0, else sampling), batched and ragged.
 
+    top_k (an integer >= 1), top_p (in (0, 1]), min_p (in [0, 1]): sampling filters, None for off
+    (spec/sampling.py): a token is drawn from softmax(logits / T) renormalised over the tokens that
+    top_k keeps (all tied with the k-th largest logit), of those the likeliest ones that hold top_p
+    of their mass (all tied at the edge; top_p = 1: all), and whose probability is at least min_p
+    times the largest, as transformers and vLLM filter (top_k, then top_p; min_p commutes). Ignored
+    at temperature 0, as vLLM does (greedy takes the argmax, which every filter keeps). Their values
+    are arguments of the compiled program (no recompiling); whether any is given is not.
     prompts: list of token-id lists (any lengths). eos_ids: None takes the config's eos ids
     (`config.eos_token_ids`; [] for none); a slot stops at its first eos (included in its output) or
     after `max_new_tokens`. ctx: how the program runs (`parallel.RunContext`: mesh, kernel policy,
@@ -241,7 +254,7 @@ def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: 
         raise ArgumentError(f"target: expected a gpt_oss.GptOss, got {type(target).__name__}")
     memory_limit = int_arg("memory_limit", memory_limit, 0, optional=True)
     prompts, args, static = _prepare(target.config, prompts, max_new_tokens, temperature, eos_ids, seed,
-                                     max_cache_len, prefill_chunk)
+                                     max_cache_len, prefill_chunk, filters=(top_k, top_p, min_p))
     ctx = run_context((target, None), ctx)
     toks, _, m = _run((target, None), prompts, args, Plan(**static), ctx, memory_limit)
     return Output(toks, m)
@@ -271,15 +284,19 @@ def _check_pair(target, draft):
 
 
 def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens: int, num_spec_tokens: int = 3,
-           topk: int = 1, num_draft_tokens: int | None = None, temperature: float = 0.0,
-           eos_ids: Sequence[int] | None = None, seed: int = 0, *, proposal: str = "deterministic",
+           branching: int | None = None, num_draft_tokens: int | None = None, temperature: float = 0.0,
+           eos_ids: Sequence[int] | None = None, seed: int = 0, *, top_k: int | None = None,
+           top_p: float | None = None, min_p: float | None = None, proposal: str = "deterministic",
            max_cache_len: int | None = None, prefill_chunk: int | None = None,
-           ctx: parallel.RunContext | None = None, memory_limit: int | None = None) -> Output:
-    """EAGLE-3 speculative decoding; lossless against `generate` (greedy: token for token).
+           ctx: parallel.RunContext | None = None, memory_limit: int | None = None,
+           topk: int | None = None) -> Output:
+    """EAGLE-3 speculative decoding; lossless against `generate` (greedy: token for token; sampling:
+    the same law, filters included).
 
-    num_spec_tokens: draft depth; topk: children per expanded node (1 = chain); num_draft_tokens:
-    tree nodes N including the root (default: num_spec_tokens + 1 for a chain; required <=
-    1 + topk + (depth - 1) * topk^2 for a tree); prefill_chunk, max_cache_len, eos_ids, ctx and
+    num_spec_tokens: draft depth; branching: children per expanded node (None: 1, a chain; `topk`
+    is its old name, deprecated); num_draft_tokens: tree nodes N including the root (default:
+    num_spec_tokens + 1 for a chain; required <= 1 + branching + (depth - 1) * branching^2 for a
+    tree); top_k, top_p, min_p (the sampling filters), prefill_chunk, max_cache_len, eos_ids, ctx and
     memory_limit as in `generate` (the cache also holds num_draft_tokens + num_spec_tokens + 1 scratch
     slots; the state also holds the draft's cache). Output as `generate`, with
     acceptance metrics: mean_accept_length (tau: tokens committed per slot-step, the bonus token
@@ -287,10 +304,11 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
     min(num_spec_tokens, num_draft_tokens - 1)), accept_rate_per_position, accept_length_histogram,
     frac_steps_ge2, slot_steps, and the proposal.
 
-    proposal (spec/tree.py, spec/step.py): "deterministic" drafts the draft's top-k children and, at
-    temperature > 0, verifies them as given against one draw of the target per node (exact);
-    "sample" (temperature > 0 only) draws each node's children i.i.d. from the draft at the decoding
-    temperature and verifies them by recursive rejection with the draft's probabilities (exact).
+    proposal (spec/tree.py, spec/step.py): "deterministic" drafts the draft's `branching` likeliest
+    children and, at temperature > 0, verifies them as given against one draw per node from the
+    target's filtered distribution (exact); "sample" (temperature > 0 only) draws each node's
+    children i.i.d. from the draft at the decoding temperature under the same filters and verifies
+    them by recursive rejection with the draft's filtered probabilities (exact).
     """
     _check_pair(target, draft)
     if not isinstance(proposal, str) or proposal not in PROPOSALS:
@@ -300,24 +318,31 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
                             "proposal='deterministic' for greedy decoding (allowed: "
                             f"{list(PROPOSALS)} at temperature > 0, 'deterministic' at 0)")
     num_spec_tokens = int_arg("num_spec_tokens", num_spec_tokens, 1)
-    topk = int_arg("topk", topk, 1)
+    if topk is not None:
+        if branching is not None:
+            raise ArgumentError(f"branching={branching!r} and topk={topk!r}: topk is the deprecated name of "
+                                "branching (children per tree node); pass branching only")
+        warnings.warn("decode(topk=...) is deprecated: pass branching= (children per tree node); top_k= is the "
+                      "sampling filter", DeprecationWarning, stacklevel=2)
+        branching = topk
+    branching = int_arg("branching", 1 if branching is None else branching, 1)
     num_draft_tokens = int_arg("num_draft_tokens", num_draft_tokens, 2, optional=True)
     memory_limit = int_arg("memory_limit", memory_limit, 0, optional=True)
-    if topk > draft.config.draft_vocab_size:
-        raise ValueError(f"topk: {topk} > draft vocabulary size {draft.config.draft_vocab_size}")
-    most = 1 + topk + (num_spec_tokens - 1) * topk * topk
+    if branching > draft.config.draft_vocab_size:
+        raise ValueError(f"branching: {branching} > draft vocabulary size {draft.config.draft_vocab_size}")
+    most = max_nodes(num_spec_tokens, branching)
     if num_draft_tokens is None:
-        num_draft_tokens = num_spec_tokens + 1 if topk == 1 else min(most, 2 * num_spec_tokens + 2)
+        num_draft_tokens = num_spec_tokens + 1 if branching == 1 else min(most, 2 * num_spec_tokens + 2)
     if not 2 <= num_draft_tokens <= most:
         raise ValueError(f"num_draft_tokens: {num_draft_tokens} outside [2, {most}] for depth {num_spec_tokens}, "
-                         f"topk {topk}")
+                         f"branching {branching}")
     slack = num_draft_tokens + num_spec_tokens + 1  # verify writes N slots, rewind depth + 1 past the length
     prompts, args, static = _prepare(target.config, prompts, max_new_tokens, temperature, eos_ids, seed,
-                                     max_cache_len, prefill_chunk, slack)
-    plan = Plan(**static, depth=num_spec_tokens, topk=topk, num_nodes=num_draft_tokens,
+                                     max_cache_len, prefill_chunk, slack, (top_k, top_p, min_p))
+    plan = Plan(**static, depth=num_spec_tokens, branching=branching, num_nodes=num_draft_tokens,
                 feature_ids=tuple(draft.config.feature_layers), proposal=proposal)
     ctx = run_context((target, draft), ctx)
     toks, counters, m = _run((target, draft), prompts, args, plan, ctx, memory_limit)
     m.update(metrics.acceptance(counters, num_spec_tokens, num_draft_tokens), num_spec_tokens=num_spec_tokens,
-             topk=topk, num_draft_tokens=num_draft_tokens, proposal=proposal)
+             branching=branching, num_draft_tokens=num_draft_tokens, proposal=proposal)
     return Output(toks, m)

@@ -16,6 +16,7 @@ from flax import nnx
 from eagle3_jax import parallel
 from eagle3_jax.models import eagle3, gpt_oss
 from eagle3_jax.spec.metrics import Counters
+from eagle3_jax.spec.sampling import Filters
 from eagle3_jax.spec.state import DecodeState, Plan
 from eagle3_jax.spec.step import sample, step
 
@@ -34,11 +35,12 @@ def layout(state: DecodeState, mesh) -> DecodeState:
                          draft_cache=parallel.constrain_cache(state.draft_cache, mesh, heads=False), **rows)
 
 
-def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan: Plan,
-               ctx: parallel.RunContext) -> DecodeState:
+def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, filters: Filters | None,
+               plan: Plan, ctx: parallel.RunContext) -> DecodeState:
     """Prefills the target (and the draft) with right-padded prompts tokens int32 [B, P] and draws
     the first token; the state before the first step, laid out over ctx's mesh (`layout`). Rows of
-    prompt length 0 (padding that a mesh's data axis needs: spec/decode.py) start done."""
+    prompt length 0 (padding that a mesh's data axis needs: spec/decode.py) start done. filters:
+    the sampling filters (spec/sampling.py) or None (none compiled; always None when greedy)."""
     target, draft = models
     mesh = ctx.mesh
     B = tokens.shape[0]
@@ -49,7 +51,8 @@ def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key
     with jax.named_scope("prefill"):
         target_cache, h_last, feats = gpt_oss.prefill(target, cache, tokens, prompt_lengths, chunk=plan.chunk,
                                                       feature_ids=plan.feature_ids, ctx=ctx)
-        first = sample(gpt_oss.logits(target, h_last, ctx), jax.random.fold_in(key, 0), temperature, plan.greedy, ctx)
+        first = sample(gpt_oss.logits(target, h_last, ctx), jax.random.fold_in(key, 0), temperature, plan.greedy, ctx,
+                       filters)
         draft_cache = h_root = None
         if plan.depth:
             # the draft reads (x_{t+1}, f_t): the prompt shifted left, the first token after the last position
@@ -64,16 +67,16 @@ def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key
     state = DecodeState(target_cache=target_cache, draft_cache=draft_cache, lengths=prompt_lengths, root=first,
                         h_root=h_root, out=jnp.zeros((B, plan.out_len), jnp.int32).at[:, 0].set(first), n_out=n_out,
                         done=jnp.isin(first, eos_ids) | (n_out >= budget) | (prompt_lengths == 0), budget=budget,
-                        eos_ids=eos_ids, temperature=temperature, key=key, steps=jnp.zeros((), jnp.int32),
-                        counters=Counters.zeros(plan.depth))
+                        eos_ids=eos_ids, temperature=temperature, filters=filters, key=key,
+                        steps=jnp.zeros((), jnp.int32), counters=Counters.zeros(plan.depth))
     return layout(state, mesh)
 
 
-def run(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan: Plan,
+def run(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, filters: Filters | None, plan: Plan,
         ctx: parallel.RunContext) -> DecodeState:
     """Prefill, then `step` until every slot is done: the whole generation, traceable under jit.
     ctx: the run context (its mesh: the models' parameters'); the state keeps `layout`."""
-    state = init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, plan, ctx)
+    state = init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, filters, plan, ctx)
     return jax.lax.while_loop(lambda state: ~jnp.all(state.done),
                               lambda state: layout(step(models, state, plan, ctx), ctx.mesh), state)
 

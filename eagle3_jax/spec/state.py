@@ -9,6 +9,7 @@ from flax import struct
 
 from eagle3_jax.models.kv_cache import KVCache
 from eagle3_jax.spec.metrics import Counters
+from eagle3_jax.spec.sampling import Filters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,16 +17,17 @@ class Plan:
     """Static choices of one compiled loop (hashable: one executable per plan and argument shapes).
 
     depth 0 is the baseline (`generate`: no draft, one token a step); depth >= 1 drafts a chain
-    (topk 1) or a tree of num_nodes nodes including the root."""
+    (branching 1) or a tree of num_nodes nodes including the root. Whether sampling filters run is
+    the state's choice (`DecodeState.filters` None or not: part of the arguments' structure)."""
     cache_len: int         # KV slots a row
     out_len: int           # output columns a row (>= max_new_tokens)
     chunk: int             # prefill chunk (tokens a row)
     greedy: bool           # argmax (temperature 0) or sampling
     depth: int = 0         # draft tokens along a path (num_spec_tokens)
-    topk: int = 1          # children per expanded node
+    branching: int = 1     # children per expanded node (decode's `branching`)
     num_nodes: int = 1     # verified tokens a step, the root included
     feature_ids: tuple = ()  # target hidden-state indices the draft reads (draft.config.feature_layers)
-    proposal: str = "deterministic"  # drafts chosen by top k, or "sample": drawn from the draft (spec/tree.py)
+    proposal: str = "deterministic"  # the draft's best children, or "sample": drawn from the draft (spec/tree.py)
 
     @property
     def width(self) -> int:
@@ -35,8 +37,8 @@ class Plan:
     @property
     def step_tokens(self) -> int:
         """Most tokens one cached call of a step writes: verify num_nodes (the baseline 1), the draft's
-        tree levels (depth - 1) * topk and its extend depth + 1; the caches' `max_step_tokens`."""
-        return max(self.num_nodes, (self.depth - 1) * self.topk, self.width) if self.depth else 1
+        tree levels (depth - 1) * branching and its extend depth + 1; the caches' `max_step_tokens`."""
+        return max(self.num_nodes, (self.depth - 1) * self.branching, self.width) if self.depth else 1
 
     @property
     def slack(self) -> int:
@@ -59,6 +61,7 @@ class DecodeState:
     budget: jax.Array         # int32 []: max_new_tokens
     eos_ids: jax.Array        # int32 [E]: stop ids, padded with -1
     temperature: jax.Array    # float32 []: sampling temperature (unused when greedy)
+    filters: Filters | None   # top_k / top_p / min_p (spec/sampling.py); None: none (and always when greedy)
     key: jax.Array            # PRNG key; the first token draws with fold_in(key, 0), step i with fold_in(key, i + 1)
     steps: jax.Array          # int32 []: iterations run
     counters: Counters        # acceptance totals (spec/metrics.py)

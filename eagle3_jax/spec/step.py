@@ -7,15 +7,17 @@ target verifies them in one pass and the accepted prefix plus a bonus token is c
 one (depth 0, `generate`) the root alone is verified and the target's pick is the bonus: the same
 step, drafting nothing.
 
-Acceptance, proposal "deterministic" (top-k drafts): on the target's choice y at every node, its
-argmax (greedy) or one independent draw from softmax(logits / T) per node (sampling). Node i is
+Acceptance, proposal "deterministic" (the draft's best children): on the target's choice y at every
+node, its argmax (greedy) or one independent draw from p per node (sampling). Node i is
 accepted iff its token equals y at its parent and its parent is accepted; the bonus is y at the
 deepest accepted node. With draws this is sequential rejection with the drafts taken as given
 (one-hot q): each committed token is exactly a draw from the target, for chains and trees alike
 (SGLang's "target only" verification). Proposal "sample" (drafts drawn from the draft's q at the
 decoding temperature): recursive rejection with q, `pallas.accept.accept_sample` (accept a child
 with min(1, r/q), else r <- norm(max(r - q, 0)) and try the next sibling; the bonus is drawn from
-what is left), with p = softmax(target logits / T).
+what is left). p is softmax(target logits / T) with the tokens the sampling filters drop (top_k,
+top_p, min_p: spec/sampling.py; state.filters, None for none) at zero, and q the draft's under the
+same filters, so the committed tokens follow the filtered target law.
 Each part is a public function so that benchmarks time the library's own parts.
 """
 
@@ -32,17 +34,22 @@ from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.pallas.accept import accept_greedy, accept_sample, uniforms
 from eagle3_jax.pallas.kv_rewind import kv_rewind
 from eagle3_jax.pallas.tree_mask import tree_mask
+from eagle3_jax.spec.sampling import Filters, filter_logits
 from eagle3_jax.spec.state import DecodeState, Plan
 from eagle3_jax.spec.tree import draft_tree
 
 
-def sample(logits, key, temperature, greedy: bool, ctx: parallel.RunContext):
+def sample(logits, key, temperature, greedy: bool, ctx: parallel.RunContext, filters: Filters | None = None):
     """logits f32 [B, ..., V] -> int32 [B, ...]: argmax when greedy, else a draw from softmax(logits / T)
-    by the Gumbel-max trick (jax.random.categorical's draw, bit for bit). Both through
-    `parallel.vocab_argmax`, which exchanges only each device's best where ctx's mesh splits V."""
+    by the Gumbel-max trick (jax.random.categorical's draw, bit for bit), with the tokens `filters`
+    drop (spec/sampling.py; None: none) at -inf. Through `parallel.vocab_argmax`, which exchanges
+    only each device's best where ctx's mesh splits V."""
     if greedy:
         return parallel.vocab_argmax(ctx, logits)
-    return parallel.vocab_argmax(ctx, jax.random.gumbel(key, logits.shape, logits.dtype) + logits / temperature)
+    z = logits / temperature
+    if filters is not None:
+        z = filter_logits(ctx, z, filters)
+    return parallel.vocab_argmax(ctx, jax.random.gumbel(key, logits.shape, logits.dtype) + z)
 
 
 def keys(state: DecodeState):
@@ -55,13 +62,13 @@ def propose(draft, state: DecodeState, plan: Plan, ctx: parallel.RunContext):
     """The tokens to verify: (tokens int32 [B, N] with tokens[:, 0] = root, parents int32 [B, N]
     (parents[:, 0] = -1), packed ancestor mask [B, N, ceil(N/32)] or None (the baseline's one token),
     positions int32 [B, N], q float32 [B, N, Vd] the draft distribution each node's children were
-    drawn from (proposal "sample"; else None))."""
+    drawn from (proposal "sample", under the state's filters; else None))."""
     L = state.lengths
     if not plan.depth:
         return state.root[:, None], jnp.full_like(state.root[:, None], -1), None, L[:, None], None
-    sample = (keys(state)[1], state.temperature) if plan.proposal == "sample" else None
+    sample = (keys(state)[1], state.temperature, state.filters) if plan.proposal == "sample" else None
     tokens, parents, q = draft_tree(draft, state.draft_cache, L, state.root, state.h_root, depth=plan.depth,
-                                    topk=plan.topk, num_nodes=plan.num_nodes, sample=sample, ctx=ctx)
+                                    branching=plan.branching, num_nodes=plan.num_nodes, sample=sample, ctx=ctx)
     rows = parallel.BATCH
     mask = functools.partial(tree_mask, policy=ctx.kernels)
     bits, _, positions, _, _ = ctx.local(mask, (rows, rows), (rows,) * 5)(parents, L)
@@ -74,11 +81,11 @@ def verify(target, state: DecodeState, tokens, positions, mask, plan: Plan, ctx:
     return gpt_oss.step(target, state.target_cache, tokens, positions, state.lengths, mask, plan.feature_ids, ctx=ctx)
 
 
-def choose(logits, key, temperature, plan: Plan, ctx: parallel.RunContext):
-    """The target's pick at every node, int32 [B, N]: argmax, or one draw per node."""
+def choose(logits, key, temperature, plan: Plan, ctx: parallel.RunContext, filters: Filters | None = None):
+    """The target's pick at every node, int32 [B, N]: argmax, or one draw per node (under `filters`)."""
     if not plan.depth:  # one draw over [B, V], as the baseline has always drawn
-        return sample(logits[:, 0], key, temperature, plan.greedy, ctx)[:, None]
-    return sample(logits, key, temperature, plan.greedy, ctx)
+        return sample(logits[:, 0], key, temperature, plan.greedy, ctx, filters)[:, None]
+    return sample(logits, key, temperature, plan.greedy, ctx, filters)
 
 
 def accept(tokens, parents, choice, plan: Plan, ctx: parallel.RunContext):
@@ -101,10 +108,13 @@ def target_ids_q(draft, q):
     return jnp.zeros((B, N, draft.config.vocab_size), q.dtype).at[:, :, ids].set(q)
 
 
-def accept_sampled(draft, logits, tokens, parents, q, key, temperature, plan: Plan, ctx: parallel.RunContext):
+def accept_sampled(draft, logits, tokens, parents, q, key, temperature, plan: Plan, ctx: parallel.RunContext,
+                   filters: Filters | None = None):
     """Proposal "sample": recursive rejection of drafts drawn from q with the target's p =
-    softmax(logits / T); outputs as `accept`."""
-    p = jax.nn.softmax(logits / temperature, axis=-1)
+    softmax(logits / T), the tokens `filters` drop at zero (q drawn under the same filters);
+    outputs as `accept`."""
+    z = logits / temperature
+    p = jax.nn.softmax(z if filters is None else filter_logits(ctx, z, filters), axis=-1)
     u = uniforms(key, *tokens.shape)  # the batch's draws; under a mesh each device takes its rows'
     run = functools.partial(accept_sample, max_depth=plan.depth, proposal="sample", policy=ctx.kernels)
     rows = parallel.BATCH
@@ -115,7 +125,7 @@ def accept_sampled(draft, logits, tokens, parents, q, key, temperature, plan: Pl
 def rewind(cache: kvc.KVCache, lengths, path, acc, plan: Plan, ctx: parallel.RunContext) -> kvc.KVCache:
     """Moves the accepted nodes' K/V of the target's cache to slots lengths .. lengths + acc (a
     chain's already are). Under ctx's mesh each device moves its rows and heads."""
-    if plan.topk == 1:
+    if plan.branching == 1:
         return cache
     heads, rows = parallel.BATCH_HEADS, parallel.BATCH
     move = functools.partial(kv_rewind, rings=cache.rings, policy=ctx.kernels)
@@ -177,9 +187,11 @@ def step(models, state: DecodeState, plan: Plan, ctx: parallel.RunContext) -> De
         logits, feats, target_cache = verify(target, state, tokens, positions, mask, plan, ctx)
     with jax.named_scope("accept"):
         if plan.proposal == "sample":
-            acc, path, bonus = accept_sampled(draft, logits, tokens, parents, q, key, state.temperature, plan, ctx)
+            acc, path, bonus = accept_sampled(draft, logits, tokens, parents, q, key, state.temperature, plan, ctx,
+                                              state.filters)
         else:
-            acc, path, bonus = accept(tokens, parents, choose(logits, key, state.temperature, plan, ctx), plan, ctx)
+            choice = choose(logits, key, state.temperature, plan, ctx, state.filters)
+            acc, path, bonus = accept(tokens, parents, choice, plan, ctx)
         nxt = path_tokens(tokens, path, acc, bonus)
     with jax.named_scope("rewind"):
         target_cache = rewind(target_cache, state.lengths, path, acc, plan, ctx)

@@ -1,4 +1,4 @@
-"""Draft trees in fixed shapes: the EAGLE-2 dynamic tree (SGLang's), with the chain as topk = 1.
+"""Draft trees in fixed shapes: the EAGLE-2 dynamic tree (SGLang's), with the chain as branching = 1.
 
 Step 0 expands the root; each later step runs the draft layer on every node expanded so far (the
 frontier blocks, each attending to the committed draft cache plus its own ancestors by a packed
@@ -8,9 +8,10 @@ best k by score as the next frontier. Finally the best N - 1 candidates by score
 parent's score is >= its children's and candidates are numbered parents-first, so a stable sort
 keeps the set closed), sorted by candidate index so parents precede children. Node 0 is the root.
 
-Proposals (how a node's k children are chosen, and how candidates are scored):
+Proposals (how a node's k = branching children are chosen, and how candidates are scored):
   "deterministic": the draft's top k, scored by cumulative draft log-probability (EAGLE-2).
-  "sample": k i.i.d. draws from q = softmax(draft logits / T). For the rejection rule to stay exact,
+  "sample": k i.i.d. draws from q = softmax(draft logits / T) under the sampling filters
+      (spec/sampling.py; the tokens they drop have q = 0). For the rejection rule to stay exact,
       the children a node keeps must not be chosen by their own values, so a candidate's score does
       not look at its token: the j-th draw (j = 0, 1, ...) at node c scores score(c) + log s_c +
       j log(1 - s_c), s_c = sum(q_c^2) (the chance that a draw from q_c is matched by an independent
@@ -26,13 +27,14 @@ import jax.numpy as jnp
 from eagle3_jax import parallel
 from eagle3_jax.formats.packed_mask import pack_mask
 from eagle3_jax.models import eagle3
+from eagle3_jax.spec.sampling import filter_logits
 
 PROPOSALS = ("deterministic", "sample")
 
 
-def max_nodes(depth: int, topk: int) -> int:
+def max_nodes(depth: int, branching: int) -> int:
     """Largest useful tree: the root plus every candidate."""
-    return 1 + topk + (depth - 1) * topk * topk
+    return 1 + branching + (depth - 1) * branching * branching
 
 
 def _children(draft, h, k: int, sample, ctx: parallel.RunContext):
@@ -42,8 +44,11 @@ def _children(draft, h, k: int, sample, ctx: parallel.RunContext):
     if sample is None:
         logp, tok = eagle3.top_k(draft, logits, k)
         return logp, tok, None
-    key, temperature = sample
-    logq = jax.nn.log_softmax(logits / temperature, axis=-1)
+    key, temperature, filters = sample
+    z = logits / temperature
+    if filters is not None:  # the draft's own head leaves its logits whole; a borrowed one split as the target's
+        z = filter_logits(parallel.ONE_DEVICE if draft.config.own_lm_head else ctx, z, filters)
+    logq = jax.nn.log_softmax(z, axis=-1)
     idx = jax.random.categorical(key, logq[..., None, :], axis=-1, shape=logq.shape[:-1] + (k,))
     q = jnp.exp(logq)
     s = jnp.clip(jnp.sum(q * q, axis=-1, keepdims=True), 1e-30, 1 - 1e-7)
@@ -51,22 +56,23 @@ def _children(draft, h, k: int, sample, ctx: parallel.RunContext):
     return score, eagle3.to_target_ids(draft, idx).astype(jnp.int32), q
 
 
-def draft_tree(draft, cache, lengths, root, h_root, *, depth: int, topk: int, num_nodes: int, sample=None,
+def draft_tree(draft, cache, lengths, root, h_root, *, depth: int, branching: int, num_nodes: int, sample=None,
                ctx: parallel.RunContext = parallel.ONE_DEVICE):
     """Builds each sequence's draft tree.
 
     cache: the draft KV cache with committed prefix [0, lengths); root int32 [B] the last target
     token; h_root [B, H] the draft hidden at position lengths - 1 (its logits propose depth 1).
-    sample: None (proposal "deterministic": top-k children) or (key, temperature) (proposal "sample":
-    i.i.d. draws from the draft at that temperature). ctx: the run context (default one device).
+    branching: children per expanded node (1: a chain). sample: None (proposal "deterministic": the
+    draft's best children) or (key, temperature, filters) (proposal "sample": i.i.d. draws from the
+    draft at that temperature under those `sampling.Filters`, None for none). ctx: the run context (default one device).
     Returns (tokens int32 [B, N] target ids with tokens[:, 0] = root, parents int32 [B, N] with
     parents[:, 0] = -1 and parents[:, i] < i, q float32 [B, N, Vd] the draft distribution node i's
     children were drawn from, zero for nodes without children; None for "deterministic").
     """
     B, H = h_root.shape
-    k = topk
+    k = branching
     P = (depth - 1) * k  # nodes the draft layer runs on (all frontiers but the last)
-    step_sample = (lambda s: None) if sample is None else (lambda s: (jax.random.fold_in(sample[0], s), sample[1]))
+    step_sample = (lambda s: None) if sample is None else (lambda s: (jax.random.fold_in(sample[0], s), *sample[1:]))
     score, tok, q = _children(draft, h_root, k, step_sample(0), ctx)  # [B, k]
     qs = None if q is None else [q[:, None]]  # q of each expanded node: the root, then each frontier
     cand_tok, cand_score, cand_parent = [tok], [score], [jnp.full((B, k), -1, jnp.int32)]

@@ -58,9 +58,9 @@ def parse_shape(s):
 
 
 def decode_kwargs(s):
-    """A draft shape string -> decode's keyword arguments (num_spec_tokens, topk, num_draft_tokens)."""
+    """A draft shape string -> decode's keyword arguments (num_spec_tokens, branching, num_draft_tokens)."""
     p = parse_shape(s)
-    return dict(num_spec_tokens=p["depth"], topk=p["topk"], num_draft_tokens=p["num_nodes"])
+    return dict(num_spec_tokens=p["depth"], branching=p["topk"], num_draft_tokens=p["num_nodes"])
 
 
 def median_seconds(run, repeats):
@@ -277,7 +277,7 @@ def _state_shapes(models, B, plan, sliding, ctx):
 
     def init(tokens, lengths):
         return spec_loop.init_state(models, tokens, lengths, jnp.int32(BUDGET), jnp.full((EOS_SLOTS,), -1, jnp.int32),
-                                    jnp.float32(1.0), jax.random.key(0), plan, ctx)
+                                    jnp.float32(1.0), jax.random.key(0), None, plan, ctx)
 
     shapes = jax.eval_shape(init, jax.ShapeDtypeStruct((B, 1), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
     if sliding == "dense":
@@ -357,7 +357,7 @@ def step_plan(draft, shape, context, proposal="deterministic"):
     for the step's writes past it, 8 output columns."""
     depth, topk, N = shape["depth"], shape["topk"], shape["num_nodes"]
     return Plan(cache_len=context + 2 * N + depth + 8, out_len=8, chunk=1, greedy=proposal != "sample", depth=depth,
-                topk=topk, num_nodes=N, feature_ids=tuple(draft.config.feature_layers), proposal=proposal)
+                branching=topk, num_nodes=N, feature_ids=tuple(draft.config.feature_layers), proposal=proposal)
 
 
 def baseline_plan(context):
@@ -459,7 +459,7 @@ def _time_parts(t: _Timings, B, run_step):
     del st, logits, q
     nxt, path, acc = _time_accept(t, B, known)
     del known
-    if plan.topk > 1:
+    if plan.branching > 1:
         def part_rewind(m, st, path, acc, ctx):
             return st.replace(target_cache=spec_step.rewind(st.target_cache, st.lengths, path, acc, plan, ctx))
 
