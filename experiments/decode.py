@@ -17,7 +17,9 @@ tokenizer.json (else token ids "1,2,3"). --chat renders text prompts as one user
 --system) with the target's chat template (--chat_template: another file); conversations are always
 rendered with it. Stops: --eos (ids or token strings), default the checkpoint's stop ids
 (generation_config.json's eos_token_id, else config.json's). `--draft none` runs the baseline alone.
-Prints each prompt and its continuation, tau (mean committed tokens per decode step, the bonus token
+Sampling (--temperature > 0): --top_k, --top_p, --min_p filter it (experiments/lib/decode_flags.py);
+--branching sets the children per draft node (--topk: its deprecated name). Prints each prompt and
+its continuation, tau (mean committed tokens per decode step, the bonus token
 included) and the accept rate, and the throughput against `generate` in the same process.
 """
 
@@ -29,7 +31,7 @@ import time
 import jax
 import jax.numpy as jnp
 from absl import flags
-from lib import cli
+from lib import cli, decode_flags
 from lib import prompts as prompt_io
 
 from eagle3_jax import assets, parallel
@@ -57,7 +59,7 @@ flags.DEFINE_multi_string("eos", None, "stop token: an id or a token's text such
                           "else config.json's)")
 flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate per prompt", lower_bound=1)
 flags.DEFINE_integer("num_spec_tokens", 3, "draft depth", lower_bound=1)
-flags.DEFINE_integer("topk", 1, "children per expanded draft node (1 = chain)", lower_bound=1)
+decode_flags.define()  # --branching (--topk), --top_k, --top_p, --min_p
 flags.DEFINE_integer("num_draft_tokens", None, "tree nodes including the root (default: chain length + 1)",
                      lower_bound=2)
 flags.DEFINE_float("temperature", 0.0, "0 = greedy", lower_bound=0.0)
@@ -185,6 +187,9 @@ def main(argv):
     fmt = _chat_format()
     prompts = _prompts(tok, fmt)
     eos_ids = _eos_ids(tok)
+    branching = decode_flags.branching()
+    if decode_flags.note():
+        _say(decode_flags.note())
     B = len(prompts)
     dtype = jnp.dtype(FLAGS.dtype) if FLAGS.dtype else assets.default_dtype()
     load = dict(dtype=dtype, progress=cli.load_progress(), mesh=mesh)  # with a mesh: each process reads its shards
@@ -198,12 +203,12 @@ def main(argv):
         _say(f"sharded over {dict(mesh.shape)} ({mesh.size} devices, {jax.process_count()} processes)")
     # how both run: the parameters' mesh, the one-shot all-reduce's Mailbox where it has one (every process asks)
     ctx = parallel.context_for(target)
-    kw = dict(temperature=FLAGS.temperature, seed=FLAGS.seed, eos_ids=eos_ids, ctx=ctx)
-    result, out = dict(prompts=prompts, eos_ids=eos_ids), None
+    kw = dict(temperature=FLAGS.temperature, seed=FLAGS.seed, eos_ids=eos_ids, ctx=ctx, **decode_flags.filters())
+    result, out = dict(prompts=prompts, eos_ids=eos_ids, filters=decode_flags.filters()), None
     if draft is not None:
         _say(f"compiling and running decode, B={B} (one executable per batch, cache length and tree shape) ...")
         out = _repeat(lambda: decode(target, draft, prompts, FLAGS.max_new_tokens,
-                                     num_spec_tokens=FLAGS.num_spec_tokens, branching=FLAGS.topk,
+                                     num_spec_tokens=FLAGS.num_spec_tokens, branching=branching,
                                      num_draft_tokens=FLAGS.num_draft_tokens, proposal=FLAGS.proposal, **kw))
         result["decode"] = dict(tokens=out.tokens, metrics=out.metrics)
         _show(prompts, out.tokens, tok)

@@ -11,7 +11,8 @@ target alone in the same process (--mesh model=M,data=D: over M*D devices of thi
 Prompts are chat-formatted with the target's chat template (--chat_template: another file) as one
 user turn after --system, with --reasoning_effort; --chat requires a template, --nochat sends the
 raw text, and by default the template is used where the target has one. Stops: --eos, default the
-checkpoint's stop ids (generation_config.json's eos_token_id, else config.json's).
+checkpoint's stop ids (generation_config.json's eos_token_id, else config.json's). Sampling:
+--temperature with --top_k / --top_p / --min_p and --proposal; --branching > 1 drafts trees.
 
 Per dataset, and per MT-Bench category: tau (tokens committed per decode step, the bonus token
 counted: the library's mean_accept_length, pooled over the set's steps), the accept rate and the rate
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
-from lib import cli, prompt_sets
+from lib import cli, decode_flags, prompt_sets
 from lib import prompts as prompt_io
 from lib.timing import device_info, write_json
 
@@ -47,7 +48,7 @@ flags.DEFINE_multi_string("dataset", ["humaneval"], "NAME or NAME=FILE (repeatab
 flags.DEFINE_integer("num_prompts", None, "the first n prompts of each dataset (default: all)", lower_bound=1)
 flags.DEFINE_integer("max_new_tokens", 256, "tokens generated per prompt", lower_bound=1)
 flags.DEFINE_integer("num_spec_tokens", 3, "draft depth", lower_bound=1)
-flags.DEFINE_integer("topk", 1, "children per expanded draft node (1 = chain)", lower_bound=1)
+decode_flags.define()  # --branching (--topk), --top_k, --top_p, --min_p
 flags.DEFINE_integer("num_draft_tokens", None, "tree nodes including the root (default: chain length + 1)",
                      lower_bound=2)
 flags.DEFINE_float("temperature", 0.0, "0 = greedy", lower_bound=0.0)
@@ -209,9 +210,13 @@ def main(argv):
         ids = chat.stop_ids(FLAGS.target, tok)
         eos = None if ids is None else list(ids)
     dtype = jnp.dtype(FLAGS.dtype) if FLAGS.dtype else assets.default_dtype()
+    branching = decode_flags.branching()
+    if decode_flags.note():
+        cli.write(decode_flags.note())
     settings = dict(target=os.path.abspath(FLAGS.target), draft=os.path.abspath(FLAGS.draft), dtype=dtype.name,
-                    max_new_tokens=FLAGS.max_new_tokens, num_spec_tokens=FLAGS.num_spec_tokens, topk=FLAGS.topk,
+                    max_new_tokens=FLAGS.max_new_tokens, num_spec_tokens=FLAGS.num_spec_tokens, branching=branching,
                     num_draft_tokens=FLAGS.num_draft_tokens, temperature=FLAGS.temperature, proposal=FLAGS.proposal,
+                    **decode_flags.filters(),
                     seed=FLAGS.seed, eos_ids=eos, chat_template=fmt.source if fmt else None,
                     chat_template_sha256=hashlib.sha256(fmt.template.encode()).hexdigest()[:16] if fmt else None,
                     system=FLAGS.system, reasoning_effort=FLAGS.reasoning_effort)
@@ -230,7 +235,7 @@ def main(argv):
         load = dict(dtype=dtype, progress=cli.load_progress(), mesh=mesh)
         target = load_gpt_oss(FLAGS.target, **load, **({} if mesh is None else {"experts": FLAGS.experts}))
         draft = load_eagle3(FLAGS.draft, target=target, **load)
-        kw = dict(temperature=FLAGS.temperature, eos_ids=eos, seed=FLAGS.seed)
+        kw = dict(temperature=FLAGS.temperature, eos_ids=eos, seed=FLAGS.seed, **decode_flags.filters())
         if rows_file:
             os.makedirs(os.path.dirname(os.path.abspath(rows_file)), exist_ok=True)
         bar = cli.bar(pending, "prompts", unit="prompt")
@@ -238,7 +243,8 @@ def main(argv):
             ids = prompt_io.encode([p.text], tok, fmt, chat_on=fmt is not None, system=FLAGS.system,
                                    template_kwargs=template_kwargs, where=f"{p.set} {p.id}")[0]
             out = decode(target, draft, [ids], FLAGS.max_new_tokens, num_spec_tokens=FLAGS.num_spec_tokens,
-                         branching=FLAGS.topk, num_draft_tokens=FLAGS.num_draft_tokens, proposal=FLAGS.proposal, **kw)
+                         branching=branching, num_draft_tokens=FLAGS.num_draft_tokens, proposal=FLAGS.proposal,
+                         **kw)
             m = out.metrics
             row = dict(dataset=p.set, id=p.id, category=p.category, prompt_tokens=len(ids),
                        output_tokens=len(out.tokens[0]), slot_steps=m["slot_steps"],

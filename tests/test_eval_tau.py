@@ -99,5 +99,13 @@ def test_chat_flags_fail_in_one_line(tmp_path):
     err = fails("eval_tau.py", "--dataset", f"gsm8k={write_jsonl(tmp_path / 'g.jsonl', [{'problem': 'x'}])}")
     assert err.strip().splitlines()[-1].startswith(f"error: {tmp_path / 'g.jsonl'}:1: no 'question' field (GSM8K as "
                                                    "published: test.jsonl of openai/grade-school-math")
-    err = fails("eval_tau.py", "--chat", "--dataset", f"humaneval={write_jsonl(tmp_path / 'h.jsonl', HUMANEVAL)}")
+    he = write_jsonl(tmp_path / "h.jsonl", HUMANEVAL)
+    err = fails("eval_tau.py", "--chat", "--dataset", f"humaneval={he}")
     assert "error: --chat: " in err and "has no chat template" in err
+    # the sampling filters reach decode (which refuses top_p 0); --topk is --branching's old name
+    err = fails("eval_tau.py", "--dataset", f"humaneval={he}", "--temperature", "0.6", "--top_p", "0", "--topk", "1")
+    assert err.startswith("warning: --topk is deprecated: it is --branching")
+    assert err.strip().splitlines()[-1] == "error: top_p: expected a number in (0, 1] or None, got 0.0"
+    err = fails("decode.py", "--topk", "2", "--branching", "2")
+    assert err.strip().splitlines()[-1] == ("error: --topk 2 and --branching 2: --topk is the deprecated name of "
+                                            "--branching; give --branching only")
