@@ -231,6 +231,8 @@ def main(argv):
     else:
         cli.write("no --out: nothing is saved, and a rerun starts over")
     template_kwargs = {"reasoning_effort": FLAGS.reasoning_effort} if FLAGS.reasoning_effort else {}
+    encoded = [prompt_io.encode([p.text], tok, fmt, chat_on=fmt is not None, system=FLAGS.system,
+                                template_kwargs=template_kwargs, where=f"{p.set} {p.id}")[0] for p in pending]
     if pending:
         load = dict(dtype=dtype, progress=cli.load_progress(), mesh=mesh)
         target = load_gpt_oss(FLAGS.target, **load, **({} if mesh is None else {"experts": FLAGS.experts}))
@@ -238,10 +240,8 @@ def main(argv):
         kw = dict(temperature=FLAGS.temperature, eos_ids=eos, seed=FLAGS.seed, **decode_flags.filters())
         if rows_file:
             os.makedirs(os.path.dirname(os.path.abspath(rows_file)), exist_ok=True)
-        bar = cli.bar(pending, "prompts", unit="prompt")
-        for p in bar:
-            ids = prompt_io.encode([p.text], tok, fmt, chat_on=fmt is not None, system=FLAGS.system,
-                                   template_kwargs=template_kwargs, where=f"{p.set} {p.id}")[0]
+        bar = cli.bar(list(zip(pending, encoded)), "prompts", unit="prompt")
+        for p, ids in bar:
             out = decode(target, draft, [ids], FLAGS.max_new_tokens, num_spec_tokens=FLAGS.num_spec_tokens,
                          branching=branching, num_draft_tokens=FLAGS.num_draft_tokens, proposal=FLAGS.proposal,
                          **kw)
