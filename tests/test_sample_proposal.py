@@ -121,8 +121,12 @@ def check_law(tokens, exact, what):
     outside = counts[exact == 0].sum()
     assert outside == 0, (what, f"{outside:.0f} of {n:.0f} draws outside the filtered support")
     tv = 0.5 * np.abs(counts / n - exact).sum()
-    noise = 0.5 * np.sum(np.sqrt(2 * exact * (1 - exact) / (np.pi * n)))  # E[TV] of an exact sampler
-    assert tv < noise + 0.02, (what, tv, noise)
+    # an exact sampler's TV at this n, simulated: its mean + 4.5 standard deviations (a fixed tolerance
+    # over the mean failed an exact sampler in about 2% of runs at n = 1024)
+    sims = np.random.default_rng(0).multinomial(int(n), exact.ravel() / exact.sum(), size=400) / n
+    null = 0.5 * np.abs(sims - exact.ravel()).sum(-1)
+    bound = null.mean() + 4.5 * null.std()
+    assert tv < bound, (what, tv, null.mean(), bound)
 
 
 def greedy_pair(logits):
