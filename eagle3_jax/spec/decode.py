@@ -193,7 +193,9 @@ def _run(models, prompts, args, plan: Plan, ctx: parallel.RunContext, memory_lim
     Counters, throughput metrics). On ctx's mesh the host arguments go onto it: prompts and lengths
     split over "data", the batch padded to a multiple of it with empty prompts (rows that start done
     and are dropped from the outputs), the rest replicated. Before compiling and again before running,
-    the state and then the compiled program are checked against the free memory (spec/memory.py)."""
+    the state and then the compiled program are checked against the free memory (spec/memory.py). A
+    device error after which the fused all-reduce has a failure record (`parallel.failure_report`)
+    becomes a RuntimeError naming the reduction, the device and the missing peer."""
     graphdef, state = nnx.split(models)
     mesh = ctx.mesh
     B = len(prompts)
@@ -214,7 +216,14 @@ def _run(models, prompts, args, plan: Plan, ctx: parallel.RunContext, memory_lim
     if free is not None:
         memory.check_program(exe, models, plan, B, free, mesh, source, host_bytes)
     t0 = time.perf_counter()
-    out, n_out, steps, counters = jax.block_until_ready(exe(ctx, *args))
+    try:
+        out, n_out, steps, counters = jax.block_until_ready(exe(ctx, *args))
+    except jax.errors.JaxRuntimeError as e:  # a fused all-reduce that gave up on a peer says which one
+        report = parallel.failure_report()
+        if report is None:
+            raise
+        raise RuntimeError(f"{report} (the device's error: {str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                           ) from e
     seconds = time.perf_counter() - t0
     out, n_out = np.asarray(out)[:B], np.asarray(n_out)[:B]
     toks = [out[b, :n_out[b]].tolist() for b in range(B)]
