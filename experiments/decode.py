@@ -51,20 +51,8 @@ flags.DEFINE_bool("chat", False, "render text prompts as a user turn with the ta
                   "from a file are always rendered)")
 flags.DEFINE_string("system", None, "with --chat: a system message before each prompt (not where a conversation "
                     "has its own)")
-flags.DEFINE_string("chat_template", None, "a jinja chat template file to use instead of the target's")
-flags.DEFINE_enum("reasoning_effort", None, ["low", "medium", "high"], "gpt-oss's reasoning effort, a chat "
-                  "template variable (default: the template's own)")
-flags.DEFINE_multi_string("eos", None, "stop token: an id or a token's text such as '<|call|>' (repeatable; "
-                          "'none': no stop tokens); default: the checkpoint's (generation_config.json's eos_token_id, "
-                          "else config.json's)")
 flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate per prompt", lower_bound=1)
-flags.DEFINE_integer("num_spec_tokens", 3, "draft depth", lower_bound=1)
-decode_flags.define()  # --branching (--topk), --top_k, --top_p, --min_p
-flags.DEFINE_integer("num_draft_tokens", None, "tree nodes including the root (default: chain length + 1)",
-                     lower_bound=2)
-flags.DEFINE_float("temperature", 0.0, "0 = greedy", lower_bound=0.0)
-flags.DEFINE_enum("proposal", "deterministic", ["deterministic", "sample"], "drafts: top-k (deterministic), or "
-                  "drawn from the draft at --temperature > 0 and verified by rejection with its probabilities")
+decode_flags.define()  # draft shape, --temperature, --proposal, filters, --chat_template, --reasoning_effort, --eos
 flags.DEFINE_integer("seed", 0, "sampling seed", lower_bound=0)
 flags.DEFINE_bool("baseline", True, "also run generate() in the same process and compare")
 flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "weights / activations dtype (default: bfloat16 on "

@@ -1,4 +1,5 @@
-"""The draft-tree and sampling-filter flags of the scripts that decode prompts (decode.py, eval_tau.py).
+"""The flags that the scripts decoding prompts (decode.py, eval_tau.py) share: the draft's shape and
+proposal, the temperature and the sampling filters, and the chat template's settings and stop tokens.
 
 - `--branching`: children per expanded draft node (1: a chain), decode()'s `branching`; `--topk`, its
   old name, still works with a warning on stderr (both given: ValueError).
@@ -17,16 +18,29 @@ FLAGS = flags.FLAGS
 
 
 def define() -> None:
-    """Defines --branching, --topk (deprecated), --top_k, --top_p and --min_p."""
+    """Defines --num_spec_tokens, --branching, --topk (deprecated), --num_draft_tokens, --temperature,
+    --proposal, --top_k, --top_p, --min_p, --chat_template, --reasoning_effort and --eos."""
+    flags.DEFINE_integer("num_spec_tokens", 3, "draft depth", lower_bound=1)
     flags.DEFINE_integer("branching", 1, "children per expanded draft node (1 = chain)", lower_bound=1)
     flags.DEFINE_integer("topk", None, "deprecated name of --branching (children per draft node; the sampling "
                          "filter is --top_k)", lower_bound=1)
+    flags.DEFINE_integer("num_draft_tokens", None, "tree nodes including the root (default: chain length + 1)",
+                         lower_bound=2)
+    flags.DEFINE_float("temperature", 0.0, "0 = greedy", lower_bound=0.0)
+    flags.DEFINE_enum("proposal", "deterministic", ["deterministic", "sample"], "drafts: top-k (deterministic), or "
+                      "drawn from the draft at --temperature > 0 and verified by rejection with its probabilities")
     flags.DEFINE_integer("top_k", None, "sampling filter: the k likeliest tokens (and those tied with the k-th)",
                          lower_bound=1)
     flags.DEFINE_float("top_p", None, "sampling filter: the likeliest tokens holding this share of the mass, in "
                        "(0, 1]", lower_bound=0.0, upper_bound=1.0)
     flags.DEFINE_float("min_p", None, "sampling filter: tokens at least this times as likely as the likeliest, in "
                        "[0, 1]", lower_bound=0.0, upper_bound=1.0)
+    flags.DEFINE_string("chat_template", None, "a jinja chat template file to use instead of the target's")
+    flags.DEFINE_enum("reasoning_effort", None, ["low", "medium", "high"], "gpt-oss's reasoning effort, a chat "
+                      "template variable (default: the template's own)")
+    flags.DEFINE_multi_string("eos", None, "stop token: an id or a token's text such as '<|call|>' (repeatable; "
+                              "'none': no stop tokens); default: the checkpoint's (generation_config.json's "
+                              "eos_token_id, else config.json's)")
 
 
 def branching() -> int:
