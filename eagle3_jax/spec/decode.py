@@ -183,7 +183,7 @@ def _free(devices, limit: int | None, mesh) -> tuple[int | None, str]:
     figures of `devices` (None on a device without them: CPU); on a mesh over several processes the
     fewest over them (spec/memory.py)."""
     free = limit if limit is not None else memory.free_bytes(devices)
-    if mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1:
+    if mesh is not None and mesh.is_multi_process:
         free = memory.fewest_over_processes(free)
     return free, "memory_limit" if limit is not None else "the allocator's bytes_limit - bytes_in_use"
 

@@ -64,7 +64,7 @@ def run_devices(mesh, params) -> list:
     """The devices of this process a run uses: those of `mesh` (a jax.sharding.Mesh) that are local,
     or without a mesh the devices the first array of `params` (a pytree) is on."""
     if mesh is not None:
-        return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+        return list(mesh.local_devices)
     leaves = jax.tree.leaves(params)
     return sorted(leaves[0].devices(), key=lambda d: d.id) if leaves else []
 
