@@ -282,11 +282,12 @@ def _record_and_trap(record, words):
     """Stores the i32 `words` at the failure record `record` (i64 address; word 0, "failed", last,
     after the others are visible system-wide), then ends the kernel with an error (PTX trap): a peer
     that never writes fails the program instead of hanging it."""
-    for j, w in list(enumerate(words))[1:] + [(0, words[0])]:
-        if j == 0:
-            llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "membar.sys;", "", has_side_effects=True)
+    void = ir.Type.parse("!llvm.void")
+    for j, w in enumerate(words[1:], 1):
         _store_word(arith.addi(record, _int(4 * j, 64)), w)
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "membar.sys;\n\ttrap;", "", has_side_effects=True)
+    llvm.inline_asm(void, [], "membar.sys;", "", has_side_effects=True)
+    _store_word(record, words[0])
+    llvm.inline_asm(void, [], "membar.sys;\n\ttrap;", "", has_side_effects=True)
 
 
 def _line(base, parity, k, row64, t, i, half, M, words):
