@@ -2,8 +2,9 @@
 
 Pre-norm residual blocks: `x += Attn(RMSNorm(x)); x += MoE(RMSNorm(x))`, a final RMSNorm and an
 untied `lm_head`. On GPUs with bf16 activations the glue between the GEMMs runs as Pallas kernels
-(`pallas/select.py` makes every such choice): each MoE output is added to the stream by the next
-norm's kernel (pallas/norm.py), q/k/v bias, RoPE and the cache write run inside the attention kernel
+(`pallas/select.py` makes every such choice): on one device the experts' last kernel adds each MoE
+output to the stream and applies the next norm (`moe.mxfp4_moe_add_norm`; elsewhere pallas/norm.py's
+kernel), q/k/v bias, RoPE and the cache write run inside the attention kernel
 (`attention.rope_attention`), and the MoE's norm, router and top k are one kernel
 (pallas/moe_route.py). Attention has biases, GQA, one learned sink logit per query head, YaRN RoPE
 and a sliding window on the layers `config.layer_types` marks. The MoE routes each token to its
@@ -341,17 +342,18 @@ class MoE(nnx.Module):
 
     def add_norm(self, x, norm: RMSNorm, next_norm: RMSNorm, *, ctx: parallel.RunContext = parallel.ONE_DEVICE,
                  tickets=None):
-        """The block's second half on one device: x [..., H] (the residual stream) -> (s, next_norm(s),
-        tickets), s = x + this MoE of norm(x) (its f32 output added as `RMSNorm.add` adds it). tickets:
-        `moe_route.tickets()` zeros or None, which the kernel path's routing uses and returns zero
-        again (one zero fill for every layer of a step: `run_layers`); the other paths pass them
-        through. Under ctx's mesh the MoE runs on its shards as `__call__` runs it."""
-        if ctx.mesh is None and (self.path or self._path_for(x.reshape(-1, x.shape[-1]), ctx)) == "kernel":
-            out, tickets = self._kernel(x.reshape(-1, x.shape[-1]), norm, ctx, tickets=tickets)
-            out = out.reshape(x.shape)
-        else:
-            out = self(x, norm=norm, dtype=F32, ctx=ctx)
-        s, y = next_norm.add(x, out, ctx)
+        """The block's second half where no all-reduce follows: x [..., H] (the residual stream) -> (s,
+        next_norm(s), tickets), s = x + this MoE of norm(x) (its f32 output added as `RMSNorm.add` adds
+        it). On one device the kernel path adds and normalizes in the experts' last kernel
+        (`moe.mxfp4_moe_add_norm`: no norm kernel of its own); tickets: `moe_route.tickets()` zeros or
+        None, which its routing uses and returns zero again (one zero fill for every layer of a step:
+        `run_layers`); the other paths pass them through, and under ctx's mesh the MoE runs on its
+        shards as `__call__` runs it, then `RMSNorm.add`."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if ctx.mesh is None and (self.path or self._path_for(x2, ctx)) == "kernel":
+            (s, y), tickets = self._kernel(x2, norm, ctx, tickets=tickets, next_norm=next_norm)
+            return s.reshape(x.shape), y.reshape(x.shape), tickets
+        s, y = next_norm.add(x, self(x, norm=norm, dtype=F32, ctx=ctx), ctx)
         return s, y, tickets
 
     def _run(self, x, path, norm, ctx: parallel.RunContext, first_expert=None, down_bias_on=None):
@@ -435,25 +437,30 @@ class MoE(nnx.Module):
         y = self._ffn(jnp.broadcast_to(x[:, None], (N, E, H)), *self.experts.weights(jnp.arange(E)), "neh,eoh->neo")
         return jnp.einsum("neo,ne->no", y, combine)
 
-    def _kernel(self, x, norm, ctx: parallel.RunContext, first_expert=None, down_bias_on=None, tickets=None):
+    def _kernel(self, x, norm, ctx: parallel.RunContext, first_expert=None, down_bias_on=None, tickets=None,
+                next_norm=None):
         """Few tokens on a GPU: norm, router and top k in one kernel (pallas/moe_route.py), then each
         (token, expert) pair's packed expert weights streamed from HBM or, for experts shared by tokens,
         mostly from L2 (pallas/moe.py); pairs of experts not held (first_expert: `_run`) get id -1, which
         the kernel skips; down_bias_on: `_run`'s. tickets: the routing's counters (`moe_route.route`;
-        None: its own). Returns (f32 [N, H], tickets)."""
+        None: its own). Returns (f32 [N, H], tickets); with next_norm, ((s, next_norm(s)), tickets), s = x
+        + the output, both from the experts' last kernel (`moe.mxfp4_moe_add_norm`)."""
         scale, eps = (None, 0.0) if norm is None else (norm.scale[...], norm.eps)
         interpret = ctx.kernels.interpret
-        x, xq, ids, w, tickets = moe_route.route(x, scale, self.router_w[...], self.router_b[...], tickets, eps=eps,
+        h, xq, ids, w, tickets = moe_route.route(x, scale, self.router_w[...], self.router_b[...], tickets, eps=eps,
                                                  k=self.top_k, interpret=interpret)
         if first_expert is not None:
             ids, held = self._held(ids, first_expert)
             ids = jnp.where(held, ids, -1)
         ex = self.experts
-        out = moe_kernel.mxfp4_moe(x, ids, w, ex.gate_up_blocks[...], ex.gate_up_scales[...], ex.gate_up_bias[...],
-                                   ex.down_blocks[...], ex.down_scales[...], ex.down_bias[...],
-                                   limit=float(self.limit), alpha=float(self.alpha), xq=xq,
-                                   down_bias_on=down_bias_on, config=ctx.kernels.moe_config, interpret=interpret)
-        return out, tickets
+        experts = (ex.gate_up_blocks[...], ex.gate_up_scales[...], ex.gate_up_bias[...], ex.down_blocks[...],
+                   ex.down_scales[...], ex.down_bias[...])
+        kw = dict(limit=float(self.limit), alpha=float(self.alpha), xq=xq, down_bias_on=down_bias_on,
+                  config=ctx.kernels.moe_config, interpret=interpret)
+        if next_norm is None:
+            return moe_kernel.mxfp4_moe(h, ids, w, *experts, **kw), tickets
+        return moe_kernel.mxfp4_moe_add_norm(h, ids, w, *experts, x, next_norm.scale[...], eps=next_norm.eps,
+                                             **kw), tickets
 
     def _gathered(self, x, ids, w):
         """Few tokens: read each (token, expert) pair's weights. Returns f32 [N, H]."""
