@@ -19,7 +19,8 @@ from flax import nnx
 from eagle3_jax import parallel
 from eagle3_jax.checks import ArgumentError, int_arg, is_int
 from eagle3_jax.models import eagle3, gpt_oss
-from eagle3_jax.spec import loop, memory, metrics, sampling
+from eagle3_jax.spec import adaptive, loop, memory, metrics, sampling
+from eagle3_jax.spec import cost_table as cost_table_lib
 from eagle3_jax.spec.state import Plan
 from eagle3_jax.spec.tree import PROPOSALS, max_nodes
 
@@ -31,8 +32,17 @@ EOS_BUCKET = 8  # eos ids are padded to a multiple of this
 
 @dataclasses.dataclass
 class Output:
-    tokens: list[list[int]]  # per prompt: generated ids, prompt excluded, eos included
+    """What `generate` and `decode` return. tokens: per prompt, the generated ids (prompt excluded, eos
+    included); metrics: a dict (see each function). trace (trace=True; else None): jax.Array int32
+    [prompts, steps] on the device, steps = metrics["steps"]: trace[i, s] is the number of tokens prompt
+    i's row committed at step s (accepted drafts + the bonus token, after the eos and budget cuts; at
+    least 1), -1 once the row was done; each row sums to len(tokens[i]) - 1 (the first token comes from
+    the prefill). trace_option (decode(depth="auto", trace=True); else None): jax.Array int32 [steps],
+    the option each step ran, an index into metrics["auto"]["options"]."""
+    tokens: list[list[int]]
     metrics: dict
+    trace: jax.Array | None = None
+    trace_option: jax.Array | None = None
 
 
 def _round_up(n: int, m: int) -> int:
@@ -190,7 +200,8 @@ def _free(devices, limit: int | None, mesh) -> tuple[int | None, str]:
 
 def _run(models, prompts, args, plan: Plan, ctx: parallel.RunContext, memory_limit: int | None):
     """Compiles (once per plan, run context and shapes) and runs the loop: (per-prompt token lists,
-    Counters, throughput metrics). On ctx's mesh the host arguments go onto it: prompts and lengths
+    Counters, throughput metrics, extras: "trace" [prompts, steps], "auto" (the loop's AutoState) and
+    "trace_option" [steps] where the plan has them). On ctx's mesh the host arguments go onto it: prompts and lengths
     split over "data", the batch padded to a multiple of it with empty prompts (rows that start done
     and are dropped from the outputs), the rest replicated. Before compiling and again before running,
     the state and then the compiled program are checked against the free memory (spec/memory.py). A
@@ -217,7 +228,7 @@ def _run(models, prompts, args, plan: Plan, ctx: parallel.RunContext, memory_lim
         memory.check_program(exe, models, plan, B, free, mesh, source, host_bytes)
     t0 = time.perf_counter()
     try:
-        out, n_out, steps, counters = jax.block_until_ready(exe(ctx, *args))
+        out, n_out, steps, counters, *extras = jax.block_until_ready(exe(ctx, *args))
     except jax.errors.JaxRuntimeError as e:  # a fused all-reduce that gave up on a peer says which one
         report = parallel.failure_report()
         if report is None:
@@ -225,16 +236,21 @@ def _run(models, prompts, args, plan: Plan, ctx: parallel.RunContext, memory_lim
         raise RuntimeError(f"{report} (the device's error: {str(e).splitlines()[0] if str(e) else type(e).__name__})"
                            ) from e
     seconds = time.perf_counter() - t0
-    out, n_out = np.asarray(out)[:B], np.asarray(n_out)[:B]
+    out, n_out, steps = np.asarray(out)[:B], np.asarray(n_out)[:B], int(steps)
     toks = [out[b, :n_out[b]].tolist() for b in range(B)]
-    return toks, counters, metrics.throughput(int(steps), int(n_out.sum()), seconds, compile_s)
+    extras = extras[0] if extras else {}
+    if "trace" in extras:  # on the device, the padding rows and the steps not run dropped
+        extras["trace"] = extras["trace"][:B, :steps]
+    if "auto" in extras and extras["auto"].chosen is not None:
+        extras["trace_option"] = extras["auto"].chosen[:steps]
+    return toks, counters, metrics.throughput(steps, int(n_out.sum()), seconds, compile_s), extras
 
 
 def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: float = 0.0,
              eos_ids: Sequence[int] | None = None, seed: int = 0, *, top_k: int | None = None,
              top_p: float | None = None, min_p: float | None = None, max_cache_len: int | None = None,
              prefill_chunk: int | None = None, ctx: parallel.RunContext | None = None,
-             memory_limit: int | None = None) -> Output:
+             memory_limit: int | None = None, trace: bool = False) -> Output:
     """Baseline autoregressive generation (greedy at temperature 0, else sampling), batched and ragged.
 
     top_k (an integer >= 1), top_p (in (0, 1]), min_p (in [0, 1]): sampling filters, None for off
@@ -257,7 +273,8 @@ def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: 
     that does not fit raises ValueError before compiling (its state: the KV caches, spec/memory.py)
     or after compiling and before running (the program's buffers), with the bytes needed and free a
     device and the largest batch that fits. Wrong types raise `ArgumentError` (a ValueError and a
-    TypeError), wrong values ValueError.
+    TypeError), wrong values ValueError. trace: also return `Output.trace` (each step commits one
+    token a row here); its buffer, int32 [B, out_len], is written on the device with no host round trip.
     """
     if not isinstance(target, gpt_oss.GptOss):
         raise ArgumentError(f"target: expected a gpt_oss.GptOss, got {type(target).__name__}")
@@ -265,8 +282,15 @@ def generate(target: gpt_oss.GptOss, prompts, max_new_tokens: int, temperature: 
     prompts, args, static = _prepare(target.config, prompts, max_new_tokens, temperature, eos_ids, seed,
                                      max_cache_len, prefill_chunk, filters=(top_k, top_p, min_p))
     ctx = run_context((target, None), ctx)
-    toks, _, m = _run((target, None), prompts, args, Plan(**static), ctx, memory_limit)
-    return Output(toks, m)
+    toks, _, m, extras = _run((target, None), prompts, args, Plan(**static, trace=_flag("trace", trace)), ctx,
+                              memory_limit)
+    return Output(toks, m, trace=extras.get("trace"))
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentError(f"{name}: expected True or False, got {value!r}")
+    return bool(value)
 
 
 def _check_pair(target, draft):
@@ -292,17 +316,26 @@ def _check_pair(target, draft):
         raise ValueError("draft incompatible with the target: " + "; ".join(problems))
 
 
-def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens: int, num_spec_tokens: int = 3,
-           branching: int | None = None, num_draft_tokens: int | None = None, temperature: float = 0.0,
-           eos_ids: Sequence[int] | None = None, seed: int = 0, *, top_k: int | None = None,
-           top_p: float | None = None, min_p: float | None = None, proposal: str = "deterministic",
-           max_cache_len: int | None = None, prefill_chunk: int | None = None,
-           ctx: parallel.RunContext | None = None, memory_limit: int | None = None,
-           topk: int | None = None) -> Output:
+def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens: int,
+           num_spec_tokens: int | None = None, branching: int | None = None, num_draft_tokens: int | None = None,
+           temperature: float = 0.0, eos_ids: Sequence[int] | None = None, seed: int = 0, *,
+           top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+           proposal: str = "deterministic", max_cache_len: int | None = None, prefill_chunk: int | None = None,
+           ctx: parallel.RunContext | None = None, memory_limit: int | None = None, topk: int | None = None,
+           depth: int | str | None = None, cost_table=None, trace: bool = False) -> Output:
     """EAGLE-3 speculative decoding; lossless against `generate` (greedy: token for token; sampling:
     the same law, filters included).
 
-    num_spec_tokens: draft depth; branching: children per expanded node (None: 1, a chain; `topk`
+    num_spec_tokens: draft depth (None: 3); depth: None or an integer (the same as num_spec_tokens: a
+    fixed depth; both given must agree) or "auto": each step chooses, on the device, the number of
+    drafts d in 0 .. num_spec_tokens (0: a plain target step) and, for a tree, the configured tree,
+    whichever maximises the expected committed tokens a second from each slot's running acceptance
+    and a table of step times (spec/adaptive.py). cost_table (depth="auto" only): None, the table
+    shipped for the parameters' device kind (spec/cost_table.py); a path to a table file; or its
+    contents as a dict (one table without "model" is taken as it is). The choice reads earlier steps
+    only, so the output is exact as with a fixed depth. trace: also return `Output.trace` (and with
+    depth="auto" `Output.trace_option`), written on the device with no host round trip.
+    branching: children per expanded node (None: 1, a chain; `topk`
     is its old name, deprecated); num_draft_tokens: tree nodes N including the root (default:
     num_spec_tokens + 1 for a chain; required <= 1 + branching + (depth - 1) * branching^2 for a
     tree); top_k, top_p, min_p (the sampling filters), prefill_chunk, max_cache_len, eos_ids, ctx and
@@ -311,7 +344,11 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
     acceptance metrics: mean_accept_length (tau: tokens committed per slot-step, the bonus token
     counted), accept_rate (accepted drafts per slot-step over the most a step can accept,
     min(num_spec_tokens, num_draft_tokens - 1)), accept_rate_per_position, accept_length_histogram,
-    frac_steps_ge2, slot_steps, and the proposal.
+    frac_steps_ge2, slot_steps, and the proposal. depth="auto" adds depth ("auto"), depth_histogram
+    (steps by option name: chain<d>, tree<depth>x<branching>n<nodes>), auto (per option: steps,
+    slot-steps, predicted and realised committed tokens a slot-step; predicted_seconds: the table's
+    seconds summed over the steps run; the table's origin) and takes accept_rate over the drafts the
+    chosen options verified, accept_rate_per_position over the slot-steps that verified that position.
 
     proposal (spec/tree.py, spec/step.py): "deterministic" drafts the draft's `branching` likeliest
     children and, at temperature > 0, verifies them as given against one draw per node from the
@@ -320,13 +357,16 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
     them by recursive rejection with the draft's filtered probabilities (exact).
     """
     _check_pair(target, draft)
+    num_spec_tokens, auto = _depth(num_spec_tokens, depth)
+    trace = _flag("trace", trace)
+    if cost_table is not None and not auto:
+        raise ArgumentError("cost_table: only depth='auto' reads a table of step times; pass depth='auto'")
     if not isinstance(proposal, str) or proposal not in PROPOSALS:
         raise ArgumentError(f"proposal: {proposal!r}, expected one of {list(PROPOSALS)}")
     if proposal == "sample" and _temperature(temperature) == 0:
         raise ArgumentError("proposal: 'sample' draws drafts at the decoding temperature, which is 0 here; use "
                             "proposal='deterministic' for greedy decoding (allowed: "
                             f"{list(PROPOSALS)} at temperature > 0, 'deterministic' at 0)")
-    num_spec_tokens = int_arg("num_spec_tokens", num_spec_tokens, 1)
     if topk is not None:
         if branching is not None:
             raise ArgumentError(f"branching={branching!r} and topk={topk!r}: topk is the deprecated name of "
@@ -345,13 +385,37 @@ def decode(target: gpt_oss.GptOss, draft: eagle3.Eagle3, prompts, max_new_tokens
     if not 2 <= num_draft_tokens <= most:
         raise ValueError(f"num_draft_tokens: {num_draft_tokens} outside [2, {most}] for depth {num_spec_tokens}, "
                          f"branching {branching}")
-    slack = num_draft_tokens + num_spec_tokens + 1  # verify writes N slots, rewind depth + 1 past the length
+    options = cost_table_lib.auto_options(num_spec_tokens, branching, num_draft_tokens) if auto else ()
+    shape = dict(depth=num_spec_tokens, branching=branching, num_nodes=num_draft_tokens, auto=options)
+    slack = Plan(0, 0, 0, True, **shape).slack  # verify writes N slots, extend depth + 1 past the length
     prompts, args, static = _prepare(target.config, prompts, max_new_tokens, temperature, eos_ids, seed,
                                      max_cache_len, prefill_chunk, slack, (top_k, top_p, min_p))
-    plan = Plan(**static, depth=num_spec_tokens, branching=branching, num_nodes=num_draft_tokens,
-                feature_ids=tuple(draft.config.feature_layers), proposal=proposal)
+    plan = Plan(**static, **shape, feature_ids=tuple(draft.config.feature_layers), proposal=proposal, trace=trace)
     ctx = run_context((target, draft), ctx)
-    toks, counters, m = _run((target, draft), prompts, args, plan, ctx, memory_limit)
+    if auto:
+        data = 1 if ctx.mesh is None else ctx.mesh.shape["data"]
+        device = memory.run_devices(ctx.mesh, nnx.state(target))[0]
+        table, origin = cost_table_lib.resolve(cost_table, device, target.config, draft.config, target.dtype,
+                                               proposal, plan.greedy, options, _round_up(len(prompts), data))
+        args = (*args, table)
+    toks, counters, m, extras = _run((target, draft), prompts, args, plan, ctx, memory_limit)
     m.update(metrics.acceptance(counters, num_spec_tokens, num_draft_tokens), num_spec_tokens=num_spec_tokens,
              branching=branching, num_draft_tokens=num_draft_tokens, proposal=proposal)
-    return Output(toks, m)
+    if auto:
+        names = [cost_table_lib.option_name(o) for o in options]
+        m.update(adaptive.summary(extras["auto"], options, names, counters.hist), depth="auto")
+        m["auto"]["table"] = origin
+    return Output(toks, m, trace=extras.get("trace"), trace_option=extras.get("trace_option"))
+
+
+def _depth(num_spec_tokens, depth) -> tuple[int, bool]:
+    """(the draft depth, or the most drafts for "auto"; whether depth is "auto") from decode's arguments."""
+    if depth is None or isinstance(depth, str):
+        if depth not in (None, "auto"):
+            raise ArgumentError(f"depth: expected an integer >= 1, 'auto' or None, got {depth!r}")
+        return int_arg("num_spec_tokens", 3 if num_spec_tokens is None else num_spec_tokens, 1), depth == "auto"
+    depth = int_arg("depth", depth, 1)
+    if num_spec_tokens is not None and int_arg("num_spec_tokens", num_spec_tokens, 1) != depth:
+        raise ArgumentError(f"depth={depth} and num_spec_tokens={num_spec_tokens}: an integer depth is the number "
+                            "of drafts, num_spec_tokens; give one of them (or depth='auto', up to num_spec_tokens)")
+    return depth, False

@@ -15,12 +15,14 @@ from flax import nnx
 
 from eagle3_jax import parallel
 from eagle3_jax.models import eagle3, gpt_oss
+from eagle3_jax.spec import adaptive
 from eagle3_jax.spec.metrics import Counters
 from eagle3_jax.spec.sampling import Filters
 from eagle3_jax.spec.state import DecodeState, Plan
 from eagle3_jax.spec.step import sample, step
 
-PER_ROW = ("lengths", "root", "h_root", "out", "n_out", "done")  # DecodeState's [B, ...] fields besides the caches
+PER_ROW = ("lengths", "root", "h_root", "out", "n_out", "done", "trace")  # DecodeState's [B, ...] fields besides
+# the caches (and depth="auto"'s estimates, `AutoState.est` and `seen`)
 COMPILED_MAX = 16  # executables `compiled` keeps (least recently used dropped first)
 
 
@@ -31,16 +33,21 @@ def layout(state: DecodeState, mesh) -> DecodeState:
     if mesh is None:
         return state
     rows = {f: parallel.constrain_rows(getattr(state, f), mesh) for f in PER_ROW}
+    auto = state.auto
+    if auto is not None:
+        auto = auto.replace(est=parallel.constrain_rows(auto.est, mesh), seen=parallel.constrain_rows(auto.seen, mesh))
     return state.replace(target_cache=parallel.constrain_cache(state.target_cache, mesh),
-                         draft_cache=parallel.constrain_cache(state.draft_cache, mesh, heads=False), **rows)
+                         draft_cache=parallel.constrain_cache(state.draft_cache, mesh, heads=False), auto=auto, **rows)
 
 
 def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, filters: Filters | None,
-               plan: Plan, ctx: parallel.RunContext) -> DecodeState:
+               plan: Plan, ctx: parallel.RunContext, table: adaptive.Table | None = None) -> DecodeState:
     """Prefills the target (and the draft) with right-padded prompts tokens int32 [B, P] and draws
     the first token; the state before the first step, laid out over ctx's mesh (`layout`). Rows of
     prompt length 0 (padding that a mesh's data axis needs: spec/decode.py) start done. filters:
-    the sampling filters (spec/sampling.py) or None (none compiled; always None when greedy)."""
+    the sampling filters (spec/sampling.py) or None (none compiled; always None when greedy).
+    table: depth="auto"'s step times (plan.auto; None: `adaptive.Table.uniform`); plan.trace: an
+    empty trace."""
     target, draft = models
     mesh = ctx.mesh
     B = tokens.shape[0]
@@ -69,23 +76,41 @@ def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key
                         done=jnp.isin(first, eos_ids) | (n_out >= budget) | (prompt_lengths == 0), budget=budget,
                         eos_ids=eos_ids, temperature=temperature, filters=filters, key=key,
                         steps=jnp.zeros((), jnp.int32), counters=Counters.zeros(plan.depth))
+    if plan.trace:
+        state = state.replace(trace=jnp.full((B, plan.out_len), -1, jnp.int32))
+    if plan.auto:
+        table = adaptive.Table.uniform(len(plan.auto)) if table is None else table
+        state = state.replace(auto=adaptive.init(table, plan.auto, B, plan.out_len, plan.trace))
     return layout(state, mesh)
 
 
 def run(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, filters: Filters | None, plan: Plan,
-        ctx: parallel.RunContext) -> DecodeState:
+        ctx: parallel.RunContext, table: adaptive.Table | None = None) -> DecodeState:
     """Prefill, then `step` until every slot is done: the whole generation, traceable under jit.
-    ctx: the run context (its mesh: the models' parameters'); the state keeps `layout`."""
-    state = init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, filters, plan, ctx)
+    ctx: the run context (its mesh: the models' parameters'); the state keeps `layout`. table: as
+    `init_state`'s."""
+    state = init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, filters, plan, ctx, table)
     return jax.lax.while_loop(lambda state: ~jnp.all(state.done),
                               lambda state: layout(step(models, state, plan, ctx), ctx.mesh), state)
 
 
 def program(graphdef, ctx: parallel.RunContext, params, *args, plan: Plan):
     """The whole generation as one function of (ctx, params, *args) for jit: -> (out [B, out_len],
-    n_out [B], steps, Counters), whole on every device (several processes each read them)."""
-    final = run(nnx.merge(graphdef, params), *args, plan, ctx)
+    n_out [B], steps, Counters), whole on every device (several processes each read them); with
+    plan.trace or plan.auto a fifth result, {"trace": int32 [B, out_len], "auto": the AutoState
+    without its table}. args: `run`'s arguments from tokens to filters, then the table (plan.auto)."""
+    if plan.auto:
+        *args, table = args
+    else:
+        table = None
+    final = run(nnx.merge(graphdef, params), *args, plan, ctx, table)
     results = final.out, final.n_out, final.steps, final.counters
+    extras = {}
+    if final.trace is not None:
+        extras["trace"] = final.trace
+    if final.auto is not None:
+        extras["auto"] = final.auto.replace(table=None)
+    results += (extras,) if extras else ()
     return results if ctx.mesh is None else parallel.constrain_replicated(results, ctx.mesh)
 
 

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from eagle3_jax.models import eagle3, gpt_oss
+from eagle3_jax.spec import adaptive
 from eagle3_jax.spec.state import Plan
 
 ROW_SCALARS = 3 * 4 + 1  # a row's lengths, root, n_out (int32) and done (bool) in DecodeState
@@ -81,7 +82,8 @@ def _split(mesh) -> tuple[int, int]:
 def row_bytes(models, plan: Plan, mesh=None) -> int:
     """Bytes one row (sequence) of the decode state takes on a device: its share of the target's KV
     caches (kv heads split over the mesh's "model" axis), the draft's caches and hidden state (plan
-    depth >= 1), its out_len output ids and its scalars. models: (target, draft or None). Kept for
+    depth >= 1), its out_len output ids (twice with plan.trace: the trace), its scalars, and with
+    plan.auto its acceptance estimates (spec/adaptive.py). models: (target, draft or None). Kept for
     the last few (configs, dtypes, plan, model axis): they depend on nothing else."""
     target, draft = models
     _, model = _split(mesh)
@@ -96,7 +98,10 @@ def row_bytes(models, plan: Plan, mesh=None) -> int:
 
 def _row_bytes(target, draft, plan, model):
     caches = jax.eval_shape(lambda: gpt_oss.init_cache(target, 1, plan.cache_len, max_step_tokens=plan.step_tokens))
-    n = _nbytes(caches) // model + plan.out_len * 4 + ROW_SCALARS
+    n = _nbytes(caches) // model + plan.out_len * 4 * (1 + plan.trace) + ROW_SCALARS
+    if plan.auto:
+        _, _, families, positions = adaptive.shape_arrays(plan.auto)
+        n += families * positions * (4 + 4)  # est float32 and seen int32
     if plan.depth:
         caches = jax.eval_shape(lambda: eagle3.init_cache(draft, 1, plan.cache_len, max_step_tokens=plan.step_tokens))
         n += _nbytes(caches) + draft.config.hidden_size * np.dtype(draft.dtype).itemsize

@@ -8,6 +8,7 @@ import jax
 from flax import struct
 
 from eagle3_jax.models.kv_cache import KVCache
+from eagle3_jax.spec.adaptive import AutoState
 from eagle3_jax.spec.metrics import Counters
 from eagle3_jax.spec.sampling import Filters
 
@@ -18,7 +19,11 @@ class Plan:
 
     depth 0 is the baseline (`generate`: no draft, one token a step); depth >= 1 drafts a chain
     (branching 1) or a tree of num_nodes nodes including the root. Whether sampling filters run is
-    the state's choice (`DecodeState.filters` None or not: part of the arguments' structure)."""
+    the state's choice (`DecodeState.filters` None or not: part of the arguments' structure).
+    auto: decode(depth="auto"): the shapes each step chooses among, ((depth, branching, num_nodes),
+    ...) in order (spec/adaptive.py), depth/branching/num_nodes then the largest (the configured
+    shape); each option runs as `options[i]`, whose caches and slack are this plan's. () for one shape:
+    the program is then the one it was before either switch existed (trace likewise)."""
     cache_len: int         # KV slots a row
     out_len: int           # output columns a row (>= max_new_tokens)
     chunk: int             # prefill chunk (tokens a row)
@@ -28,6 +33,9 @@ class Plan:
     num_nodes: int = 1     # verified tokens a step, the root included
     feature_ids: tuple = ()  # target hidden-state indices the draft reads (draft.config.feature_layers)
     proposal: str = "deterministic"  # the draft's best children, or "sample": drawn from the draft (spec/tree.py)
+    trace: bool = False    # DecodeState.trace: the tokens each slot commits at each step
+    auto: tuple = ()       # depth="auto": the options ((depth, branching, num_nodes), ...) in order; (): fixed
+    min_slack: int = 0     # cache slots kept free past the length at least (an option: its auto plan's slack)
 
     @property
     def width(self) -> int:
@@ -37,14 +45,23 @@ class Plan:
     @property
     def step_tokens(self) -> int:
         """Most tokens one cached call of a step writes: verify num_nodes (the baseline 1), the draft's
-        tree levels (depth - 1) * branching and its extend depth + 1; the caches' `max_step_tokens`."""
-        return max(self.num_nodes, (self.depth - 1) * self.branching, self.width) if self.depth else 1
+        tree levels (depth - 1) * branching and its extend depth + 1 (auto: the most of any option);
+        the caches' `max_step_tokens`."""
+        shapes = self.auto or ((self.depth, self.branching, self.num_nodes),)
+        return max(max(n, (d - 1) * k, d + 1) if d else 1 for d, k, n in shapes)
 
     @property
     def slack(self) -> int:
         """Cache slots a step needs past the committed length: verify writes num_nodes slots, the
-        draft's extend depth + 1."""
-        return self.num_nodes + self.depth + 1 if self.depth else 1
+        draft's extend depth + 1 (auto: the most of any option; at least min_slack)."""
+        shapes = self.auto or ((self.depth, self.branching, self.num_nodes),)
+        return max(self.min_slack, *(n + d + 1 if d else 1 for d, k, n in shapes))
+
+    @property
+    def options(self) -> tuple[Plan, ...]:
+        """The plan of each option of `auto` (one shape each), with this plan's slack, in order."""
+        return tuple(dataclasses.replace(self, depth=d, branching=k, num_nodes=n, auto=(), min_slack=self.slack)
+                     for d, k, n in self.auto)
 
 
 @struct.dataclass
@@ -65,3 +82,8 @@ class DecodeState:
     key: jax.Array            # PRNG key; the first token draws with fold_in(key, 0), step i with fold_in(key, i + 1)
     steps: jax.Array          # int32 []: iterations run
     counters: Counters        # acceptance totals (spec/metrics.py)
+    trace: jax.Array | None = None  # int32 [B, out_len] (Plan.trace): column s the tokens slot b committed
+    #                                 at step s (accepted drafts + bonus, after the eos / budget cuts), -1
+    #                                 where the slot was done or the step not run; None: not traced
+    auto: AutoState | None = None   # depth="auto": each slot's running acceptance, the cost table, the
+    #                                 choices made (spec/adaptive.py); None for a fixed shape

@@ -18,6 +18,9 @@ with min(1, r/q), else r <- norm(max(r - q, 0)) and try the next sibling; the bo
 what is left). p is softmax(target logits / T) with the tokens the sampling filters drop (top_k,
 top_p, min_p: spec/sampling.py; state.filters, None for none) at zero, and q the draft's under the
 same filters, so the committed tokens follow the filtered target law.
+depth="auto" (plan.auto): the step first chooses one of the plan's options from earlier steps alone
+(spec/adaptive.py), runs it through `lax.switch` (each option compiled once) and records what it
+accepted. Option 0, no drafts: the target verifies the root alone and the draft extends over it.
 Each part is a public function so that benchmarks time the library's own parts.
 """
 
@@ -34,6 +37,7 @@ from eagle3_jax.models import kv_cache as kvc
 from eagle3_jax.pallas.accept import accept_greedy, accept_sample, uniforms
 from eagle3_jax.pallas.kv_rewind import kv_rewind
 from eagle3_jax.pallas.tree_mask import tree_mask
+from eagle3_jax.spec import adaptive
 from eagle3_jax.spec.sampling import Filters, filter_logits
 from eagle3_jax.spec.state import DecodeState, Plan
 from eagle3_jax.spec.tree import draft_tree
@@ -154,7 +158,8 @@ def extend(draft, state: DecodeState, nxt, feats, path, acc, plan: Plan, ctx: pa
 def commit(state: DecodeState, plan: Plan, *, target_cache, draft_cache, nxt, acc, h_root) -> DecodeState:
     """Writes the step's tokens nxt[:, :acc + 1] to the output, cut at the first eos and at the token
     budget; marks slots done (eos, budget, or no room in the cache for another step); updates the
-    counters. Slots already done keep their lengths, root, h_root and output."""
+    counters and the trace (column `steps`: the tokens written, -1 for slots done before the step).
+    Slots already done keep their lengths, root, h_root and output."""
     B, W = nxt.shape
     active = ~state.done
     j = jnp.arange(W)[None]
@@ -171,14 +176,34 @@ def commit(state: DecodeState, plan: Plan, *, target_cache, draft_cache, nxt, ac
     done = state.done | (active & ((first_eos < W) | (n_out >= state.budget) | full))
     keep = lambda new, old: None if old is None else jnp.where(  # noqa: E731
         active.reshape((B,) + (1,) * (old.ndim - 1)), new, old)
+    trace = state.trace
+    if trace is not None:
+        trace = trace.at[:, state.steps].set(jnp.where(active, count, -1), mode="drop")
     return state.replace(target_cache=target_cache, draft_cache=draft_cache, lengths=keep(lengths, state.lengths),
                      root=keep(nxt[jnp.arange(B), acc], state.root), h_root=keep(h_root, state.h_root), out=out,
-                     n_out=n_out, done=done, steps=state.steps + 1, counters=state.counters.add(active, acc, count))
+                     n_out=n_out, done=done, steps=state.steps + 1, counters=state.counters.add(active, acc, count),
+                     trace=trace)
 
 
 def step(models, state: DecodeState, plan: Plan, ctx: parallel.RunContext) -> DecodeState:
-    """One iteration over all slots; models = (target, draft), draft None when plan.depth is 0; ctx:
-    the run context (mesh, kernels)."""
+    """One iteration over all slots; models = (target, draft), draft None for `generate`; ctx: the run
+    context (mesh, kernels). plan.auto: the option chosen from earlier steps (spec/adaptive.py)."""
+    if not plan.auto:
+        return advance(models, state, plan, ctx)[0]
+    with jax.named_scope("choose_depth"):
+        active = ~state.done
+        choice, expected, cost, credit = adaptive.decide(state.auto, active, state.lengths, plan.auto)
+    arms = [functools.partial(advance, models, plan=option, ctx=ctx) for option in plan.options]
+    new, acc = jax.lax.switch(choice, arms, state)
+    with jax.named_scope("choose_depth"):
+        auto = adaptive.observe(state.auto, plan.auto, choice, active, acc, expected, cost, credit, state.steps)
+    return new.replace(auto=auto)
+
+
+def advance(models, state: DecodeState, plan: Plan, ctx: parallel.RunContext):
+    """One iteration of one shape (plan.auto empty): (the state after it, accepted drafts int32 [B]).
+    With a draft and plan.depth 0 (an option of depth="auto"), the target verifies the root alone
+    and the draft extends over the token it commits, as after any step."""
     target, draft = models
     key = keys(state)[0]
     with jax.named_scope("draft"):
@@ -186,7 +211,7 @@ def step(models, state: DecodeState, plan: Plan, ctx: parallel.RunContext) -> De
     with jax.named_scope("verify"):
         logits, feats, target_cache = verify(target, state, tokens, positions, mask, plan, ctx)
     with jax.named_scope("accept"):
-        if plan.proposal == "sample":
+        if plan.proposal == "sample" and plan.depth:
             acc, path, bonus = accept_sampled(draft, logits, tokens, parents, q, key, state.temperature, plan, ctx,
                                               state.filters)
         else:
@@ -196,8 +221,9 @@ def step(models, state: DecodeState, plan: Plan, ctx: parallel.RunContext) -> De
     with jax.named_scope("rewind"):
         target_cache = rewind(target_cache, state.lengths, path, acc, plan, ctx)
     draft_cache, h_root = state.draft_cache, state.h_root
-    if plan.depth:
+    if state.h_root is not None:  # the state has a draft (decode)
         with jax.named_scope("extend"):
             draft_cache, h_root = extend(draft, state, nxt, feats, path, acc, plan, ctx)
     with jax.named_scope("commit"):
-        return commit(state, plan, target_cache=target_cache, draft_cache=draft_cache, nxt=nxt, acc=acc, h_root=h_root)
+        return commit(state, plan, target_cache=target_cache, draft_cache=draft_cache, nxt=nxt, acc=acc,
+                      h_root=h_root), acc
