@@ -6,6 +6,9 @@ tau (mean committed tokens per step, bonus included) and acceptance rate for eac
 (chains of 1..5 drafts and the --shapes trees) over all prompts in one batch, compared with greedy
 `generate` token for token; then decode / generate throughput in the same process at each
 --speed_batches size (median of --repeats runs, compile excluded) for --speed_shapes.
+--auto_shapes: the same rows (shape "auto:<shape>") for decode(depth="auto") up to that shape (its
+options: chains of 0 .. D drafts and the tree), with its histogram of choices; step times from
+--cost_table (default: the table shipped for this device, eagle3_jax/assets/cost_tables/).
 
 Equality: decode is lossless in exact arithmetic. In bf16 its verify pass (several tokens per
 matmul) rounds differently from generate's one-token steps, so where the target's top two logits
@@ -38,6 +41,9 @@ flags.DEFINE_list("shapes", ["chain1", "chain2", "chain3", "chain4", "chain5", "
 flags.DEFINE_list("speed_batches", ["1", "4"], "batch sizes of the throughput comparison")
 cli.positive_ints("speed_batches", empty=True)
 flags.DEFINE_list("speed_shapes", ["chain3", "tree5x8n16"], "draft shapes of the throughput comparison")
+flags.DEFINE_list("auto_shapes", [], "shapes also run with depth='auto' (up to that shape), in acceptance and "
+                  "speed, e.g. chain3,tree3x4n8; empty: none")
+flags.DEFINE_string("cost_table", None, "depth='auto''s table of step times (default: the one shipped for the device)")
 flags.DEFINE_integer("repeats", 3, "timed runs per throughput figure (median)", lower_bound=1)
 flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "weights / activations dtype (default: the library's, "
                   "assets.default_dtype(): bfloat16 on GPUs, float32 on CPUs, where decode == generate bit for bit)")
@@ -46,7 +52,23 @@ flags.DEFINE_string("out", None, "JSON output path")
 cli.progress_flag()
 FLAGS = flags.FLAGS
 validate_shape_flags("shapes")
-validate_shape_flags("speed_shapes", "exact_check", empty=True)
+validate_shape_flags("speed_shapes", "exact_check", "auto_shapes", empty=True)
+AUTO = "auto:"
+
+
+def shape_kwargs(s):
+    """A shape of the flags, or "auto:<shape>" -> decode's keyword arguments."""
+    if s.startswith(AUTO):
+        return dict(decode_kwargs(s[len(AUTO):]), depth="auto", cost_table=FLAGS.cost_table)
+    return decode_kwargs(s)
+
+
+def auto_fields(m):
+    """The metrics of a depth="auto" run worth a row: its histogram, predicted and realised tokens."""
+    if m.get("depth") != "auto":
+        return {}
+    return dict(depth_histogram=m["depth_histogram"], predicted_tokens=m["auto"]["predicted_tokens"],
+                realised_tokens=m["auto"]["realised_tokens"])
 
 
 def first_differences(a, b):
@@ -80,29 +102,34 @@ def main(argv):
     res = dict(**device_info(), target=FLAGS.target, draft=FLAGS.draft, num_prompts=len(prompts),
                prompt_lengths=sorted({len(p) for p in prompts}), max_new_tokens=n, dtype=dtype.name, acceptance=[],
                speed=[])
-    for s in cli.bar(FLAGS.shapes, "acceptance", unit="shape"):
-        out = decode(target, draft, prompts, n, **decode_kwargs(s))
+    autos = [AUTO + s for s in FLAGS.auto_shapes]
+    for s in cli.bar(FLAGS.shapes + autos, "acceptance", unit="shape"):
+        out = decode(target, draft, prompts, n, **shape_kwargs(s))
         m = out.metrics
-        row = dict(shape=s, **decode_kwargs(s), tau=m["mean_accept_length"], accept_rate=m["accept_rate"],
+        kw = {k: v for k, v in shape_kwargs(s).items() if k != "cost_table"}
+        row = dict(shape=s, **kw, tau=m["mean_accept_length"], accept_rate=m["accept_rate"],
                    accept_rate_per_position=m["accept_rate_per_position"], frac_steps_ge2=m["frac_steps_ge2"],
-                   identical=out.tokens == base.tokens, first_difference=first_differences(out.tokens, base.tokens))
+                   identical=out.tokens == base.tokens, first_difference=first_differences(out.tokens, base.tokens),
+                   **auto_fields(m))
         res["acceptance"].append(row)
         write_json(FLAGS.out, res)  # after every row: a run cut short keeps what it measured
         cli.write(f"{s:12s} tau {row['tau']:.3f}  accept rate {row['accept_rate']:.3f}  identical to generate "
                   f"{row['identical']}")
-    bar = cli.bar(total=len(FLAGS.speed_batches) * (1 + len(FLAGS.speed_shapes)), desc="speed", unit="run")
+    speed_shapes = FLAGS.speed_shapes + autos
+    bar = cli.bar(total=len(FLAGS.speed_batches) * (1 + len(speed_shapes)), desc="speed", unit="run")
     for b in map(int, FLAGS.speed_batches):
         ps = prompts[:b]
         bar.set_postfix_str(f"B={b} generate")
         t_base = median_seconds(lambda ps=ps: generate(target, ps, n), FLAGS.repeats)
         bar.update()
-        for s in FLAGS.speed_shapes:
+        for s in speed_shapes:
             bar.set_postfix_str(f"B={b} {s}")
-            kw = decode_kwargs(s)
+            kw = shape_kwargs(s)
             last = decode(target, draft, ps, n, **kw)
             t_spec = median_seconds(lambda ps=ps, kw=kw: decode(target, draft, ps, n, **kw), FLAGS.repeats)
             row = dict(batch=b, shape=s, baseline_seconds=t_base, decode_seconds=t_spec, speedup=t_base / t_spec,
-                       tau=last.metrics["mean_accept_length"], tokens=sum(map(len, last.tokens)))
+                       tau=last.metrics["mean_accept_length"], tokens=sum(map(len, last.tokens)),
+                       **auto_fields(last.metrics))
             res["speed"].append(row)
             write_json(FLAGS.out, res)
             bar.update()
