@@ -12,7 +12,7 @@ max(EMA_WEIGHT, 1 / (n + 1)) * (x - est): the mean of the prior and the observat
 are 1 / EMA_WEIGHT of them, then an exponential average of weight EMA_WEIGHT.
 Expected committed tokens: E[b, o] = 1 + sum over i < m_o of min(est[b, f_o, :i + 1]).
 Cost: seconds a step of option o takes at the call's batch (`Table.cost`, batch interpolated on the
-host) and at the mean length of the rows (linear between the table's context points, constant beyond).
+host) and at the rows' mean length (linear between the table's context points, constant beyond).
 Choice (`choose`): the option with the most sum over active slots of E[b, o] / cost[o] among those
 the table has, the shallower on ties. Exploration: each step adds EXPLORE_SHARE of its chosen
 option's cost to a credit (at most the costliest option's); when the credit covers the cost of the
@@ -60,7 +60,10 @@ class AutoState:
     table: Table | None  # the call's step times (None in the loop's results)
     est: jax.Array       # float32 [B, F, D]: running chance of accepting at least i + 1 drafts
     seen: jax.Array      # int32 [B, F, D]: observations behind est (the prior counted)
-    credit: jax.Array    # float32 []: seconds of exploration earned and not spent
+    choice: jax.Array    # int32 []: the option of the next step (`decide`, from the state after the last)
+    expected: jax.Array  # float32 [B, O]: the expected tokens behind that choice
+    cost: jax.Array      # float32 [O]: the seconds a step behind it
+    credit: jax.Array    # float32 []: seconds of exploration earned and not spent, that choice's paid
     steps: jax.Array     # int32 [O]: steps that ran each option (the histogram of choices)
     slot_steps: jax.Array  # int32 [O]: active slot-steps of each option
     predicted: jax.Array   # float32 [O]: expected committed tokens, summed over those slot-steps
@@ -80,15 +83,18 @@ def shape_arrays(options) -> tuple[np.ndarray, np.ndarray, int, int]:
     return np.array(fam, np.int32), np.array(pos, np.int32), trees + 1, max(max(pos), 1)
 
 
-def init(table: Table, options, batch: int, out_len: int, trace: bool) -> AutoState:
-    """The state before the first step: every estimate PRIOR, seen once; nothing chosen yet."""
+def init(table: Table, options, done, lengths, out_len: int, trace: bool) -> AutoState:
+    """The state before the first step (done bool [B], lengths int32 [B] after the prefill): every
+    estimate PRIOR, seen once, the first step's option decided."""
     _, _, F, D = shape_arrays(options)
-    O = len(options)
+    O, B = len(options), lengths.shape[0]
     zi, zf = jnp.zeros((O,), jnp.int32), jnp.zeros((O,), jnp.float32)
-    return AutoState(table=jax.tree.map(jnp.asarray, table), est=jnp.full((batch, F, D), PRIOR, jnp.float32),
-                     seen=jnp.ones((batch, F, D), jnp.int32), credit=jnp.zeros((), jnp.float32), steps=zi,
+    auto = AutoState(table=jax.tree.map(jnp.asarray, table), est=jnp.full((B, F, D), PRIOR, jnp.float32),
+                     seen=jnp.ones((B, F, D), jnp.int32), choice=jnp.zeros((), jnp.int32),
+                     expected=jnp.zeros((B, O), jnp.float32), cost=zf, credit=jnp.zeros((), jnp.float32), steps=zi,
                      slot_steps=zi, predicted=zf, realised=zi, seconds=zf,
                      chosen=jnp.full((out_len,), -1, jnp.int32) if trace else None)
+    return decide(auto, ~done, lengths, options)
 
 
 def expected_tokens(est, options):
@@ -100,8 +106,9 @@ def expected_tokens(est, options):
 
 
 def cost_now(table: Table, lengths):
-    """Seconds a step of each option, float32 [O], at the mean of lengths int32 [B]."""
-    ctx = jnp.mean(lengths.astype(jnp.float32))
+    """Seconds a step of each option, float32 [O], at the mean of lengths int32 [B] over the rows with
+    any (a mesh's padding rows have none)."""
+    ctx = jnp.sum(lengths.astype(jnp.float32)) / jnp.maximum(jnp.sum(lengths > 0), 1)
     return jax.vmap(lambda c: jnp.interp(ctx, table.contexts, c))(table.cost)
 
 
@@ -124,20 +131,23 @@ def choose(expected, active, cost, available, credit, share: float = EXPLORE_SHA
     return choice, credit
 
 
-def decide(auto: AutoState, active, lengths, options):
-    """This step's option from the state before it: (option int32 [], expected tokens [B, O], cost [O],
-    the credit after)."""
+def decide(auto: AutoState, active, lengths, options) -> AutoState:
+    """The next step's option from the state after the last (active bool [B]: the slots not done,
+    lengths int32 [B]): `choose` on the expected tokens and the table's seconds at those lengths;
+    sets choice, expected, cost and the credit after it."""
     expected = expected_tokens(auto.est, options)
     cost = cost_now(auto.table, lengths)
     choice, credit = choose(expected, active, cost, auto.table.available, auto.credit)
-    return choice, expected, cost, credit
+    return auto.replace(choice=choice, expected=expected, cost=cost, credit=credit)
 
 
-def observe(auto: AutoState, options, choice, active, accepted, expected, cost, credit, step) -> AutoState:
-    """The state after a step of option `choice` in which the slots active bool [B] accepted
-    accepted int32 [B] drafts: the estimates of its family's first m_o positions move towards what
-    each active slot saw, and the counts of the choice grow; step: the step's index (the trace's column)."""
+def observe(auto: AutoState, options, active, accepted, step) -> AutoState:
+    """The state after a step of the decided option (auto.choice) in which the slots active bool [B]
+    accepted accepted int32 [B] drafts: the estimates of its family's first m_o positions move towards
+    what each active slot saw and the counts of the choice grow; step: the step's index (the trace's
+    column). The next option is then `decide`d from the state after the step."""
     fam, pos, F, D = shape_arrays(options)
+    choice = auto.choice
     f, m = jnp.asarray(fam)[choice], jnp.asarray(pos)[choice]
     i = jnp.arange(D)
     upd = active[:, None, None] & (jnp.arange(F)[None, :, None] == f) & (i[None, None] < m)
@@ -148,10 +158,10 @@ def observe(auto: AutoState, options, choice, active, accepted, expected, cost, 
     chosen = auto.chosen if auto.chosen is None else auto.chosen.at[step].set(choice, mode="drop")
     return auto.replace(
         est=jnp.where(upd, auto.est + w * (x - auto.est), auto.est), seen=auto.seen + upd.astype(jnp.int32),
-        credit=credit, steps=auto.steps + on, slot_steps=auto.slot_steps + on * n,
-        predicted=auto.predicted + on * jnp.sum(jnp.where(active, expected[:, choice], 0.0)),
+        steps=auto.steps + on, slot_steps=auto.slot_steps + on * n,
+        predicted=auto.predicted + on * jnp.sum(jnp.where(active, auto.expected[:, choice], 0.0)),
         realised=auto.realised + on * jnp.sum(jnp.where(active, accepted + 1, 0)),
-        seconds=auto.seconds + on * cost[choice], chosen=chosen)
+        seconds=auto.seconds + on * auto.cost[choice], chosen=chosen)
 
 
 def summary(auto, options, names, counters_hist) -> dict:

@@ -1,7 +1,13 @@
 """Prefill and the `lax.while_loop` over `step`, shared by `generate` and `decode`, compiled once
 per plan, run context and argument shapes (and shardings: on a mesh of several devices the caches
 and the loop state are laid out over it, `layout`). Executables are kept in a bounded LRU cache
-(`COMPILED_MAX` of them), so a notebook sweeping shapes does not grow without bound."""
+(`COMPILED_MAX` of them), so a notebook sweeping shapes does not grow without bound.
+
+depth="auto" (plan.auto): the loop's body is one inner loop per option, in order, each running
+`step.chosen_step` while the choice is its option (the option chosen first runs at least one step),
+so that every option's step is the body of a loop of its own, as a fixed shape's step is: XLA then
+updates the caches in place and hoists what does not change out of the loop, which it did not do
+for the options' steps as the arms of a `lax.switch`."""
 
 from __future__ import annotations
 
@@ -19,10 +25,10 @@ from eagle3_jax.spec import adaptive
 from eagle3_jax.spec.metrics import Counters
 from eagle3_jax.spec.sampling import Filters
 from eagle3_jax.spec.state import DecodeState, Plan
-from eagle3_jax.spec.step import sample, step
+from eagle3_jax.spec.step import chosen_step, sample, step
 
 PER_ROW = ("lengths", "root", "h_root", "out", "n_out", "done", "trace")  # DecodeState's [B, ...] fields besides
-# the caches (and depth="auto"'s estimates, `AutoState.est` and `seen`)
+# the caches (and depth="auto"'s per-row `AutoState.est`, `seen` and `expected`)
 COMPILED_MAX = 16  # executables `compiled` keeps (least recently used dropped first)
 
 
@@ -35,7 +41,8 @@ def layout(state: DecodeState, mesh) -> DecodeState:
     rows = {f: parallel.constrain_rows(getattr(state, f), mesh) for f in PER_ROW}
     auto = state.auto
     if auto is not None:
-        auto = auto.replace(est=parallel.constrain_rows(auto.est, mesh), seen=parallel.constrain_rows(auto.seen, mesh))
+        rows = ("est", "seen", "expected")
+        auto = auto.replace(**{f: parallel.constrain_rows(getattr(auto, f), mesh) for f in rows})
     return state.replace(target_cache=parallel.constrain_cache(state.target_cache, mesh),
                          draft_cache=parallel.constrain_cache(state.draft_cache, mesh, heads=False), auto=auto, **rows)
 
@@ -80,7 +87,8 @@ def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key
         state = state.replace(trace=jnp.full((B, plan.out_len), -1, jnp.int32))
     if plan.auto:
         table = adaptive.Table.uniform(len(plan.auto)) if table is None else table
-        state = state.replace(auto=adaptive.init(table, plan.auto, B, plan.out_len, plan.trace))
+        state = state.replace(auto=adaptive.init(table, plan.auto, state.done, state.lengths, plan.out_len,
+                                                 plan.trace))
     return layout(state, mesh)
 
 
@@ -90,8 +98,22 @@ def run(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, filte
     ctx: the run context (its mesh: the models' parameters'); the state keeps `layout`. table: as
     `init_state`'s."""
     state = init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, filters, plan, ctx, table)
-    return jax.lax.while_loop(lambda state: ~jnp.all(state.done),
-                              lambda state: layout(step(models, state, plan, ctx), ctx.mesh), state)
+    running = lambda state: ~jnp.all(state.done)  # noqa: E731
+    if not plan.auto:
+        return jax.lax.while_loop(running, lambda state: layout(step(models, state, plan, ctx), ctx.mesh), state)
+
+    def chosen(i):  # the steps for which the choice is option i, in a loop of their own
+        def cond(state):
+            return running(state) & (state.auto.choice == i)
+        return lambda state: jax.lax.while_loop(
+            cond, lambda state: layout(chosen_step(models, state, i, plan, ctx), ctx.mesh), state)
+
+    def body(state):  # at least the loop of the option chosen first runs a step
+        for i in range(len(plan.auto)):
+            state = chosen(i)(state)
+        return state
+
+    return jax.lax.while_loop(running, body, state)
 
 
 def program(graphdef, ctx: parallel.RunContext, params, *args, plan: Plan):

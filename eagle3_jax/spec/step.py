@@ -19,8 +19,8 @@ what is left). p is softmax(target logits / T) with the tokens the sampling filt
 top_p, min_p: spec/sampling.py; state.filters, None for none) at zero, and q the draft's under the
 same filters, so the committed tokens follow the filtered target law.
 depth="auto" (plan.auto): the step first chooses one of the plan's options from earlier steps alone
-(spec/adaptive.py), runs it through `lax.switch` (each option compiled once) and records what it
-accepted. Option 0, no drafts: the target verifies the root alone and the draft extends over it.
+(spec/adaptive.py), runs it (each option compiled once) and records what it accepted. Option 0, no
+drafts: the target verifies the root alone and the draft extends over it.
 Each part is a public function so that benchmarks time the library's own parts.
 """
 
@@ -187,16 +187,22 @@ def commit(state: DecodeState, plan: Plan, *, target_cache, draft_cache, nxt, ac
 
 def step(models, state: DecodeState, plan: Plan, ctx: parallel.RunContext) -> DecodeState:
     """One iteration over all slots; models = (target, draft), draft None for `generate`; ctx: the run
-    context (mesh, kernels). plan.auto: the option chosen from earlier steps (spec/adaptive.py)."""
+    context (mesh, kernels). plan.auto: the option decided from earlier steps (state.auto.choice,
+    spec/adaptive.py) runs, through `lax.switch` (the decode loop runs `chosen_step` in a loop per
+    option instead)."""
     if not plan.auto:
         return advance(models, state, plan, ctx)[0]
+    arms = [functools.partial(chosen_step, models, option=i, plan=plan, ctx=ctx) for i in range(len(plan.auto))]
+    return jax.lax.switch(state.auto.choice, arms, state)
+
+
+def chosen_step(models, state: DecodeState, option: int, plan: Plan, ctx: parallel.RunContext) -> DecodeState:
+    """One iteration of depth="auto" whose decided option (state.auto.choice) is `option` (an index
+    into plan.auto, static): that option's step, its observation, then the next step's decision."""
+    new, acc = advance(models, state, plan.options[option], ctx)
     with jax.named_scope("choose_depth"):
-        active = ~state.done
-        choice, expected, cost, credit = adaptive.decide(state.auto, active, state.lengths, plan.auto)
-    arms = [functools.partial(advance, models, plan=option, ctx=ctx) for option in plan.options]
-    new, acc = jax.lax.switch(choice, arms, state)
-    with jax.named_scope("choose_depth"):
-        auto = adaptive.observe(state.auto, plan.auto, choice, active, acc, expected, cost, credit, state.steps)
+        auto = adaptive.observe(state.auto, plan.auto, ~state.done, acc, state.steps)
+        auto = adaptive.decide(auto, ~new.done, new.lengths, plan.auto)
     return new.replace(auto=auto)
 
 
