@@ -11,16 +11,19 @@ choices against the steps run, the tables shipped and their interpolation, the a
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from test_sample_proposal import DRAFT_IDS, PROMPT, V, draft, softmax
 
+from eagle3_jax import parallel
 from eagle3_jax.assets import DRAFT_DIR, TARGET_DIR
 from eagle3_jax.convert.hf_eagle3 import config_from_hf
 from eagle3_jax.models import GptOssConfig, gpt_oss
-from eagle3_jax.spec import ArgumentError, adaptive, cost_table, decode
+from eagle3_jax.spec import ArgumentError, adaptive, cost_table, decode, loop, memory
+from eagle3_jax.spec.state import Plan
 
 CHAINS = {"chain0": [[1.0]], "chain1": [[1.4]], "chain2": [[1.8]], "chain3": [[2.2]]}
 TABLE = {"batches": [1], "contexts": [0], "seconds": {**CHAINS, "tree3x4n8": [[2.6]]}}  # seconds a step
@@ -97,12 +100,14 @@ def test_estimates_prior_then_exponential():
         auto = adaptive.observe(auto.replace(choice=jnp.int32(2)), options, active, jnp.array([1, 2]), step)
         seen.append(float(auto.est[0, 0, 1]))
     assert (auto.est[0, 0, 0] == 1).all() and (auto.est[1] == 1).all() and (auto.est[0, 1] == 1).all()
-    want, n = 1.0, 1  # the prior counted once, then means, then weight EMA_WEIGHT
+    want, n = 1.0, adaptive.PRIOR_WEIGHT  # the prior's weight, then means, then weight EMA_WEIGHT
     for got in seen:
         want += max(adaptive.EMA_WEIGHT, 1 / (n + 1)) * (0 - want)
         n += 1
         assert got == pytest.approx(want)
-    assert seen[0] == pytest.approx(0.5) and auto.steps.tolist() == [0, 0, 12, 0]
+    assert seen[0] == pytest.approx(adaptive.PRIOR_WEIGHT / (adaptive.PRIOR_WEIGHT + 1))  # (w * 1 + 0) / (w + 1)
+    assert seen[5] == pytest.approx(adaptive.PRIOR_WEIGHT / (adaptive.PRIOR_WEIGHT + 6)) and seen[-1] < seen[-2]
+    assert auto.steps.tolist() == [0, 0, 12, 0]
     assert auto.slot_steps.tolist() == [0, 0, 12, 0] and auto.realised.tolist() == [0, 0, 24, 0]
     assert auto.chosen.tolist() == [2] * 8  # the trace's 8 columns (the later steps dropped)
     assert float(auto.predicted[2]) == pytest.approx(12 * 3.0)  # the expected tokens of the first decision
@@ -159,3 +164,19 @@ def test_depth_arguments(law_pair):
                              (dict(depth="auto", cost_table=3), ValueError, "cost_table: expected None, a path")]:
         with pytest.raises(err, match=match):
             decode(t, d, [PROMPT], 2, **args, **kw)
+
+
+def test_row_bytes_count_the_trace_and_estimates(law_pair):
+    """`memory.row_bytes` equals what one more row adds to the state of an auto tree plan with a trace."""
+    t, d = law_pair
+    plan = Plan(cache_len=16, out_len=8, chunk=4, greedy=True, depth=2, branching=3, num_nodes=4,
+                feature_ids=tuple(d.config.feature_layers), auto=cost_table.auto_options(2, 3, 4), trace=True)
+
+    def state_bytes(B):
+        state = jax.eval_shape(lambda: loop.init_state(
+            (t, d), jnp.zeros((B, 4), jnp.int32), jnp.full((B,), 3, jnp.int32), jnp.int32(4),
+            jnp.zeros((8,), jnp.int32), jnp.float32(1.0), jax.random.key(0), None, plan, parallel.ONE_DEVICE))
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state) if not jnp.issubdtype(
+            a.dtype, jax.dtypes.prng_key))
+
+    assert memory.row_bytes((t, d), plan) == state_bytes(2) - state_bytes(1)

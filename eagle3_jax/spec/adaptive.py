@@ -7,9 +7,9 @@ steps, the draft kept up to date), then the configured tree if any. Option o ver
 Estimates (`AutoState.est`, float32 [B, F, D]): est[b, f, i] estimates the chance that a step of
 family f accepts at least i + 1 drafts in slot b, from that slot's steps of family f that verified
 position i + 1. Each starts at PRIOR (1: a position not tried yet looks perfect, so the first steps
-try it) counted as one observation; the n-th observation x (1: accepted that far, else 0) moves it by
-max(EMA_WEIGHT, 1 / (n + 1)) * (x - est): the mean of the prior and the observations until there
-are 1 / EMA_WEIGHT of them, then an exponential average of weight EMA_WEIGHT.
+try it) weighing PRIOR_WEIGHT observations; the n-th observation x (1: accepted that far, else 0)
+moves it by max(EMA_WEIGHT, 1 / (n + PRIOR_WEIGHT)) * (x - est): the weighted mean of the prior and
+the observations until that weight falls to EMA_WEIGHT, then an exponential average of that weight.
 Expected committed tokens: E[b, o] = 1 + sum over i < m_o of min(est[b, f_o, :i + 1]).
 Cost: seconds a step of option o takes at the call's batch (`Table.cost`, batch interpolated on the
 host) and at the rows' mean length (linear between the table's context points, constant beyond).
@@ -30,8 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-EMA_WEIGHT = 1 / 8     # weight of a new observation once 1 / EMA_WEIGHT have been seen
-PRIOR = 1.0            # every estimate's value before its first observation (counted as one)
+EMA_WEIGHT = 1 / 8     # weight of a new observation once about 1 / EMA_WEIGHT have been seen
+PRIOR = 1.0            # every estimate's value before its first observation
+PRIOR_WEIGHT = 0.5     # the observations the prior counts for
 EXPLORE_SHARE = 1 / 32  # share of the predicted time that exploring a deeper option may take
 CONTEXT_POINTS = 8     # context points of a table on device (a table's own, padded: shapes stay fixed)
 
@@ -59,7 +60,7 @@ class AutoState:
     deepest option's positions, B slots."""
     table: Table | None  # the call's step times (None in the loop's results)
     est: jax.Array       # float32 [B, F, D]: running chance of accepting at least i + 1 drafts
-    seen: jax.Array      # int32 [B, F, D]: observations behind est (the prior counted)
+    seen: jax.Array      # float32 [B, F, D]: observations behind est, PRIOR_WEIGHT for the prior
     choice: jax.Array    # int32 []: the option of the next step (`decide`, from the state after the last)
     expected: jax.Array  # float32 [B, O]: the expected tokens behind that choice
     cost: jax.Array      # float32 [O]: the seconds a step behind it
@@ -85,12 +86,12 @@ def shape_arrays(options) -> tuple[np.ndarray, np.ndarray, int, int]:
 
 def init(table: Table, options, done, lengths, out_len: int, trace: bool) -> AutoState:
     """The state before the first step (done bool [B], lengths int32 [B] after the prefill): every
-    estimate PRIOR, seen once, the first step's option decided."""
+    estimate PRIOR of weight PRIOR_WEIGHT, the first step's option decided."""
     _, _, F, D = shape_arrays(options)
     O, B = len(options), lengths.shape[0]
     zi, zf = jnp.zeros((O,), jnp.int32), jnp.zeros((O,), jnp.float32)
     auto = AutoState(table=jax.tree.map(jnp.asarray, table), est=jnp.full((B, F, D), PRIOR, jnp.float32),
-                     seen=jnp.ones((B, F, D), jnp.int32), choice=jnp.zeros((), jnp.int32),
+                     seen=jnp.full((B, F, D), PRIOR_WEIGHT, jnp.float32), choice=jnp.zeros((), jnp.int32),
                      expected=jnp.zeros((B, O), jnp.float32), cost=zf, credit=jnp.zeros((), jnp.float32), steps=zi,
                      slot_steps=zi, predicted=zf, realised=zi, seconds=zf,
                      chosen=jnp.full((out_len,), -1, jnp.int32) if trace else None)
@@ -152,12 +153,12 @@ def observe(auto: AutoState, options, active, accepted, step) -> AutoState:
     i = jnp.arange(D)
     upd = active[:, None, None] & (jnp.arange(F)[None, :, None] == f) & (i[None, None] < m)
     x = (accepted[:, None, None] > i[None, None]).astype(jnp.float32)
-    w = jnp.maximum(EMA_WEIGHT, 1.0 / (auto.seen + 1).astype(jnp.float32))
+    w = jnp.maximum(EMA_WEIGHT, 1.0 / (auto.seen + 1))
     on = (jnp.arange(len(options)) == choice)
     n = jnp.sum(active.astype(jnp.int32))
     chosen = auto.chosen if auto.chosen is None else auto.chosen.at[step].set(choice, mode="drop")
     return auto.replace(
-        est=jnp.where(upd, auto.est + w * (x - auto.est), auto.est), seen=auto.seen + upd.astype(jnp.int32),
+        est=jnp.where(upd, auto.est + w * (x - auto.est), auto.est), seen=auto.seen + upd,
         steps=auto.steps + on, slot_steps=auto.slot_steps + on * n,
         predicted=auto.predicted + on * jnp.sum(jnp.where(active, auto.expected[:, choice], 0.0)),
         realised=auto.realised + on * jnp.sum(jnp.where(active, accepted + 1, 0)),

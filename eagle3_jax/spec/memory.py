@@ -101,7 +101,7 @@ def _row_bytes(target, draft, plan, model):
     n = _nbytes(caches) // model + plan.out_len * 4 * (1 + plan.trace) + ROW_SCALARS
     if plan.auto:
         _, _, families, positions = adaptive.shape_arrays(plan.auto)
-        n += families * positions * (4 + 4) + len(plan.auto) * 4  # est float32, seen int32, expected float32
+        n += families * positions * (4 + 4) + len(plan.auto) * 4  # est, seen, expected: float32
     if plan.depth:
         caches = jax.eval_shape(lambda: eagle3.init_cache(draft, 1, plan.cache_len, max_step_tokens=plan.step_tokens))
         n += _nbytes(caches) + draft.config.hidden_size * np.dtype(draft.dtype).itemsize
