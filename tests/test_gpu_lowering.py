@@ -89,9 +89,6 @@ def test_moe_lowers(config, T):
     n = _triton_calls(fn, x, ids, w, *_experts())
     fma, mma = min(cfg.fma_tokens, T) > 0, T > cfg.fma_tokens
     assert n == 2 * fma + 2 * mma, n
-    if config in ("", "fma_tokens=0", "fma_tokens=2"):  # the add + norm in either down kernel, either kernel 1
-        fn = functools.partial(moe.mxfp4_moe_add_norm, eps=1e-5, limit=7.0, alpha=1.702, config=cfg)
-        assert _triton_calls(fn, x, ids, w, *_experts(), x, _sds((H,), f32)) == n
 
 
 @pytest.mark.parametrize("tm", [16, 128, 256])
@@ -102,8 +99,7 @@ def test_moe_grouped_and_route_lower(tm):
                          *_experts()) == 2
     for T in (1, tm // 4):
         route = functools.partial(moe_route.route, eps=1e-5, k=4)
-        assert _triton_calls(route, _sds((T, H), bf16), _sds((H,), f32), _sds((H, E), bf16), _sds((E,), bf16),
-                             _sds((moe_route.TICKETS,), i32)) == 1
+        assert _triton_calls(route, _sds((T, H), bf16), _sds((H,), f32), _sds((H, E), bf16), _sds((E,), bf16)) == 2
     for shape in ((1, H), (tm, H)):
         add = functools.partial(norm.add_rms_norm, eps=1e-5)
         assert _triton_calls(add, _sds(shape, bf16), _sds((H,), f32), _sds(shape, f32)) == 1

@@ -5,8 +5,6 @@ CPU: the kernels run in interpret mode, which fills every output with NaN before
 a CUDA machine): the Triton kernels at the gpt-oss hidden sizes, every decoder.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -311,70 +309,6 @@ def test_interpret_tiny_and_unclamped_act():
     assert np.isfinite(np.asarray(out)).all() and _rel(out, ref) < 2e-3
 
 
-def _check_add_norm(args, config=None, interpret=True, calls=2, seed=0):
-    """mxfp4_moe_add_norm against its reference over `calls` fresh streams and activations through one
-    executable: s and y finite (the interpreter poisons them: a row no program writes fails), within
-    bf16 steps; the stream a third of the MoE output's size, so that a sum missing from s shows."""
-    T, H = args[0].shape
-    rng = np.random.default_rng(seed)
-    run = jax.jit(lambda *a: moe.mxfp4_moe_add_norm(*a, eps=1e-5, limit=LIMIT, alpha=ALPHA, config=config,
-                                                    interpret=interpret))
-    ref = functools.partial(moe.mxfp4_moe_add_norm_reference, eps=1e-5, limit=LIMIT, alpha=ALPHA)
-    for _ in range(calls):
-        scale = jnp.asarray(rng.normal(1, 0.3, (H,)), jnp.float32)
-        out, _ = ref(*args, jnp.zeros((T, H), jnp.bfloat16), scale)
-        size = float(np.sqrt(np.mean(np.asarray(out, np.float64) ** 2)))
-        stream = jnp.asarray(rng.normal(0, size / 3, (T, H)), jnp.bfloat16)
-        s, y = run(*args, stream, scale)
-        rs, ry = ref(*args, stream, scale)
-        assert s.shape == y.shape == (T, H) and s.dtype == y.dtype == jnp.bfloat16
-        assert np.isfinite(np.asarray(s, np.float32)).all() and np.isfinite(np.asarray(y, np.float32)).all()
-        assert _rel(s, rs) < 4e-3 and _rel(y, ry) < 4e-3, (_rel(s, rs), _rel(y, ry))
-        args = (jnp.asarray(rng.normal(0, 1, (T, H)), jnp.bfloat16),) + args[1:]  # fresh activations
-
-
-@pytest.mark.parametrize("fma", [0, 2])
-def test_interpret_add_norm_mma_and_mixed(fma):
-    # the add + norm in the MMA path's down kernel (per 16-token chunk: T = 21 is two, the second
-    # partial; fma = 2 also runs the FMA kernels, whose down kernel then leaves the norm to it); H =
-    # 160 is not a power of two (pieces 128 + 32)
-    _check_add_norm(_case(31 + fma, 21, E=12, H=160, I=64),
-                    moe.MoeConfig(block_i=32, block_h=64, groups=2, fma_tokens=fma, fma_groups=2))
-
-
-def test_interpret_model_moe_add_norm_uses_kernels():
-    # the model's MoE on one device with the kernel path (routing kernel, then the experts with the add
-    # + norm in their last kernel) against its jnp path, two layers' calls in one program sharing the
-    # routing's tickets (returned zero); two tokens (the FMA path's tickets one a token)
-    from flax import nnx
-
-    from eagle3_jax import parallel
-    from eagle3_jax.models import GptOssConfig, gpt_oss
-    from eagle3_jax.pallas import moe_route
-
-    cfg = GptOssConfig.preset("tiny")
-    layer = gpt_oss.MoE(cfg, jnp.bfloat16, nnx.Rngs(5))
-    norms = [gpt_oss.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) for _ in range(2)]
-    for i, n in enumerate(norms):
-        n.scale[...] = jax.random.uniform(jax.random.key(i), (cfg.hidden_size,), minval=0.5, maxval=2.0)
-    kernels = parallel.RunContext(kernels=select.KernelPolicy(moe="kernel", interpret=True))
-    plain = parallel.RunContext(kernels=select.KernelPolicy(moe="gathered", norm="reference"))
-
-    @nnx.jit(static_argnames="ctx")
-    def two(m, x, tickets, ctx):
-        s, y, tickets = m.add_norm(x, norms[0], norms[1], ctx=ctx, tickets=tickets)
-        s2, y2, tickets = m.add_norm(s, norms[1], norms[0], ctx=ctx, tickets=tickets)
-        return (s, y, s2, y2), tickets
-
-    # small against the MoE output (s mostly the MoE: a sum it lacks shows); a key with no router near-tie
-    x = jax.random.normal(jax.random.key(7), (1, 2, cfg.hidden_size), jnp.bfloat16) * 0.05
-    got, tickets = two(layer, x, moe_route.tickets(), kernels)
-    want, _ = two(layer, x, None, plain)
-    np.testing.assert_array_equal(np.asarray(tickets), 0)
-    for g, w in zip(got, want, strict=True):
-        assert g.shape == x.shape and _rel(g, w) < 1e-2, _rel(g, w)
-
-
 def _grouped_case(seed, tm, tile_expert, num_live, E, H, I):
     """Tiles of tm rows for `mxfp4_moe_grouped`: live tiles get random rows (the last live tile's tail
     zero rows of weight 0: padding), dead tiles random rows that must not matter."""
@@ -476,17 +410,6 @@ def test_gpu_matches_reference(decode, T):
     cfg = moe.MoeConfig(decode=dec, fma_tokens=int(variant[3:]) if variant.startswith("fma") else 2)
     for seed in (T, T + 100):  # fresh inputs through the same executable
         _check(_case(seed, T, E=16, H=2880, I=2880), cfg, interpret=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config,T", [("", 1), ("", 64), ("fma_tokens=2", 16), ("fma_tokens=0", 5),
-                                      ("fma_warps=4/fma_down_groups=16", 1)])
-def test_gpu_add_norm_matches_reference(config, T):
-    # the add + norm in the last down kernel (FMA: the last of a token's programs; MMA: of a chunk's;
-    # both paths; a device's share's launch), gpt-oss sizes, 16 experts so that tokens share them;
-    # three calls with fresh inputs through one executable (kernel 1 zeroes the tickets each call)
-    cfg = moe.MoeConfig(**{k: int(v) for k, v in (kv.split("=") for kv in config.split("/") if kv)})
-    _check_add_norm(_case(T + 3, T, E=16, H=2880, I=2880), cfg, interpret=False, calls=3, seed=T)
 
 
 @pytest.mark.gpu

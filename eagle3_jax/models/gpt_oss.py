@@ -2,10 +2,9 @@
 
 Pre-norm residual blocks: `x += Attn(RMSNorm(x)); x += MoE(RMSNorm(x))`, a final RMSNorm and an
 untied `lm_head`. On GPUs with bf16 activations the glue between the GEMMs runs as Pallas kernels
-(`pallas/select.py` makes every such choice): on one device the experts' last kernel adds each MoE
-output to the stream and applies the next norm (`moe.mxfp4_moe_add_norm`; elsewhere pallas/norm.py's
-kernel), q/k/v bias, RoPE and the cache write run inside the attention kernel
-(`attention.rope_attention`), and the MoE's norm, router and top k are one kernel
+(`pallas/select.py` makes every such choice): each MoE output is added to the stream by the next
+norm's kernel (pallas/norm.py), q/k/v bias, RoPE and the cache write run inside the attention kernel
+(`attention.rope_attention`), and the MoE's norm, router and top k are two kernels
 (pallas/moe_route.py). Attention has biases, GQA, one learned sink logit per query head, YaRN RoPE
 and a sliding window on the layers `config.layer_types` marks. The MoE routes each token to its
 top-k experts (softmax over the selected logits) through an interleaved, clamped SwiGLU; experts
@@ -340,22 +339,6 @@ class MoE(nnx.Module):
             out = self._on_shards(x, path, norm, ctx)
         return out.astype(dtype or x.dtype).reshape(shape)
 
-    def add_norm(self, x, norm: RMSNorm, next_norm: RMSNorm, *, ctx: parallel.RunContext = parallel.ONE_DEVICE,
-                 tickets=None):
-        """The block's second half where no all-reduce follows: x [..., H] (the residual stream) -> (s,
-        next_norm(s), tickets), s = x + this MoE of norm(x) (its f32 output added as `RMSNorm.add` adds
-        it). On one device the kernel path adds and normalizes in the experts' last kernel
-        (`moe.mxfp4_moe_add_norm`: no norm kernel of its own); tickets: `moe_route.tickets()` zeros or
-        None, which its routing uses and returns zero again (one zero fill for every layer of a step:
-        `run_layers`); the other paths pass them through, and under ctx's mesh the MoE runs on its
-        shards as `__call__` runs it, then `RMSNorm.add`."""
-        x2 = x.reshape(-1, x.shape[-1])
-        if ctx.mesh is None and (self.path or self._path_for(x2, ctx)) == "kernel":
-            (s, y), tickets = self._kernel(x2, norm, ctx, tickets=tickets, next_norm=next_norm)
-            return s.reshape(x.shape), y.reshape(x.shape), tickets
-        s, y = next_norm.add(x, self(x, norm=norm, dtype=F32, ctx=ctx), ctx)
-        return s, y, tickets
-
     def _run(self, x, path, norm, ctx: parallel.RunContext, first_expert=None, down_bias_on=None):
         """x [N, H] -> f32 [N, H] through the experts this module holds: all of them, or (first_expert
         int32, under a mesh) those numbered first_expert .. first_expert + held - 1, the other pairs
@@ -366,7 +349,7 @@ class MoE(nnx.Module):
         if path not in self.PATHS:
             raise ValueError(f"MoE path: {path!r} not in {self.PATHS}")
         if path == "kernel":
-            return self._kernel(x, norm, ctx, first_expert, down_bias_on)[0]
+            return self._kernel(x, norm, ctx, first_expert, down_bias_on)
         if down_bias_on is not None:
             bias = self.experts.down_bias
             bias.set_value(jnp.where(down_bias_on, bias.get_value(), jnp.zeros((), bias.get_value().dtype)))
@@ -437,30 +420,23 @@ class MoE(nnx.Module):
         y = self._ffn(jnp.broadcast_to(x[:, None], (N, E, H)), *self.experts.weights(jnp.arange(E)), "neh,eoh->neo")
         return jnp.einsum("neo,ne->no", y, combine)
 
-    def _kernel(self, x, norm, ctx: parallel.RunContext, first_expert=None, down_bias_on=None, tickets=None,
-                next_norm=None):
-        """Few tokens on a GPU: norm, router and top k in one kernel (pallas/moe_route.py), then each
+    def _kernel(self, x, norm, ctx: parallel.RunContext, first_expert=None, down_bias_on=None):
+        """Few tokens on a GPU: norm, router and top k in two kernels (pallas/moe_route.py), then each
         (token, expert) pair's packed expert weights streamed from HBM or, for experts shared by tokens,
         mostly from L2 (pallas/moe.py); pairs of experts not held (first_expert: `_run`) get id -1, which
-        the kernel skips; down_bias_on: `_run`'s. tickets: the routing's counters (`moe_route.route`;
-        None: its own). Returns (f32 [N, H], tickets); with next_norm, ((s, next_norm(s)), tickets), s = x
-        + the output, both from the experts' last kernel (`moe.mxfp4_moe_add_norm`)."""
+        the kernel skips; down_bias_on: `_run`'s. f32 [N, H]."""
         scale, eps = (None, 0.0) if norm is None else (norm.scale[...], norm.eps)
         interpret = ctx.kernels.interpret
-        h, xq, ids, w, tickets = moe_route.route(x, scale, self.router_w[...], self.router_b[...], tickets, eps=eps,
-                                                 k=self.top_k, interpret=interpret)
+        x, xq, ids, w = moe_route.route(x, scale, self.router_w[...], self.router_b[...], eps=eps, k=self.top_k,
+                                        interpret=interpret)
         if first_expert is not None:
             ids, held = self._held(ids, first_expert)
             ids = jnp.where(held, ids, -1)
         ex = self.experts
-        experts = (ex.gate_up_blocks[...], ex.gate_up_scales[...], ex.gate_up_bias[...], ex.down_blocks[...],
-                   ex.down_scales[...], ex.down_bias[...])
-        kw = dict(limit=float(self.limit), alpha=float(self.alpha), xq=xq, down_bias_on=down_bias_on,
-                  config=ctx.kernels.moe_config, interpret=interpret)
-        if next_norm is None:
-            return moe_kernel.mxfp4_moe(h, ids, w, *experts, **kw), tickets
-        return moe_kernel.mxfp4_moe_add_norm(h, ids, w, *experts, x, next_norm.scale[...], eps=next_norm.eps,
-                                             **kw), tickets
+        return moe_kernel.mxfp4_moe(x, ids, w, ex.gate_up_blocks[...], ex.gate_up_scales[...], ex.gate_up_bias[...],
+                                    ex.down_blocks[...], ex.down_scales[...], ex.down_bias[...],
+                                    limit=float(self.limit), alpha=float(self.alpha), xq=xq,
+                                    down_bias_on=down_bias_on, config=ctx.kernels.moe_config, interpret=interpret)
 
     def _gathered(self, x, ids, w):
         """Few tokens: read each (token, expert) pair's weights. Returns f32 [N, H]."""
@@ -535,17 +511,16 @@ class Block(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg, dtype, rngs)
 
-    def __call__(self, x, h, next_norm: RMSNorm, cos, sin, k_cache, v_cache, lengths, positions, mask, *,
-                 ctx: parallel.RunContext, tickets=None, **cache_kw):
-        """x: the residual stream [B, T, H], h = input_layernorm(x) (the block before computed it).
-        Returns (x after the block, next_norm of it, k_cache, v_cache, tickets): the MoE's output added
-        to the stream with the next norm (`MoE.add_norm`; tickets: its routing's counters, passed from
-        layer to layer). The attention residual add stays an XLA fusion: at one token it is also the
-        reduce of o_proj's split-K GEMM (what was tried instead: docs/perf/glue.md)."""
+    def __call__(self, x, h, cos, sin, k_cache, v_cache, lengths, positions, mask, *, ctx: parallel.RunContext,
+                 **cache_kw):
+        """x: the residual stream [B, T, H], h = input_layernorm(x) (run_layers fuses it with the
+        previous block's residual add). Returns (x + attention, the MoE's f32 output, not yet added
+        to the stream, k_cache, v_cache). The attention residual add stays an XLA fusion: at one
+        token it is also the reduce of o_proj's split-K GEMM (what was tried instead: docs/perf/glue.md)."""
         a, k_cache, v_cache = self.self_attn(h, cos, sin, k_cache, v_cache, lengths, positions, mask, ctx=ctx,
                                              **cache_kw)
-        x, h, tickets = self.mlp.add_norm(x + a, self.post_attention_layernorm, next_norm, ctx=ctx, tickets=tickets)
-        return x, h, k_cache, v_cache, tickets
+        x = x + a
+        return x, self.mlp(x, norm=self.post_attention_layernorm, dtype=F32, ctx=ctx), k_cache, v_cache
 
     def reduced(self, x, h, next_norm: RMSNorm, cos, sin, k_cache, v_cache, lengths, positions, mask, *,
                 ctx: parallel.RunContext, **cache_kw):
@@ -664,15 +639,15 @@ def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCac
     cos, sin = rope.cos_sin(positions, inv_freq, scale)
     hidden = []  # hidden[j]: the input of layer j (j = L: the final norm's input)
     new_k, new_v = [], []
-    fused = ctx.reduces_fused(tokens)  # each sum over "model" fused with the add and the next norm
+    moe_out = None  # each block's MoE output is added to the stream by the next norm's kernel
+    fused = ctx.reduces_fused(tokens)  # or each sum over "model" fused with the add and the next norm
     norms = [block.input_layernorm for block in model.layers] + [model.norm]
     table = model.embed[...]
     if fused:  # the lookup's sum over "model" (exact: one device's row and zeros) with the first norm
         zeros = jnp.zeros((B, T, cfg.hidden_size), table.dtype)
         x, h = parallel.reduce_add_norm(ctx, parallel.vocab_rows(ctx, table, tokens, partial=True), zeros, norms[0])
     else:
-        x, h = norms[0].add(parallel.vocab_rows(ctx, table, tokens), None, ctx)
-    tickets = moe_route.tickets()  # the MoE routing kernel's counters, zero from layer to layer (one fill)
+        x = parallel.vocab_rows(ctx, table, tokens)
     for i, block in enumerate(model.layers):
         with jax.named_scope(f"layer{i}"):
             if cache is None:
@@ -680,15 +655,18 @@ def run_layers(model: GptOss, tokens, positions, lengths, mask, cache: kvc.KVCac
                 kc = vc = empty
             else:
                 kc, vc = cache.k[i], cache.v[i]
+            if not fused:
+                x, h = block.input_layernorm.add(x, moe_out, ctx)
             hidden.append(x)
             kw = dict(ring=cache is not None and cache.rings[i], n_write=n_write, ctx=ctx)
             if fused:
                 x, h, kc, vc = block.reduced(x, h, norms[i + 1], cos, sin, kc, vc, lengths, positions, mask, **kw)
             else:
-                x, h, kc, vc, tickets = block(x, h, norms[i + 1], cos, sin, kc, vc, lengths, positions, mask,
-                                              tickets=tickets, **kw)
+                x, moe_out, kc, vc = block(x, h, cos, sin, kc, vc, lengths, positions, mask, **kw)
             new_k.append(kc)
             new_v.append(vc)
+    if not fused:
+        x, h = model.norm.add(x, moe_out, ctx)
     hidden.append(x)
     feats = jnp.concatenate([hidden[j] for j in feature_ids], axis=-1) if feature_ids else None
     cache = None if cache is None else cache.replace(k=tuple(new_k), v=tuple(new_v))

@@ -17,8 +17,6 @@ in magnitude), then in f32, times 2^(scale - 127) and the group's factor. The MM
 path (experts of more tokens) runs 16-token chunks on the tensor cores, the weights decoded to bf16
 times 2^-32 (exact for scale bytes 35..160). The interpreter decodes through f16 with f32 products.
 
-`mxfp4_moe_add_norm`: the same, its out added to the residual stream and the RMSNorm after it in the
-last down kernel (the last program of each token, a ticket counted by atomics: `util.arrive`).
 `mxfp4_moe_grouped`: the tokens grouped by expert into tiles of 16-256 rows (`gpt_oss.MoE._grouped`),
 every tile at once, the MMA path's decode and tensor-core products. `mxfp4_moe_reference` is the
 plain-jnp function of `mxfp4_moe`'s signature; CPU tests run the kernels with interpret=True.
@@ -47,7 +45,6 @@ from eagle3_jax.pallas.lowering import inline_asm_multi
 F32 = jnp.float32
 TOKEN_TILE = 16  # rows of one MMA tile of tokens
 MAX_TOKENS = 64
-PIECE = 1024  # the add + norm's longest piece of a row (`_add_norm_row`)
 _SHIFT = 32  # the kernels' weights are the true weights times 2^-_SHIFT (keeps scale bytes up to 160 finite)
 _UNSCALE = float(2.0 ** _SHIFT)
 _MASK = np.int32(np.uint32(0x81C00000).view(np.int32))  # f32 sign | exponent bits 0-1 | mantissa bit 22
@@ -465,49 +462,16 @@ def _zero_out(out_ref, j, zero_cols):
            mask=(r < To) & (col < Ho))
 
 
-def _zero_tickets(tk_ref):
-    """tickets[:] = 0 (the add + norm's counters; their length a power of two)."""
-    util.store(tk_ref, pl.ds(0, tk_ref.shape[0]), jnp.zeros(tk_ref.shape, jnp.int32))
-
-
-def _add_norm_row(out_ref, st_ref, sc_ref, s_ref, y_ref, row, *, H, eps):
-    """Row `row` of the add + norm (`mxfp4_moe_add_norm`): s = stream + out rounded to the stream's
-    dtype (as `norm.add_rms_norm` adds a residual), y = s * rsqrt(mean(s^2) + eps) * scale in f32,
-    rounded. out holds other programs' sums (volatile loads). The row in power-of-two pieces that
-    cover H exactly (at most PIECE each), every load issued before the sum of squares."""
-    dtype = st_ref.dtype
-    pieces, at = [], 0
-    while at < H:
-        n = min(PIECE, 1 << ((H - at).bit_length() - 1))
-        pieces.append((at, n))
-        at += n
-    ts = []
-    for a, n in pieces:
-        o = util.load(out_ref, (row, pl.ds(a, n)), volatile=True)
-        x = util.load(st_ref, (row, pl.ds(a, n))).astype(F32)
-        ts.append((x + o.astype(dtype).astype(F32)).astype(dtype))
-    ss = 0.0
-    for (a, n), t in zip(pieces, ts):
-        util.store(s_ref, (row, pl.ds(a, n)), t)
-        ss = ss + jnp.sum(t.astype(F32) * t.astype(F32))
-    r = lax.rsqrt(ss / H + eps)
-    for (a, n), t in zip(pieces, ts):
-        sc = util.load(sc_ref, pl.ds(a, n)).astype(F32)
-        util.store(y_ref, (row, pl.ds(a, n)), (t.astype(F32) * r * sc).astype(dtype))
-
-
 _GATE, _LIN = 0, 1  # gate_up rows viewed as [I, 2]: row 2i (gate i) = [i, 0], row 2i + 1 (linear i) = [i, 1]
 
 
-def _gate_up_kernel(ids_ref, x_ref, wq_ref, sc_ref, b_ref, act_ref, *zeroed, T, k, H, I, BI, BG, limit, alpha,
+def _gate_up_kernel(ids_ref, x_ref, wq_ref, sc_ref, b_ref, act_ref, *out_ref, T, k, H, I, BI, BG, limit, alpha,
                     decode, zero_cols, depth, fma_tokens):
     """MMA path of gate_up: experts chosen by more than fma_tokens tokens; grid (slot, chunk, I tile).
-    zeroed: () or, where no FMA kernel ran before, (out,) or (out, tickets), which its programs zero."""
+    With an out_ref (no FMA kernel ran before), its programs also zero out."""
     s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    if zeroed:
-        pl.when((s == 0) & (c == 0))(lambda: _zero_out(zeroed[0], j, zero_cols))
-    if len(zeroed) > 1:
-        pl.when((s == 0) & (c == 0) & (j == 0))(lambda: _zero_tickets(zeroed[1]))
+    if out_ref:
+        pl.when((s == 0) & (c == 0))(lambda: _zero_out(out_ref[0], j, zero_cols))
     e, first, member, _, _, is_e = _slot_tokens(ids_ref, s, c, T=T, k=k)
     u = j * BI + lax.broadcasted_iota(jnp.int32, (BI,), 0)
     i_ok = u < I
@@ -526,18 +490,16 @@ def _gate_up_kernel(ids_ref, x_ref, wq_ref, sc_ref, b_ref, act_ref, *zeroed, T, 
                mask=mask)
 
 
-def _fma_gate_up_kernel(ids_ref, xq_ref, wq_ref, sc_ref, b_ref, actq_ref, out_ref, *tk_ref, T, k, H, BF, limit,
-                        alpha, dtype, zero_cols, fma):
-    """FMA path of gate_up: experts chosen by at most fma.tokens tokens; grid (pair, I / BF); its
-    programs zero out (and the tickets, tk_ref, where given). Program j owns act columns [BF j,
-    BF (j + 1)) (BF / 8 blocks of 8) and writes them in kernel 2's pair layout with one factor 2^e_b
-    per block b (|act| < 2^e_b in the block): block b's pair k is (act[8b + 3 - k], act[8b + 7 - k]) *
-    2^(14 - e_b) at word 20 (b // 4) + 4 k + b % 4, its factor at word 20 (b // 4) + 16 + b % 4."""
+def _fma_gate_up_kernel(ids_ref, xq_ref, wq_ref, sc_ref, b_ref, actq_ref, out_ref, *, T, k, H, BF, limit, alpha,
+                        dtype, zero_cols, fma):
+    """FMA path of gate_up: experts chosen by at most fma.tokens tokens; grid (pair, I / BF). Program j
+    owns act columns [BF j, BF (j + 1)) (BF / 8 blocks of 8) and writes them in kernel 2's pair layout
+    with one factor 2^e_b per block b (|act| < 2^e_b in the block): block b's pair k is
+    (act[8b + 3 - k], act[8b + 7 - k]) * 2^(14 - e_b) at word 20 (b // 4) + 4 k + b % 4, its factor at
+    word 20 (b // 4) + 16 + b % 4."""
     s, j = pl.program_id(0), pl.program_id(1)
     if zero_cols:
         pl.when(s == 0)(lambda: _zero_out(out_ref, j, zero_cols))
-    if tk_ref:
-        pl.when((s == 0) & (j == 0))(lambda: _zero_tickets(tk_ref[0]))
     e, is_e, _ = _pair_expert(ids_ref, s, T * k)
 
     @pl.when((e >= 0) & (jnp.sum(is_e.astype(jnp.int32)) <= fma.tokens))
@@ -568,14 +530,10 @@ def _fma_gate_up_kernel(ids_ref, xq_ref, wq_ref, sc_ref, b_ref, actq_ref, out_re
         util.store(actq_ref, (s, (blk_b // 4) * GROUP_WORDS + PAIR_WORDS + blk_b % 4), factor)
 
 
-def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, on_ref, *refs, T, k, H, I, BN, BG,
-                 decode, interpret, depth, fma_tokens, norm):
-    """MMA path of down + combine; grid (slot, chunk, H tile); on_ref [1]: whether the bias is added.
-    norm None: refs = (out,). norm (eps, arrivals): refs = (tickets in, stream, scale, out, tickets, s,
-    y); then the last program of each token chunk to arrive at its ticket (zeroed by kernel 1) writes
-    the chunk's rows of the add + norm (`_add_norm_row`)."""
+def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, on_ref, out_ref, *, T, k, H, I, BN, BG,
+                 decode, interpret, depth, fma_tokens):
+    """MMA path of down + combine; grid (slot, chunk, H tile); on_ref [1]: whether the bias is added."""
     del out_in_ref  # aliased with out_ref
-    out_ref = refs[0] if norm is None else refs[3]
     s, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     e, first, member, eq, idx, is_e = _slot_tokens(ids_ref, s, c, T=T, k=k)
     cols = j * BN + lax.broadcasted_iota(jnp.int32, (BN,), 0)
@@ -594,27 +552,11 @@ def _down_kernel(ids_ref, w_ref, act_ref, wq_ref, sc_ref, b_ref, out_in_ref, on_
         mask = member[None, :] & n_ok[:, None]
         _combine(out_ref, rows, jnp.broadcast_to(cols[:, None], rows.shape), val, mask, interpret)
 
-    if norm is not None:
-        _, st_ref, scale_ref, _, tk_ref, s_ref, y_ref = refs
-        eps, arrivals = norm
 
-        @pl.when(util.arrive(tk_ref, (c,), interpret=interpret) == arrivals - 1)
-        def _():  # every program of chunk c has added its sums
-            def row(r, carry):
-                pl.when(c * TOKEN_TILE + r < T)(lambda: _add_norm_row(
-                    out_ref, st_ref, scale_ref, s_ref, y_ref, c * TOKEN_TILE + r, H=H, eps=eps))
-                return carry
-
-            lax.fori_loop(0, TOKEN_TILE, row, 0)
-
-
-def _fma_down_kernel(ids_ref, w_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref, on_ref, *refs, T, k, H, I,
-                     BN, interpret, fma, norm):
-    """FMA path of down + combine; grid (pair, H / BN); on_ref [1]: whether the bias is added. norm and
-    refs as in `_down_kernel`, the tickets one a token: the last of its k pairs' programs to arrive
-    writes its row of the add + norm."""
+def _fma_down_kernel(ids_ref, w_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref, on_ref, out_ref, *, T, k, H, I,
+                     BN, interpret, fma):
+    """FMA path of down + combine; grid (pair, H / BN); on_ref [1]: whether the bias is added."""
     del out_in_ref  # aliased with out_ref
-    out_ref = refs[0] if norm is None else refs[3]
     s, j = pl.program_id(0), pl.program_id(1)
     e, is_e, _ = _pair_expert(ids_ref, s, T * k)
     cols = j * BN + lax.broadcasted_iota(jnp.int32, (BN,), 0)
@@ -626,15 +568,6 @@ def _fma_down_kernel(ids_ref, w_ref, actq_ref, wq_ref, sc_ref, b_ref, out_in_ref
                           decoder=fma.decoder, depth=fma.prefetch, per_word=True)
         b = util.load(b_ref, (e, pl.ds(j * BN, BN)), mask=n_ok & (on_ref[0] != 0), other=0).astype(F32)
         _combine(out_ref, jnp.broadcast_to(s // k, (BN,)), cols, (y + b) * w_ref[s], n_ok, interpret)
-
-    if norm is not None:
-        _, st_ref, scale_ref, _, tk_ref, s_ref, y_ref = refs
-        eps, arrivals = norm
-        t = s // k
-
-        @pl.when(util.arrive(tk_ref, (t,), interpret=interpret) == arrivals - 1)
-        def _():  # every program of token t's pairs has added its sums
-            _add_norm_row(out_ref, st_ref, scale_ref, s_ref, y_ref, t, H=H, eps=eps)
 
 
 def _combine(out_ref, rows, cols, val, mask, interpret):
@@ -691,50 +624,6 @@ def mxfp4_moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, dow
     act is rounded to x.dtype before the down projection (as the jnp model does). Each token's k
     expert ids must be distinct (top-k routing); a negative id skips its pair (expert parallel: an
     expert held by another device), which then reads no weights."""
-    return _moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias,
-                limit=limit, alpha=alpha, config=config, interpret=interpret, xq=xq, down_bias_on=down_bias_on)
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "limit", "alpha", "config", "interpret"))
-def mxfp4_moe_add_norm(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales,
-                       down_bias, stream, norm_scale, *, eps: float, limit: float, alpha: float,
-                       config: MoeConfig | None = None, interpret: bool = False, xq=None, down_bias_on=None):
-    """`mxfp4_moe`'s out added to the residual stream, and the RMSNorm after it, in the same kernels:
-    stream [T, H] (bf16), norm_scale [H] -> (s, y), both [T, H] stream.dtype, as
-    `norm.add_rms_norm(stream, norm_scale, out, eps=eps)` computes them: s = stream + out rounded to
-    stream.dtype (out rounded to it first), y = s * rsqrt(mean(s^2) + eps) * norm_scale in f32,
-    rounded. Kernel 1 zeroes one ticket a token (a 16-token chunk on the MMA path); every program
-    of the last down kernel arrives at its token's (chunk's) ticket after adding its sums into out
-    (`util.arrive`), and the last to arrive writes that row of s and y: the model's MoE on one device
-    (`gpt_oss.MoE.add_norm`), one launch fewer than `mxfp4_moe` and `norm.add_rms_norm`."""
-    T, H = x.shape
-    if tuple(stream.shape) != (T, H) or tuple(norm_scale.shape) != (H,):
-        raise ValueError(f"mxfp4_moe_add_norm: stream {stream.shape} (expected {(T, H)}), norm_scale "
-                         f"{norm_scale.shape} (expected ({H},))")
-    return _moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias,
-                limit=limit, alpha=alpha, config=config, interpret=interpret, xq=xq, down_bias_on=down_bias_on,
-                add_norm=(stream, norm_scale.astype(F32), float(eps)))
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "limit", "alpha", "config", "interpret"))
-def mxfp4_moe_add_norm_reference(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks,
-                                 down_scales, down_bias, stream, norm_scale, *, eps: float, limit: float, alpha: float,
-                                 config: MoeConfig | None = None, interpret: bool = False, xq=None, down_bias_on=None):
-    """Plain-jnp `mxfp4_moe_add_norm`: `mxfp4_moe_reference`, then `norm.add_rms_norm_reference`'s add
-    and norm (stream + out rounded to stream.dtype, normalized as stored)."""
-    del xq
-    out = mxfp4_moe_reference(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales,
-                              down_bias, limit=limit, alpha=alpha, config=config, interpret=interpret,
-                              down_bias_on=down_bias_on)
-    s = stream + out.astype(stream.dtype)
-    t = lax.reduce_precision(s.astype(F32), jnp.finfo(stream.dtype).nexp, jnp.finfo(stream.dtype).nmant)
-    y = t * lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + eps) * norm_scale.astype(F32)
-    return s, y.astype(stream.dtype)
-
-
-def _moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias, *, limit,
-         alpha, config, interpret, xq, down_bias_on, add_norm=None):
-    """Both entry points' launches: -> out f32 [T, H]; with add_norm (stream, f32 scale, eps), (s, y)."""
     cfg = config or config_for(gate_up_blocks.shape[1] // 2)
     T, H = x.shape
     k = ids.shape[1]
@@ -772,10 +661,6 @@ def _moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blo
     To, Ho = ((max(Tp, util.pow2(T)), max(nj2 * BN, nf2 * BNf, (nf1 if fma.tokens else nj1) * zero_cols))
               if interpret else (T, H))
     Ia = max(Gp2 * BLOCK, nj1 * BI)  # act columns: every K step of kernel 2 and every store of kernel 1 in bounds
-    if add_norm is not None:  # the tickets (one a token; one a chunk on the MMA path), s and y
-        stream, norm_scale, eps = add_norm
-        rows_out = (jax.ShapeDtypeStruct((util.pow2(T),), jnp.int32),
-                    jax.ShapeDtypeStruct((T, H), stream.dtype), jax.ShapeDtypeStruct((T, H), stream.dtype))
     ids_flat = ids.reshape(-1).astype(jnp.int32)
     w_flat = weights.reshape(-1).astype(F32)
     on = jnp.ones((1,), jnp.int32) if down_bias_on is None else jnp.asarray(down_bias_on, jnp.int32).reshape(1)
@@ -795,48 +680,40 @@ def _moe(x, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blo
         params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         fma_params = plgpu.CompilerParams(num_warps=cfg.fma_warps, num_stages=1)
     out = jax.ShapeDtypeStruct((To, Ho), F32)
-    zeroed = (out,) if add_norm is None else (out, rows_out[0])  # what kernel 1 zeroes
-    if fma.tokens:  # kernel 1, FMA path (zeroes out and the tickets)
-        actq, out, *tickets = pl.pallas_call(
+    if fma.tokens:  # kernel 1, FMA path (zeroes out)
+        actq, out = pl.pallas_call(
             functools.partial(_fma_gate_up_kernel, T=T, k=k, H=H, BF=BF, limit=float(limit), alpha=float(alpha),
                               dtype=x.dtype, zero_cols=zero_cols, fma=fma),
             grid=(P, nf1),
-            out_shape=(jax.ShapeDtypeStruct((P, Gf2 * GROUP_WORDS), jnp.uint32), *zeroed),
+            out_shape=(jax.ShapeDtypeStruct((P, Gf2 * GROUP_WORDS), jnp.uint32), out),
             compiler_params=fma_params, interpret=interpret, name="mxfp4_moe_gate_up_fma",
         )(ids_flat, xq.reshape(*xq.shape[:2], GROUP_WORDS), gu_w, gu_s, gu_b)
-    if mma:  # kernel 1, MMA path (zeroes out and the tickets where no FMA kernel did)
-        act, *z = pl.pallas_call(
+    if mma:  # kernel 1, MMA path (zeroes out where no FMA kernel did)
+        act, *zeroed = pl.pallas_call(
             functools.partial(_gate_up_kernel, T=T, k=k, H=H, I=I, BI=BI, BG=BG, limit=float(limit), alpha=float(alpha),
                               decode=decode, zero_cols=zero_cols, depth=cfg.prefetch, fma_tokens=fma.tokens),
             grid=(P, nc, nj1),
-            out_shape=(jax.ShapeDtypeStruct((P, Tp, Ia), x.dtype),) + (() if fma.tokens else zeroed),
+            out_shape=(jax.ShapeDtypeStruct((P, Tp, Ia), x.dtype),) + (() if fma.tokens else (out,)),
             compiler_params=params, interpret=interpret, name="mxfp4_moe_gate_up",
         )(ids_flat, x, gu_w, gu_s, gu_b)
-        if z:
-            out, *tickets = z
-
-    def down(kernel, grid, name, act_in, params, norm):
-        """Kernel 2 of a path; norm (eps, arrivals) or None: whether this launch writes s and y."""
-        extra_in, extra_out, aliases = (), (), {6: 0}
-        if norm is not None:
-            extra_in, extra_out, aliases = (tickets[0], stream, norm_scale), rows_out, {6: 0, 8: 1}
-        return pl.pallas_call(
-            functools.partial(kernel, norm=norm), grid=grid,
-            out_shape=(jax.ShapeDtypeStruct((To, Ho), F32), *extra_out), input_output_aliases=aliases,
-            compiler_params=params, interpret=interpret, name=name + ("_add_norm" if norm is not None else ""),
-        )(ids_flat, w_flat, act_in, dn_w, dn_s, dn_b, out, on, *extra_in)
-
+        out = zeroed[0] if zeroed else out
     if fma.tokens:  # kernel 2, FMA path
-        norm = (eps, k * nf2) if add_norm is not None and not mma else None  # the last down kernel: s and y
-        out, *rows = down(functools.partial(_fma_down_kernel, T=T, k=k, H=H, I=I, BN=BNf, interpret=interpret, fma=fma),
-                          (P, nf2), "mxfp4_moe_down_fma", actq.reshape(P, Gf2, GROUP_WORDS), fma_params, norm)
+        out = pl.pallas_call(
+            functools.partial(_fma_down_kernel, T=T, k=k, H=H, I=I, BN=BNf, interpret=interpret, fma=fma),
+            grid=(P, nf2),
+            out_shape=jax.ShapeDtypeStruct((To, Ho), F32),
+            input_output_aliases={6: 0},
+            compiler_params=fma_params, interpret=interpret, name="mxfp4_moe_down_fma",
+        )(ids_flat, w_flat, actq.reshape(P, Gf2, GROUP_WORDS), dn_w, dn_s, dn_b, out, on)
     if mma:  # kernel 2, MMA path
-        norm = (eps, P * nj2) if add_norm is not None else None
-        out, *rows = down(functools.partial(_down_kernel, T=T, k=k, H=H, I=I, BN=BN, BG=BG, decode=decode,
-                                            interpret=interpret, depth=cfg.prefetch, fma_tokens=fma.tokens),
-                          (P, nc, nj2), "mxfp4_moe_down", act, params, norm)
-    if add_norm is not None:
-        return rows[1], rows[2]
+        out = pl.pallas_call(
+            functools.partial(_down_kernel, T=T, k=k, H=H, I=I, BN=BN, BG=BG, decode=decode, interpret=interpret,
+                              depth=cfg.prefetch, fma_tokens=fma.tokens),
+            grid=(P, nc, nj2),
+            out_shape=jax.ShapeDtypeStruct((To, Ho), F32),
+            input_output_aliases={6: 0},
+            compiler_params=params, interpret=interpret, name="mxfp4_moe_down",
+        )(ids_flat, w_flat, act, dn_w, dn_s, dn_b, out, on)
     return out if (To, Ho) == (T, H) else out[:T, :H]
 
 

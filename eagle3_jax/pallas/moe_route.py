@@ -1,7 +1,7 @@
-"""The MoE block's routing for few tokens (decode and verify) in one Pallas (Triton) kernel.
+"""The MoE block's routing for few tokens (decode and verify) in two Pallas (Triton) kernels.
 
-`route(h, norm_scale, router_w, router_b, tickets=None, *, eps, k)` takes the residual stream h [T, H]
-(T <= 64) and returns what `moe.mxfp4_moe` consumes, and the ticket counters for the next call:
+`route(h, norm_scale, router_w, router_b, *, eps, k)` takes the residual stream h [T, H] (T <= 64)
+and returns what `moe.mxfp4_moe` consumes:
 
   x       [T, H] h.dtype   RMSNorm(h) = h * rsqrt(mean(h^2) + eps) * norm_scale in f32, rounded to
                            h.dtype (norm_scale None: x = h)
@@ -9,24 +9,23 @@
   ids     int32 [T, k]     the k largest logits = x @ router_w + router_b (f32), in descending order,
                            equal logits to the lower expert id (`lax.top_k`)
   weights f32 [T, k]       softmax over those k logits
-  tickets int32 [TICKETS]  all zero, as they came in
 
-One launch, grid (E / 16 expert tiles, H / 256 input chunks, token tiles of 16; of 1 at one token):
-  1. norm + router: each program loads its token rows whole (the norm's sum of squares), its chunk of
-     them, its [256, 16] router tile and the norm's scales, all before any use (one round trip to
-     memory), multiplies the normalized chunk (rounded to h.dtype) with the tile (tensor cores; at one
-     token products and a sum) and stores the partial logits. The expert tile 0 programs write x; the
-     chunk's eight scale groups of xq are spread over the expert tiles' programs, each group's (low,
-     high) pairs gathered from h in pair order and normalized again, so that no layout conversion
-     happens in registers (gpt-oss-120b at one token: 96 programs).
-  2. top k + softmax: every program then arrives at its token tile's counter (`util.arrive`); the one
-     that draws the last ticket sums the tile's partial logits in chunk order, adds the bias, takes k
-     rounds of (row max, lowest id at the max) and the softmax, and sets the counter back to zero.
+  1. norm + router, grid (E / 16 expert tiles, H / 256 input chunks, token tiles of 16; of 1 at one
+     token): each program loads its token rows whole (the norm's sum of squares), its chunk of them,
+     its [256, 16] router tile and the norm's scales, all before any use (one round trip to memory),
+     multiplies the normalized chunk (rounded to h.dtype) with the tile (tensor cores; at one token
+     products and a sum) and stores the partial logits. The expert tile 0 programs write x; the
+     chunk's eight scale groups of xq are spread over the expert tiles' programs, each group's
+     (low, high) pairs gathered from h in pair order and normalized again, so that no layout
+     conversion happens in registers (gpt-oss-120b at one token: 96 programs).
+  2. top k + softmax, one program per token tile: the partial logits summed, the bias added, then
+     k rounds of (row max, lowest id at the max). One warp at one token (its reductions stay in the
+     warp).
 
-tickets: one int32 counter per token tile, zero on entry and on return: a caller routing several times
-in one program (the model's layers) passes each call's tickets to the next, one zero fill (`tickets()`)
-for all; None: the call fills its own. At one token this is one kernel where XLA runs ten (figures,
-what was tried, what the fusion of the top k is expected to buy: docs/perf/glue.md).
+At one token this replaces the ten XLA kernels of the plain path (the norm's reduce and scale, the
+padding of the router input and of its weight for a split-K GEMM, the GEMM, its reduce, the top k's
+two reduces, the softmax and the pair layout) with two (figures and what was tried:
+docs/perf/glue.md).
 `route_reference` is the jnp function of the same signature.
 """
 
@@ -46,14 +45,8 @@ from eagle3_jax.pallas import moe, util
 F32 = jnp.float32
 TOKEN_TILE = 16  # token rows per program (one at one token)
 EXPERT_TILE = 16  # router columns per program (the tensor cores' smallest N)
-CHUNK = 256  # inputs per K step of the router
+CHUNK = 256  # inputs per K step of kernel 1
 MAX_TOKENS = moe.MAX_TOKENS
-TICKETS = -(-MAX_TOKENS // TOKEN_TILE)  # counters: one per token tile of the largest call
-
-
-def tickets():
-    """Zeroed ticket counters for `route` (int32 [TICKETS])."""
-    return jnp.zeros((TICKETS,), jnp.int32)
 
 
 def _normalized(h, r, scale, dtype):
@@ -65,26 +58,22 @@ def _normalized(h, r, scale, dtype):
     return (h * r * scale).astype(dtype).astype(F32)
 
 
-def _route_kernel(h_ref, s_ref, w_ref, b_ref, tk_in_ref, x_ref, xq_ref, lg_ref, ids_ref, wt_ref, tk_ref, *, T, TT, H,
-                  E, k, eps, normalize, dtype, arrivals, interpret):
-    """Grid (expert tile i, input chunk kk, token tile c): the router's partial logits of (i, kk, c),
-    x and xq; then the last of the `arrivals` programs of token tile c takes its top k (`_top_k`)."""
-    del tk_in_ref  # aliased with tk_ref
+def _router_kernel(h_ref, s_ref, w_ref, x_ref, xq_ref, lg_ref, *, T, TT, H, E, eps, normalize, dtype):
     i, kk, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = c * TT + lax.broadcasted_iota(jnp.int32, (TT,), 0)
     r_ok = rows < T
     k_iota = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
     e_ok = i * EXPERT_TILE + lax.broadcasted_iota(jnp.int32, (EXPERT_TILE,), 0) < E
 
-    def h_chunk(ch):
-        ch = jnp.asarray(ch, jnp.int32)  # a traced start: the static bounds check would reject the last
-        return util.load(h_ref, (pl.ds(c * TT, TT), pl.ds(ch * CHUNK, CHUNK)),
-                         mask=r_ok[:, None] & (ch * CHUNK + k_iota < H)[None, :], other=0).astype(F32)
+    def h_chunk(k):
+        k = jnp.asarray(k, jnp.int32)  # a traced start: the static bounds check would reject the last
+        return util.load(h_ref, (pl.ds(c * TT, TT), pl.ds(k * CHUNK, CHUNK)),
+                         mask=r_ok[:, None] & (k * CHUNK + k_iota < H)[None, :], other=0).astype(F32)
 
     # every load before any use (one round trip to memory): the whole rows for the norm, this
     # program's chunk of them (again: kk is traced), its router tile and the norm's scales
     c_ok = kk * CHUNK + k_iota < H  # the last chunk runs past H (masked)
-    whole = [h_chunk(ch) for ch in range(-(-H // CHUNK))] if normalize else []
+    whole = [h_chunk(k) for k in range(-(-H // CHUNK))] if normalize else []
     h = h_chunk(kk)
     w = util.load(w_ref, (pl.ds(kk * CHUNK, CHUNK), pl.ds(i * EXPERT_TILE, EXPERT_TILE)),
                   mask=c_ok[:, None] & e_ok[None, :], other=0)
@@ -108,11 +97,6 @@ def _route_kernel(h_ref, s_ref, w_ref, b_ref, tk_in_ref, x_ref, xq_ref, lg_ref, 
         @pl.when(i == j % ne)
         def _():
             _pair_layout(h_ref, s_ref, xq_ref, rows, r, kk * BG + j, H=H, dtype=dtype)
-
-    @pl.when(util.arrive(tk_ref, (c,), interpret=interpret) == arrivals - 1)
-    def _():  # every partial of token tile c is stored: its top k, then the counter back to zero
-        _top_k(lg_ref, b_ref, ids_ref, wt_ref, c, T=T, TT=TT, E=E, k=k)
-        tk_ref[c] = jnp.int32(0)
 
 
 def _pair_layout(h_ref, s_ref, xq_ref, rows, r, g, *, H, dtype):
@@ -142,16 +126,15 @@ def _pair_layout(h_ref, s_ref, xq_ref, rows, r, g, *, H, dtype):
                mask=jnp.broadcast_to(m[:, None], trailer.shape))
 
 
-def _top_k(lg_ref, b_ref, ids_ref, w_ref, c, *, T, TT, E, k):
-    """Token tile c's top k and softmax from the partial logits lg [chunks, T, E] (written by the other
-    programs of this launch: volatile loads), summed in chunk order, plus the bias."""
+def _top_k_kernel(lg_ref, b_ref, ids_ref, w_ref, *, T, TT, E, k):
+    c = pl.program_id(0)
     Ep, kp = util.pow2(E), util.pow2(k)
     rows = c * TT + lax.broadcasted_iota(jnp.int32, (TT,), 0)
     r_ok = rows < T
     e_iota = lax.broadcasted_iota(jnp.int32, (TT, Ep), 1)
     j_iota = lax.broadcasted_iota(jnp.int32, (TT, kp), 1)
     m = r_ok[:, None] & (e_iota < E)
-    lg = sum(util.load(lg_ref, (jnp.int32(s), pl.ds(c * TT, TT), pl.ds(0, Ep)), mask=m, other=0, volatile=True)
+    lg = sum(util.load(lg_ref, (jnp.int32(s), pl.ds(c * TT, TT), pl.ds(0, Ep)), mask=m, other=0)
              for s in range(lg_ref.shape[0]))  # the K splits' partial sums
     lg = lg + util.load(b_ref, pl.ds(0, Ep), mask=lax.broadcasted_iota(jnp.int32, (Ep,), 0) < E,
                         other=0).astype(F32)[None, :]
@@ -175,10 +158,9 @@ def _top_k(lg_ref, b_ref, ids_ref, w_ref, c, *, T, TT, E, k):
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "k", "interpret"))
-def route(h, norm_scale, router_w, router_b, tickets=None, *, eps: float, k: int, interpret: bool = False):
-    """h [T, H] (T <= 64), norm_scale [H] or None, router_w [H, E], router_b [E], tickets int32 [TICKETS]
-    zeros or None -> (x [T, H] h.dtype, xq u32 [T, H/32, 5, 4], ids int32 [T, k], weights f32 [T, k],
-    tickets zeros); see the module docstring."""
+def route(h, norm_scale, router_w, router_b, *, eps: float, k: int, interpret: bool = False):
+    """h [T, H] (T <= 64), norm_scale [H] or None, router_w [H, E], router_b [E] -> (x [T, H] h.dtype,
+    xq u32 [T, H/32, 5, 4], ids int32 [T, k], weights f32 [T, k]); see the module docstring."""
     T, H = h.shape
     E = router_w.shape[1]
     if T > MAX_TOKENS or H % BLOCK or router_w.shape[0] != H or router_b.shape != (E,) or not 1 <= k <= E:
@@ -188,7 +170,6 @@ def route(h, norm_scale, router_w, router_b, tickets=None, *, eps: float, k: int
         raise ValueError(f"moe_route: h must be bfloat16 (the MXFP4 kernels' activations), got {h.dtype}")
     if norm_scale is not None and norm_scale.shape != (H,):
         raise ValueError(f"moe_route: norm_scale {norm_scale.shape}, expected ({H},)")
-    tickets = _checked_tickets(tickets)
     G = H // BLOCK
     TT = 1 if T == 1 else TOKEN_TILE
     nc, ne, nk = -(-T // TT), -(-E // EXPERT_TILE), -(-H // CHUNK)
@@ -203,41 +184,34 @@ def route(h, norm_scale, router_w, router_b, tickets=None, *, eps: float, k: int
     if interpret:
         h, router_w, bias = util.pad(h, (Tp, Hp)), util.pad(router_w, (Hp, ne * EXPERT_TILE)), util.pad(bias, (Ep,))
         scale = util.pad(scale, (Hp,)) if normalize else scale
-    kern = functools.partial(_route_kernel, T=T, TT=TT, H=H, E=E, k=k, eps=float(eps), normalize=normalize,
-                             dtype=h.dtype, arrivals=ne * nk, interpret=interpret)
-    x, xq, _, ids, weights, tickets = pl.pallas_call(
-        kern, grid=(ne, nk, nc),
+    x, xq, lg = pl.pallas_call(
+        functools.partial(_router_kernel, T=T, TT=TT, H=H, E=E, eps=float(eps), normalize=normalize, dtype=h.dtype),
+        grid=(ne, nk, nc),
         out_shape=(jax.ShapeDtypeStruct((Tp, Hp), h.dtype), jax.ShapeDtypeStruct((Tp, Wq), jnp.uint32),
-                   jax.ShapeDtypeStruct((nk, Tp, max(Ep, ne * EXPERT_TILE) if interpret else E), F32),
-                   jax.ShapeDtypeStruct((Tp, kp if interpret else k), jnp.int32),
-                   jax.ShapeDtypeStruct((Tp, kp if interpret else k), F32),
-                   jax.ShapeDtypeStruct((TICKETS,), jnp.int32)),
-        input_output_aliases={4: 5},
+                   jax.ShapeDtypeStruct((nk, Tp, max(Ep, ne * EXPERT_TILE) if interpret else E), F32)),
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret, name="moe_route",
-    )(h, scale, router_w, bias, tickets)
+        interpret=interpret, name="moe_router",
+    )(h, scale, router_w)
+    ids, weights = pl.pallas_call(
+        functools.partial(_top_k_kernel, T=T, TT=TT, E=E, k=k),
+        grid=(nc,),
+        out_shape=(jax.ShapeDtypeStruct((Tp, kp if interpret else k), jnp.int32),
+                   jax.ShapeDtypeStruct((Tp, kp if interpret else k), F32)),
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=1 if TT == 1 else 4, num_stages=1),
+        interpret=interpret, name="moe_top_k",
+    )(lg, bias)
     xq = xq[:T, :G * moe.GROUP_WORDS].reshape(T, G, moe.PAIR_ROWS, 4)
-    return x[:T, :H], xq, ids[:T, :k], weights[:T, :k], tickets
-
-
-def _checked_tickets(t):
-    """`route`'s tickets argument: None -> fresh zeros; else int32 [TICKETS] (zeros by contract)."""
-    if t is None:
-        return tickets()
-    if tuple(t.shape) != (TICKETS,) or t.dtype != jnp.int32:
-        raise ValueError(f"moe_route: tickets {t.shape} {t.dtype}, expected int32 ({TICKETS},) (moe_route.tickets())")
-    return t
+    return x[:T, :H], xq, ids[:T, :k], weights[:T, :k]
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "k", "interpret"))
-def route_reference(h, norm_scale, router_w, router_b, tickets=None, *, eps: float, k: int, interpret: bool = False):
-    """Plain-jnp `route` (tickets pass through, zeros where None)."""
+def route_reference(h, norm_scale, router_w, router_b, *, eps: float, k: int, interpret: bool = False):
+    """Plain-jnp `route`."""
     del interpret
-    tickets = _checked_tickets(tickets)
     x = h
     if norm_scale is not None:
         t = h.astype(F32)
         x = (t * lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + eps) * norm_scale.astype(F32)).astype(h.dtype)
     logits = jnp.dot(x, router_w, preferred_element_type=F32) + router_b.astype(F32)
     top, ids = lax.top_k(logits, k)
-    return x, moe.f16_pairs(x.astype(F32)), ids.astype(jnp.int32), jax.nn.softmax(top, axis=-1), tickets
+    return x, moe.f16_pairs(x.astype(F32)), ids.astype(jnp.int32), jax.nn.softmax(top, axis=-1)

@@ -7,9 +7,8 @@ y = s * rsqrt(mean(s^2) + eps) * scale computed in f32, rounded to x.dtype. Retu
 One program per row, the whole row in registers; 16 warps a program for up to 64 rows (decode and
 verify; faster than 4 there), 4 beyond. At one token XLA runs this as three kernels (the add, the
 mean's reduce, the scale: a full reduction to a scalar does not fuse with its consumer); the model
-calls it for the embedding's norm and after a MoE whose experts' kernels do not add and normalize
-themselves (`moe.mxfp4_moe_add_norm`: one device, few tokens). Figures and what was tried:
-docs/perf/glue.md.
+calls it between its blocks (the MoE's f32 output is added to the residual stream and the next
+block's input norm applied in one kernel). Figures and what was tried: docs/perf/glue.md.
 `add_rms_norm_reference` is the jnp function of the same signature.
 """
 

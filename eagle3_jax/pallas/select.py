@@ -15,7 +15,7 @@ the interpreter (CPU tests), `moe_config` sets the MXFP4 expert kernel's tiling.
 | `target_attention(x, k_cache)` | "rope_kernel" | glue kernels, a non-empty bf16 cache, head_dim <= MAX_HEAD_DIM |
 | | "plain" | otherwise: `qkv_rope`, the cache write, then `attention` |
 | `norm(x)` | "kernel" | glue kernels (`norm.add_rms_norm`); else "reference" |
-| `moe(x, ...)` | "kernel" | MXFP4 experts, glue kernels, tokens <= MOE_KERNEL_MAX_TOKENS (one device: + next norm) |
+| `moe(x, ...)` | "kernel" | MXFP4 experts, glue kernels, tokens <= MOE_KERNEL_MAX_TOKENS |
 | | "gathered" | tokens * top_k <= GATHER_MAX_PAIRS, but not for packed experts that "dense" takes |
 | | "dense" | experts <= DENSE_MAX_EXPERTS_PER_TOPK * top_k (small models) |
 | | "grouped" | otherwise |

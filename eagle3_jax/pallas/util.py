@@ -26,29 +26,14 @@ def num_sms() -> int:
     return getattr(jax.devices()[0], "core_count", None) or 132
 
 
-def load(ref, idx, *, mask=None, other=None, volatile=False):
-    """plgpu.load of ref[idx] (Pallas Triton lowering); volatile: straight from memory (no L1 copy), for
-    data other programs of the same launch wrote (see `arrive`)."""
-    return plgpu.load(ref.at[idx], mask=mask, other=other, volatile=volatile)
+def load(ref, idx, *, mask=None, other=None):
+    """plgpu.load of ref[idx] (Pallas Triton lowering)."""
+    return plgpu.load(ref.at[idx], mask=mask, other=other)
 
 
 def store(ref, idx, val, *, mask=None):
     """plgpu.store of val at ref[idx] (Pallas Triton lowering)."""
     plgpu.store(ref.at[idx], val, mask=mask)
-
-
-def arrive(tickets_ref, idx, *, interpret: bool):
-    """This program's arrival at the int32 counter tickets_ref[idx] -> the count before it (int32 scalar).
-
-    Every thread's earlier stores and atomics are ordered before the count: a barrier of the program's
-    threads, then one acq_rel atomic increment at GPU scope (release of what the program wrote, acquire
-    of what the programs counted before it wrote). Of n programs arriving at one counter, the one that
-    draws n - 1 runs after all the others' writes; it reads them with `load(..., volatile=True)`, and
-    stores 0 back where the counter must be zero for the next launch. The interpreter runs one program
-    at a time (no barrier there)."""
-    if not interpret:
-        plgpu.debug_barrier()
-    return plgpu.atomic_add(tickets_ref, idx, jnp.int32(1))
 
 
 def pad(a, shape, value=0):
