@@ -25,10 +25,10 @@ from eagle3_jax.spec import adaptive
 from eagle3_jax.spec.metrics import Counters
 from eagle3_jax.spec.sampling import Filters
 from eagle3_jax.spec.state import DecodeState, Plan
-from eagle3_jax.spec.step import chosen_step, sample, step
+from eagle3_jax.spec.step import chosen_step, release, sample, step
 
 PER_ROW = ("lengths", "root", "h_root", "out", "n_out", "done", "trace")  # DecodeState's [B, ...] fields besides
-# the caches (and depth="auto"'s per-row `AutoState.est`, `seen` and `expected`)
+# the caches (and depth="auto"'s per-row fields of `AutoState`)
 COMPILED_MAX = 16  # executables `compiled` keeps (least recently used dropped first)
 
 
@@ -41,7 +41,7 @@ def layout(state: DecodeState, mesh) -> DecodeState:
     rows = {f: parallel.constrain_rows(getattr(state, f), mesh) for f in PER_ROW}
     auto = state.auto
     if auto is not None:
-        rows = ("est", "seen", "expected")
+        rows = ("est", "seen", "expected", "held", "held_tokens", "held_feats")
         auto = auto.replace(**{f: parallel.constrain_rows(getattr(auto, f), mesh) for f in rows})
     return state.replace(target_cache=parallel.constrain_cache(state.target_cache, mesh),
                          draft_cache=parallel.constrain_cache(state.draft_cache, mesh, heads=False), auto=auto, **rows)
@@ -88,7 +88,7 @@ def init_state(models, tokens, prompt_lengths, budget, eos_ids, temperature, key
     if plan.auto:
         table = adaptive.Table.uniform(len(plan.auto)) if table is None else table
         state = state.replace(auto=adaptive.init(table, plan.auto, state.done, state.lengths, plan.out_len,
-                                                 plan.trace))
+                                                 plan.trace, (feats.shape[-1], feats.dtype)))
     return layout(state, mesh)
 
 
@@ -104,13 +104,16 @@ def run(models, tokens, prompt_lengths, budget, eos_ids, temperature, key, filte
 
     def chosen(i):  # the steps for which the choice is option i, in a loop of their own
         def cond(state):
-            return running(state) & (state.auto.choice == i)
+            go = running(state) & (state.auto.choice == i)
+            return go & (jnp.max(state.auto.held) < adaptive.HOLD) if plan.auto[i][0] == 0 else go
         return lambda state: jax.lax.while_loop(
             cond, lambda state: layout(chosen_step(models, state, i, plan, ctx), ctx.mesh), state)
 
     def body(state):  # at least the loop of the option chosen first runs a step
-        for i in range(len(plan.auto)):
+        for i, (depth, _, _) in enumerate(plan.auto):
             state = chosen(i)(state)
+            if depth == 0:  # the draft over the inputs its steps held, before any step drafts
+                state = layout(release(models[1], state, ctx), ctx.mesh)
         return state
 
     return jax.lax.while_loop(running, body, state)

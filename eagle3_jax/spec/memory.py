@@ -102,6 +102,8 @@ def _row_bytes(target, draft, plan, model):
     if plan.auto:
         _, _, families, positions = adaptive.shape_arrays(plan.auto)
         n += families * positions * (4 + 4) + len(plan.auto) * 4  # est, seen, expected: float32
+        width = len(plan.feature_ids) * target.config.hidden_size  # the held inputs: count, tokens, features
+        n += 4 + adaptive.HOLD * (4 + width * np.dtype(target.dtype).itemsize)
     if plan.depth:
         caches = jax.eval_shape(lambda: eagle3.init_cache(draft, 1, plan.cache_len, max_step_tokens=plan.step_tokens))
         n += _nbytes(caches) + draft.config.hidden_size * np.dtype(draft.dtype).itemsize

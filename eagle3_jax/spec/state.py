@@ -8,6 +8,7 @@ import jax
 from flax import struct
 
 from eagle3_jax.models.kv_cache import KVCache
+from eagle3_jax.spec import adaptive
 from eagle3_jax.spec.adaptive import AutoState
 from eagle3_jax.spec.metrics import Counters
 from eagle3_jax.spec.sampling import Filters
@@ -45,10 +46,11 @@ class Plan:
     @property
     def step_tokens(self) -> int:
         """Most tokens one cached call of a step writes: verify num_nodes (the baseline 1), the draft's
-        tree levels (depth - 1) * branching and its extend depth + 1 (auto: the most of any option);
-        the caches' `max_step_tokens`."""
+        tree levels (depth - 1) * branching and its extend depth + 1 (auto: the most of any option, and
+        adaptive.HOLD, the draft's release); the caches' `max_step_tokens`."""
         shapes = self.auto or ((self.depth, self.branching, self.num_nodes),)
-        return max(max(n, (d - 1) * k, d + 1) if d else 1 for d, k, n in shapes)
+        most = max(max(n, (d - 1) * k, d + 1) if d else 1 for d, k, n in shapes)
+        return max(most, adaptive.HOLD) if self.auto else most  # auto: the draft's release of held inputs
 
     @property
     def slack(self) -> int:

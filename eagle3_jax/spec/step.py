@@ -20,7 +20,7 @@ top_p, min_p: spec/sampling.py; state.filters, None for none) at zero, and q the
 same filters, so the committed tokens follow the filtered target law.
 depth="auto" (plan.auto): the step first chooses one of the plan's options from earlier steps alone
 (spec/adaptive.py), runs it (each option compiled once) and records what it accepted. Option 0, no
-drafts: the target verifies the root alone and the draft extends over it.
+drafts: the target verifies the root alone; the draft runs over such steps' tokens later, at once.
 Each part is a public function so that benchmarks time the library's own parts.
 """
 
@@ -188,28 +188,42 @@ def commit(state: DecodeState, plan: Plan, *, target_cache, draft_cache, nxt, ac
 def step(models, state: DecodeState, plan: Plan, ctx: parallel.RunContext) -> DecodeState:
     """One iteration over all slots; models = (target, draft), draft None for `generate`; ctx: the run
     context (mesh, kernels). plan.auto: the option decided from earlier steps (state.auto.choice,
-    spec/adaptive.py) runs, through `lax.switch` (the decode loop runs `chosen_step` in a loop per
-    option instead)."""
+    spec/adaptive.py) runs, through `lax.switch`, and the draft then runs over any held inputs (the
+    decode loop runs `chosen_step` in a loop per option instead, `release` after the draft-free one's)."""
     if not plan.auto:
         return advance(models, state, plan, ctx)[0]
     arms = [functools.partial(chosen_step, models, option=i, plan=plan, ctx=ctx) for i in range(len(plan.auto))]
-    return jax.lax.switch(state.auto.choice, arms, state)
+    return release(models[1], jax.lax.switch(state.auto.choice, arms, state), ctx)
 
 
 def chosen_step(models, state: DecodeState, option: int, plan: Plan, ctx: parallel.RunContext) -> DecodeState:
     """One iteration of depth="auto" whose decided option (state.auto.choice) is `option` (an index
-    into plan.auto, static): that option's step, its observation, then the next step's decision."""
+    into plan.auto, static): that option's step, what it accepted recorded, the next step decided."""
     new, acc = advance(models, state, plan.options[option], ctx)
     with jax.named_scope("choose_depth"):
-        auto = adaptive.observe(state.auto, plan.auto, ~state.done, acc, state.steps)
-        auto = adaptive.decide(auto, ~new.done, new.lengths, plan.auto)
+        auto = adaptive.update(new.auto, plan.auto, ~state.done, acc, ~new.done, new.lengths, state.steps)
     return new.replace(auto=auto)
+
+
+def release(draft, state: DecodeState, ctx: parallel.RunContext) -> DecodeState:
+    """The draft over the inputs held since draft-free steps (state.auto.held of them a row, at the
+    positions before the length) in one pass of adaptive.HOLD tokens (the places past a row's count
+    write scratch slots): its cache, and h_root where a row held any; nothing held after."""
+    auto = state.auto
+    held, W = auto.held, adaptive.HOLD
+    start = state.lengths - held
+    with jax.named_scope("release"):
+        h, cache = eagle3.layer(draft, auto.held_tokens, eagle3.project(draft, auto.held_feats),
+                                start[:, None] + jnp.arange(W)[None], start, None, state.draft_cache, ctx=ctx)
+        last = jnp.take_along_axis(h, jnp.maximum(held - 1, 0)[:, None, None], axis=1)[:, 0]
+    return state.replace(draft_cache=cache, h_root=jnp.where((held > 0)[:, None], last, state.h_root),
+                         auto=auto.replace(held=jnp.zeros_like(held)))
 
 
 def advance(models, state: DecodeState, plan: Plan, ctx: parallel.RunContext):
     """One iteration of one shape (plan.auto empty): (the state after it, accepted drafts int32 [B]).
-    With a draft and plan.depth 0 (an option of depth="auto"), the target verifies the root alone
-    and the draft extends over the token it commits, as after any step."""
+    With a draft and plan.depth 0 (depth="auto"'s draft-free option), the target verifies the root
+    alone and the draft's inputs for the committed token wait in state.auto (`release`)."""
     target, draft = models
     key = keys(state)[0]
     with jax.named_scope("draft"):
@@ -227,9 +241,11 @@ def advance(models, state: DecodeState, plan: Plan, ctx: parallel.RunContext):
     with jax.named_scope("rewind"):
         target_cache = rewind(target_cache, state.lengths, path, acc, plan, ctx)
     draft_cache, h_root = state.draft_cache, state.h_root
-    if state.h_root is not None:  # the state has a draft (decode)
+    if state.h_root is not None and plan.depth:  # the state has a draft (decode)
         with jax.named_scope("extend"):
             draft_cache, h_root = extend(draft, state, nxt, feats, path, acc, plan, ctx)
+    elif state.h_root is not None:  # depth="auto"'s draft-free option: the draft's inputs wait (`release`)
+        state = state.replace(auto=adaptive.hold(state.auto, ~state.done, nxt[:, 0], feats[:, 0]))
     with jax.named_scope("commit"):
         return commit(state, plan, target_cache=target_cache, draft_cache=draft_cache, nxt=nxt, acc=acc,
                       h_root=h_root), acc
