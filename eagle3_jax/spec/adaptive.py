@@ -2,7 +2,7 @@
 and a table of step times (the table's data: spec/cost_table.py; the options: `Plan.auto`).
 
 Options, in order: chains of d = 0, 1, ..., D drafts (0: the target alone on the root, as `generate`
-steps, the draft kept up to date), then the configured tree if any. Option o verifies m_o positions
+steps), then the configured tree if any. Option o verifies m_o positions
 (a chain: d; a tree: min(depth, nodes - 1)); chains share one family of estimates, a tree has its own.
 Estimates (`AutoState.est`, float32 [B, F, D]): est[b, f, i] estimates the chance that a step of
 family f accepts at least i + 1 drafts in slot b, from that slot's steps of family f that verified

@@ -28,7 +28,8 @@ from eagle3_jax.spec.state import DecodeState, Plan
 from eagle3_jax.spec.step import chosen_step, release, sample, step
 
 PER_ROW = ("lengths", "root", "h_root", "out", "n_out", "done", "trace")  # DecodeState's [B, ...] fields besides
-# the caches (and depth="auto"'s per-row fields of `AutoState`)
+# the caches
+AUTO_PER_ROW = ("est", "seen", "expected", "held", "held_tokens", "held_feats")  # AutoState's [B, ...] fields
 COMPILED_MAX = 16  # executables `compiled` keeps (least recently used dropped first)
 
 
@@ -41,8 +42,7 @@ def layout(state: DecodeState, mesh) -> DecodeState:
     rows = {f: parallel.constrain_rows(getattr(state, f), mesh) for f in PER_ROW}
     auto = state.auto
     if auto is not None:
-        rows = ("est", "seen", "expected", "held", "held_tokens", "held_feats")
-        auto = auto.replace(**{f: parallel.constrain_rows(getattr(auto, f), mesh) for f in rows})
+        auto = auto.replace(**{f: parallel.constrain_rows(getattr(auto, f), mesh) for f in AUTO_PER_ROW})
     return state.replace(target_cache=parallel.constrain_cache(state.target_cache, mesh),
                          draft_cache=parallel.constrain_cache(state.draft_cache, mesh, heads=False), auto=auto, **rows)
 
