@@ -107,8 +107,8 @@ def main(argv):
                         seconds[n][i][j] = r["seconds"]
                         notes.setdefault(n, {})[f"B={b},P={c}"] = dict(steps=r["steps"], tau=r["tau"],
                                                                        compile_seconds=r["compile_seconds"])
-                        cli.write(f"{mode:13s} {n:11s} B={b:<3d} P={c:<6d} {r['seconds'] * 1e3:8.3f} ms a step  "
-                                  f"(tau {r['tau']:.2f})")
+                        step = "not measured" if r["seconds"] is None else f"{r['seconds'] * 1e3:8.3f} ms a step"
+                        cli.write(f"{mode:13s} {n:11s} B={b:<3d} P={c:<6d} {step}  (tau {r['tau']:.2f})")
                     bar.update()
         tables.append(dict(
             model=model, proposal=auto_timing.MODES[mode]["proposal"], greedy=mode == "greedy", batches=batches,

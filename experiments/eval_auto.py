@@ -122,7 +122,8 @@ def main(argv):
                                                                  if k != "seconds"}
             block = dict(batch=b, mode=mode, step_seconds={k: v["seconds"] for k, v in steps.items()},
                          compile_seconds={})
-            measured = {"batches": [1], "contexts": [0], "seconds": {k: [[v["seconds"]]] for k, v in steps.items()}}
+            measured = {"batches": [1], "contexts": [0],
+                        "seconds": {k: [[v["seconds"]]] for k, v in steps.items() if v["seconds"] is not None}}
             chain_only = dict(measured, seconds={k: v for k, v in measured["seconds"].items() if k != tree_name})
             fixed_seen = set()
             for T in temps:
