@@ -12,7 +12,7 @@ from flax import nnx
 from eagle3_jax.models import GptOssConfig, gpt_oss
 from eagle3_jax.spec import generate, loop
 
-PLANS = 12
+PLANS = 16
 KEEP = 4  # COMPILED_MAX for the test: the same LRU with fewer programs to compile
 
 
