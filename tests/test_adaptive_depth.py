@@ -11,18 +11,17 @@ choices against the steps run, the tables shipped and their interpolation, the a
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_memory_check import added_row_bytes
 from test_sample_proposal import DRAFT_IDS, PROMPT, V, draft, softmax
 
-from eagle3_jax import parallel
 from eagle3_jax.assets import DRAFT_DIR, TARGET_DIR
 from eagle3_jax.convert.hf_eagle3 import config_from_hf
 from eagle3_jax.models import GptOssConfig, gpt_oss
-from eagle3_jax.spec import ArgumentError, adaptive, cost_table, decode, loop, memory
+from eagle3_jax.spec import ArgumentError, adaptive, cost_table, decode, memory
 from eagle3_jax.spec.state import Plan
 
 CHAINS = {"chain0": [[1.0]], "chain1": [[1.4]], "chain2": [[1.8]], "chain3": [[2.2]]}
@@ -176,11 +175,4 @@ def test_row_bytes_count_the_trace_and_estimates(law_pair):
     plan = Plan(cache_len=16, out_len=8, chunk=4, greedy=True, depth=2, branching=3, num_nodes=4,
                 feature_ids=tuple(d.config.feature_layers), auto=cost_table.auto_options(2, 3, 4), trace=True)
 
-    def state_bytes(B):
-        state = jax.eval_shape(lambda: loop.init_state(
-            (t, d), jnp.zeros((B, 4), jnp.int32), jnp.full((B,), 3, jnp.int32), jnp.int32(4),
-            jnp.zeros((8,), jnp.int32), jnp.float32(1.0), jax.random.key(0), None, plan, parallel.ONE_DEVICE))
-        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state) if not jnp.issubdtype(
-            a.dtype, jax.dtypes.prng_key))
-
-    assert memory.row_bytes((t, d), plan) == state_bytes(2) - state_bytes(1)
+    assert memory.row_bytes((t, d), plan) == added_row_bytes((t, d), plan, prompt_len=4)

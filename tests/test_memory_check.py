@@ -104,6 +104,19 @@ def test_bad_memory_limit(pair):
         decode(t, d, PROMPTS, 4, memory_limit=-1)
 
 
+def added_row_bytes(models, plan, prompt_len: int) -> int:
+    """The bytes one more row adds to the DecodeState `loop.init_state` builds for `plan` (traced, not
+    run; prompts of prompt_len tokens, PRNG keys not counted)."""
+    def state_bytes(B):
+        state = jax.eval_shape(lambda: loop.init_state(
+            models, jnp.zeros((B, prompt_len), jnp.int32), jnp.full((B,), 3, jnp.int32), jnp.int32(4),
+            jnp.zeros((8,), jnp.int32), jnp.float32(1.0), jax.random.key(0), None, plan, parallel.ONE_DEVICE))
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state) if not jnp.issubdtype(
+            a.dtype, jax.dtypes.prng_key))
+
+    return state_bytes(2) - state_bytes(1)
+
+
 def test_row_bytes_are_the_decode_states(pair):
     """`memory.row_bytes`, counted by hand (the caches, outputs, ROW_SCALARS, the draft's hidden state),
     equals what one more row adds to the DecodeState that `loop.init_state` builds for a chain of 3
@@ -112,11 +125,4 @@ def test_row_bytes_are_the_decode_states(pair):
     plan = Plan(cache_len=64, out_len=32, chunk=8, greedy=True, depth=3, branching=1, num_nodes=4,
                 feature_ids=tuple(d.config.feature_layers))
 
-    def state_bytes(B):
-        state = jax.eval_shape(lambda: loop.init_state(
-            (t, d), jnp.zeros((B, 8), jnp.int32), jnp.full((B,), 3, jnp.int32), jnp.int32(4),
-            jnp.zeros((8,), jnp.int32), jnp.float32(1.0), jax.random.key(0), None, plan, parallel.ONE_DEVICE))
-        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state) if not jnp.issubdtype(
-            a.dtype, jax.dtypes.prng_key))
-
-    assert memory.row_bytes((t, d), plan) == state_bytes(2) - state_bytes(1)
+    assert memory.row_bytes((t, d), plan) == added_row_bytes((t, d), plan, prompt_len=8)
