@@ -186,14 +186,13 @@ def commit(state: DecodeState, plan: Plan, *, target_cache, draft_cache, nxt, ac
 
 
 def step(models, state: DecodeState, plan: Plan, ctx: parallel.RunContext) -> DecodeState:
-    """One iteration over all slots; models = (target, draft), draft None for `generate`; ctx: the run
-    context (mesh, kernels). plan.auto: the option decided from earlier steps (state.auto.choice,
-    spec/adaptive.py) runs, through `lax.switch`, and the draft then runs over any held inputs (the
-    decode loop runs `chosen_step` in a loop per option instead, `release` after the draft-free one's)."""
-    if not plan.auto:
-        return advance(models, state, plan, ctx)[0]
-    arms = [functools.partial(chosen_step, models, option=i, plan=plan, ctx=ctx) for i in range(len(plan.auto))]
-    return release(models[1], jax.lax.switch(state.auto.choice, arms, state), ctx)
+    """One iteration over all slots of one draft shape; models = (target, draft), draft None for
+    `generate`; ctx: the run context (mesh, kernels). depth="auto" (plan.auto) does not step here:
+    the decode loop runs `chosen_step` in a loop per option and `release` after the draft-free one's
+    (spec/loop.py: as arms of a lax.switch the options' steps cost more than a fixed shape's)."""
+    if plan.auto:
+        raise ValueError("step: plan.auto is set; depth=\"auto\" runs chosen_step per option (spec/loop.py)")
+    return advance(models, state, plan, ctx)[0]
 
 
 def chosen_step(models, state: DecodeState, option: int, plan: Plan, ctx: parallel.RunContext) -> DecodeState:
